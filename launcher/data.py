@@ -1,0 +1,135 @@
+"""The data path: the sample order of DESIGN (one permutation per (seed, epoch), each rank its share),
+resumable in the middle of an epoch, and batches moved to the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from launcher.errors import UserError
+
+
+@dataclass
+class Position:
+    """Where training stands: optimizer steps taken, and the next micro-batch of which epoch."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+
+class EpochSampler(Sampler[int]):
+    """DistributedSampler's order (seed + epoch, rank r takes every W-th index), trimmed to whole
+    optimizer steps and started at a given batch, so a resumed epoch continues where it stopped."""
+
+    def __init__(self, dataset: Dataset, replicas: int, rank: int, shuffle: bool, seed: int,
+                 per_rank_batch: int, batches_per_epoch: int):
+        self.order = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,
+                                        seed=seed, drop_last=True)
+        self.size = batches_per_epoch * per_rank_batch
+        self.per_rank_batch = per_rank_batch
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.order.set_epoch(epoch)
+        self.start = start_batch * self.per_rank_batch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self.order)[self.start:self.size])
+
+    def __len__(self) -> int:
+        return self.size - self.start
+
+
+class ShardSampler(Sampler[int]):
+    """Validation: every item exactly once across ranks (no padding), rank r takes r, r+W, ..."""
+
+    def __init__(self, n: int, replicas: int, rank: int):
+        self.indices = range(rank, n, replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class TrainData:
+    """The training loader for one rank, and an endless stream of micro-batches on the device."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, grad_accum: int, replicas: int, rank: int,
+                 shuffle: bool, seed: int, num_workers: int, device: torch.device):
+        n = _length(dataset, "data.train")
+        if batch_size % replicas:
+            raise UserError(f"data.batch_size: {batch_size} does not divide among {replicas} processes; "
+                            f"use a multiple of {replicas}")
+        self.steps_per_epoch = n // batch_size // grad_accum
+        if self.steps_per_epoch == 0:
+            raise UserError(f"data.train: {n} items are fewer than one optimizer step takes "
+                            f"(data.batch_size {batch_size} x trainer.grad_accum_steps {grad_accum})")
+        self.batches_per_epoch = self.steps_per_epoch * grad_accum
+        per_rank = batch_size // replicas
+        self.sampler = EpochSampler(dataset, replicas, rank, shuffle, seed, per_rank, self.batches_per_epoch)
+        self.loader = _loader(dataset, per_rank, self.sampler, num_workers, device, seed, drop_last=True)
+        self.device = device
+
+    def stream(self, position: Position) -> Iterator[Any]:
+        """Micro-batches from `position` on, across epochs; advances `position.epoch` and `.batch`."""
+        while True:
+            self.sampler.set_epoch(position.epoch, position.batch)
+            for batch in self.loader:
+                position.batch += 1
+                yield to_device(batch, self.device)
+            position.epoch, position.batch = position.epoch + 1, 0
+
+
+def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank: int, num_workers: int,
+                device: torch.device, seed: int):
+    """A re-iterable of validation batches on the device, or None without a validation set."""
+    if dataset is None:
+        return None
+    n = _length(dataset, "data.val")
+    loader = _loader(dataset, max(batch_size // replicas, 1), ShardSampler(n, replicas, rank),
+                     num_workers, device, seed, drop_last=False)
+
+    class Batches:
+        def __iter__(self):
+            return (to_device(b, device) for b in loader)
+
+    return Batches()
+
+
+def _loader(dataset, batch_size, sampler, num_workers, device, seed, drop_last) -> DataLoader:
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=drop_last,
+        pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
+        # Its own generator: worker seeds never draw from (and so never shift) the global RNG.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def _length(dataset: Dataset, key: str) -> int:
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise UserError(f"{key}: {type(dataset).__name__} has no len(); the launcher needs a map-style Dataset") from None
+    if n == 0:
+        raise UserError(f"{key}: the dataset is empty")
+    return n
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move a batch (tensors in tuples, lists, dicts) to the device; asynchronous from pinned memory on CUDA."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch

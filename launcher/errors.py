@@ -1,0 +1,19 @@
+"""The one exception type for user mistakes: the command line turns it into exit code 2."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in a recipe, the command line, the environment or a checkpoint.
+
+    Holds one or more problems, each a complete line naming where it is (file,
+    key, variable) and what would be valid. Never carries a traceback to the user.
+    """
+
+    def __init__(self, *problems: str):
+        self.problems = [p for p in problems if p]
+        super().__init__("\n".join(self.problems))
+
+
+class TrainingDiverged(Exception):
+    """The loss became NaN or infinite; the run stops without saving over good checkpoints."""

@@ -1,0 +1,100 @@
+"""The training loop. Between two log steps it never reads a tensor on the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+
+from launcher.data import Position, TrainData
+from launcher.loggers import Console, NullLogger
+from launcher.metrics import TrainMeter, evaluate
+from launcher.precision import Precision
+from launcher.recipe.schema import TrainerConfig
+from launcher.strategies import Strategy
+
+
+@dataclass
+class Parts:
+    model: nn.Module  # as wrapped by the strategy
+    optimizer: torch.optim.Optimizer
+    schedule: Optional[Any]
+    loss_fn: Callable
+    metrics: Dict[str, Callable]
+    precision: Precision
+    strategy: Strategy
+    data: TrainData
+    val: Optional[Any]  # re-iterable validation batches
+    meter: TrainMeter
+    logger: NullLogger
+    console: Console
+    save: Callable[[Position, bool], None]  # a checkpoint (and, when final, model.pt); every rank calls it
+
+
+def total_steps(cfg: TrainerConfig, steps_per_epoch: int) -> int:
+    limits = [cfg.max_steps, cfg.max_epochs * steps_per_epoch if cfg.max_epochs else None]
+    return min(x for x in limits if x is not None)
+
+
+def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) -> Dict[str, float]:
+    """Train from `pos` to the end; returns the last logged values (train and val)."""
+    total = total_steps(cfg, p.data.steps_per_epoch)
+    accum = cfg.grad_accum_steps
+    params = [q for q in p.model.parameters() if q.requires_grad]
+    batches = p.data.stream(pos)
+    p.meter.first_step = pos.step
+    p.console.start(total, pos.step)
+    last: Dict[str, float] = {}
+    while pos.step < total:
+        step = pos.step + 1
+        evaluating = p.val is not None and (_due(step, cfg.eval_every) or step == total)
+        saving = _due(step, save_every) or step == total
+        # Log steps are the only places the host reads device values: a checkpoint or an
+        # evaluation is one too, so the interval is flushed there (and checked for NaN first).
+        syncing = _due(step, cfg.log_every) or evaluating or saving
+        for micro in range(accum):
+            x, y = next(batches)
+            with p.strategy.no_sync(p.model, skip=micro + 1 < accum), p.precision.autocast():
+                output = p.model(x)
+                loss = p.loss_fn(output, y)
+                if accum > 1:
+                    loss = loss / accum
+            p.precision.backward(loss)
+            p.meter.add(loss, output, y)
+        p.precision.unscale(p.optimizer)
+        norm = None
+        if cfg.clip_grad_norm:
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm, foreach=True)
+        elif syncing:
+            norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None], foreach=True)
+        lr = p.optimizer.param_groups[0]["lr"]
+        p.precision.step(p.optimizer)
+        p.optimizer.zero_grad(set_to_none=True)
+        if p.schedule is not None:
+            p.schedule.step()
+        pos.step = step
+        p.meter.step_done(norm)
+        p.console.advance()
+        if not syncing:
+            continue
+        last.update(p.meter.read(p.strategy.all_reduce_mean, float(lr)))  # host sync: once per interval
+        p.logger.scalars(last, step)
+        if _due(step, cfg.log_every) or step == total:
+            p.console.progress(step, total, pos.epoch, {k: v for k, v in last.items() if k.startswith("train/")})
+        if evaluating:
+            results = evaluate(p.model, p.val, p.loss_fn, p.metrics, p.precision.autocast,
+                               p.strategy.all_reduce_sum, p.strategy.device)
+            p.logger.scalars(results, step)
+            p.console.info(f"eval at step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
+            last.update(results)
+        if saving:
+            p.save(pos, step == total)
+    p.console.close()
+    batches.close()
+    return last
+
+
+def _due(step: int, every: Optional[int]) -> bool:
+    return bool(every) and step % every == 0

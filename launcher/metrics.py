@@ -1,0 +1,120 @@
+"""Training metrics kept on the device, read on the host once per log interval.
+
+Between two reads nothing here touches a tensor's value on the host: each step
+adds into preallocated device buffers, and `read()` makes one reduction across
+ranks and one device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from launcher.errors import TrainingDiverged
+
+
+class Accuracy:
+    """Per-item correctness of the arg-max prediction, for logits (..., classes) and integer targets (...)."""
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output.argmax(dim=-1) == target).float()
+
+
+MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TrainMeter:
+    """Per-step losses and metric sums over one log interval, on the device.
+
+    Losses are kept per optimizer step (not only summed) so that a NaN or inf is
+    reported with the step it first appeared at, without a per-step host read.
+    """
+
+    def __init__(self, metrics: Dict[str, MetricFn], device: torch.device, interval: int,
+                 samples_per_step: int, tokens_per_sample: Optional[int] = None):
+        self.metrics = metrics
+        self.samples_per_step = samples_per_step
+        self.tokens_per_sample = tokens_per_sample
+        self.losses = torch.zeros(interval, device=device)
+        self.sums = torch.zeros(max(len(metrics), 1), device=device)
+        self.counts: List[int] = [0] * len(metrics)  # element counts are shapes: known on the host
+        self.first_step = 0  # global step of slot 0
+        self.steps = 0  # steps recorded since the last read
+        self.grad_norm: Optional[torch.Tensor] = None
+        self.clock = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> None:
+        """One micro-batch: `loss` is already divided by the accumulation steps."""
+        self.losses[self.steps].add_(loss.detach())
+        if self.metrics:
+            with torch.no_grad():
+                for i, fn in enumerate(self.metrics.values()):
+                    values = fn(output.detach(), target)
+                    self.sums[i].add_(values.sum())
+                    self.counts[i] += values.numel()
+
+    def step_done(self, grad_norm: Optional[torch.Tensor]) -> None:
+        self.steps += 1
+        if grad_norm is not None:
+            self.grad_norm = grad_norm
+
+    def read(self, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor], lr: float) -> Dict[str, float]:
+        """The interval's means across ranks. This is the one host sync of the interval."""
+        n = self.steps
+        grad = self.grad_norm.reshape(1).float() if self.grad_norm is not None else self.sums.new_zeros(0)
+        packed = all_reduce_mean(torch.cat([self.losses[:n], self.sums, grad]))
+        values = packed.tolist()  # device -> host: the only read between log steps
+        seconds = time.perf_counter() - self.clock
+        losses, sums = values[:n], values[n:n + len(self.sums)]
+        for k, value in enumerate(losses):
+            if not math.isfinite(value):
+                raise TrainingDiverged(f"the training loss is {value} at step {self.first_step + k + 1}")
+        out = {"train/loss": sum(losses) / max(n, 1), "train/lr": lr}
+        for i, name in enumerate(self.metrics):
+            # Every rank sees the same number of items, so the mean of the per-rank means is the global mean.
+            out[f"train/{name}"] = sums[i] / max(self.counts[i], 1)
+        if self.grad_norm is not None:
+            out["train/grad_norm"] = values[-1]
+        samples_per_s = n * self.samples_per_step / max(seconds, 1e-9)
+        out["train/samples_per_s"] = samples_per_s
+        if self.tokens_per_sample:
+            out["train/tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        self._reset(self.first_step + n)
+        return out
+
+    def _reset(self, first_step: int) -> None:
+        self.losses.zero_()
+        self.sums.zero_()
+        self.counts = [0] * len(self.metrics)
+        self.first_step, self.steps, self.grad_norm = first_step, 0, None
+        self.clock = time.perf_counter()
+
+
+@torch.no_grad()
+def evaluate(model, batches, loss_fn, metrics: Dict[str, MetricFn], autocast,
+             all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Dict[str, float]:
+    """Loss and metrics over a whole validation set, weighted by items; one host read at the end."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(1 + len(metrics), device=device)
+    counts = [0] * (1 + len(metrics))
+    for x, y in batches:
+        with autocast():
+            out = model(x)
+            loss = loss_fn(out, y)
+        sums[0].add_(loss.detach().float() * y.shape[0])
+        counts[0] += y.shape[0]
+        for i, fn in enumerate(metrics.values(), start=1):
+            values = fn(out, y)
+            sums[i].add_(values.sum())
+            counts[i] += values.numel()
+    model.train(was_training)
+    totals = all_reduce_sum(torch.cat([sums, torch.tensor(counts, dtype=sums.dtype, device=device)])).tolist()
+    n = len(counts)
+    result = {"val/loss": totals[0] / max(totals[n], 1)}
+    for i, name in enumerate(metrics, start=1):
+        result[f"val/{name}"] = totals[i] / max(totals[n + i], 1)
+    return result

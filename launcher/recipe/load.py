@@ -1,0 +1,223 @@
+"""Load a recipe: YAML file + key=value overrides, merged into the schema by OmegaConf.
+
+Every problem is collected and reported at once, each on one line that names the
+file (and line) or the override it came from. OmegaConf does the merging, type
+conversion and interpolation; this module only walks the input key by key so one
+bad value does not hide the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from launcher.errors import UserError
+from launcher.recipe.instantiate import TargetError, check_arguments
+from launcher.recipe.schema import Recipe
+
+# How many positional arguments the launcher passes to each target it builds.
+_POSITIONAL = {"optimizer": 1, "lr_schedule": 1}
+
+
+@dataclass
+class Loaded:
+    recipe: Recipe
+    config: DictConfig  # resolved; `OmegaConf.to_yaml(config)` is what the run folder keeps
+    path: Path
+
+
+def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
+    """Return the validated recipe, or raise UserError listing every problem."""
+    path = Path(path)
+    _make_importable(path)
+    user, lines = _read_yaml(path)
+    cfg = OmegaConf.structured(Recipe)
+    origin: Dict[str, str] = {}  # dotted key -> where its value came from
+    problems: List[str] = []
+
+    def where_file(key: str) -> str:
+        line = lines.get(key)
+        return f"{path}:{line}" if line else str(path)
+
+    _apply(cfg, user, Recipe, "", where_file, origin, problems)
+    for item in overrides:
+        parsed = _parse_override(item)
+        if isinstance(parsed, str):
+            problems.append(f"override '{item}': {parsed}")
+            continue
+        _apply(cfg, parsed, Recipe, "", lambda _k, item=item: f"override '{item}'", origin, problems)
+
+    def where(key: str) -> str:
+        # The most specific key that was set by the user names the place to look.
+        probe = key
+        while probe:
+            if probe in origin:
+                return origin[probe]
+            probe = probe.rpartition(".")[0]
+        return str(path)
+
+    if not problems:
+        problems += _resolve_all(cfg, "", where)
+    if not problems:
+        recipe: Recipe = OmegaConf.to_object(cfg)
+        problems += [f"{where(key)}: {key}: {msg}" for key, msg in recipe.problems()]
+        if not problems:
+            problems += _check_targets(recipe, where)
+    if problems:
+        raise UserError(*problems)
+    OmegaConf.resolve(cfg)
+    return Loaded(recipe=recipe, config=cfg, path=path)
+
+
+def _make_importable(path: Path) -> None:
+    """The working directory, the recipe's folder, and the root of the package holding it are importable."""
+    folder = path.resolve().parent
+    root = folder
+    while (root / "__init__.py").exists() and root.parent != root:
+        root = root.parent
+    for entry in (root, folder, Path.cwd()):
+        if str(entry) not in sys.path:
+            sys.path.insert(0, str(entry))
+
+
+def _read_yaml(path: Path) -> tuple[dict, Dict[str, int]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{path}: recipe file not found") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the recipe: {e.strerror}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = OmegaConf.create(text) if node is not None else OmegaConf.create({})
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise UserError(f"{at}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    except OmegaConfBaseException as e:
+        raise UserError(f"{path}: {_first_line(e)}") from None
+    if not isinstance(data, DictConfig):
+        raise UserError(f"{path}: a recipe is a mapping of keys (name:, model:, ...), not a {type(data).__name__}")
+    lines: Dict[str, int] = {}
+    _line_numbers(node, "", lines)
+    return OmegaConf.to_container(data, resolve=False), lines
+
+
+def _line_numbers(node: Any, prefix: str, out: Dict[str, int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            out[key] = key_node.start_mark.line + 1
+            _line_numbers(value_node, key + ".", out)
+
+
+def _parse_override(item: str) -> dict | str:
+    key, eq, _ = item.partition("=")
+    if not eq or not key or not all(part.isidentifier() for part in key.split(".")):
+        return "expected key=value with a dotted key, e.g. trainer.max_steps=100"
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        return f"cannot parse the value: {_first_line(e)}"
+
+
+def _apply(cfg: DictConfig, data: dict, schema: type, prefix: str, where, origin, problems) -> None:
+    """Merge `data` into `cfg` key by key, so that every bad key or value is reported."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
+            problems.append(f"{where(full)}: {full}: unknown key; {hint}")
+            continue
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind) and isinstance(value, dict):
+            _apply(cfg, value, kind, full + ".", where, origin, problems)
+            continue
+        try:
+            OmegaConf.update(cfg, full, value, merge=_is_free_mapping(kind))
+        except OmegaConfBaseException:
+            problems.append(f"{where(full)}: {full}: expected {_describe(kind)}, got {value!r}")
+            continue
+        origin[full] = where(full)
+
+
+def _is_free_mapping(kind: Any) -> bool:
+    return dict in (typing.get_origin(kind), *[typing.get_origin(a) for a in typing.get_args(kind)])
+
+
+def _describe(kind: Any) -> str:
+    if dataclasses.is_dataclass(kind):
+        return f"a mapping of {', '.join(f.name for f in dataclasses.fields(kind))}"
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    optional = len(args) < len(typing.get_args(kind))
+    base = args[0] if optional and len(args) == 1 else kind
+    if typing.get_origin(base) is dict:
+        text = "a mapping such as {_target_: dotted.path, ...}"
+    else:
+        text = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(base, str(base))
+    return f"{text} or null" if optional else text
+
+
+def _resolve_all(cfg: Any, prefix: str, where) -> List[str]:
+    """Resolve every value; report missing ones and broken interpolations, each once."""
+    problems = []
+    keys = cfg.keys() if isinstance(cfg, DictConfig) else range(len(cfg))
+    for key in keys:
+        full = f"{prefix}{key}"
+        if OmegaConf.is_missing(cfg, key):
+            problems.append(f"{where(full)}: {full}: required value is missing")
+            continue
+        try:
+            value = cfg[key]
+        except OmegaConfBaseException as e:
+            raw = OmegaConf.to_container(cfg, resolve=False)[key]
+            problems.append(f"{where(full)}: {full}: cannot resolve {raw!r}: {_first_line(e)}")
+            continue
+        if OmegaConf.is_config(value):
+            problems += _resolve_all(value, full + ".", where)
+    return problems
+
+
+def _check_targets(recipe: Recipe, where) -> List[str]:
+    """Every `_target_` imports, is callable, and accepts its keyword arguments."""
+    specs = [(k, getattr(recipe, k)) for k in ("model", "loss", "optimizer", "lr_schedule")]
+    specs += [("data.train", recipe.data.train), ("data.val", recipe.data.val)]
+    specs += [(f"metrics.{name}", spec) for name, spec in recipe.metrics.items()]
+    problems = []
+    for key, spec in specs:
+        for sub_key, sub in _targets_in(spec, key):
+            try:
+                check_arguments(sub, _POSITIONAL.get(sub_key, 0))
+            except TargetError as e:
+                problems.append(f"{where(sub_key + '._target_')}: {sub_key}._target_: {e}")
+    return problems
+
+
+def _targets_in(spec: Any, key: str):
+    if isinstance(spec, dict):
+        if "_target_" in spec:
+            yield key, spec
+        for k, v in spec.items():
+            if k != "_target_":
+                yield from _targets_in(v, f"{key}.{k}")
+    elif isinstance(spec, list):
+        for i, v in enumerate(spec):
+            yield from _targets_in(v, f"{key}.{i}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -1,0 +1,137 @@
+"""The recipe's typed schema. OmegaConf checks names and types; `problems()` checks values.
+
+Each section is handed only to the component that owns it. Cross-field checks
+return every problem instead of raising on the first, so that a user sees all of
+them at once; the loader prefixes each with the file and line it came from.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+STRATEGIES = ("auto", "single", "dp", "ddp", "accelerate")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES_HELP = "auto, cpu, cuda, cuda:N, auto:N (N free GPUs) or a list of physical GPU ids such as [0, 3]"
+
+Target = Dict[str, Any]  # {_target_: dotted.path, **kwargs}
+
+
+@dataclass
+class DataConfig:
+    train: Target = MISSING
+    val: Optional[Target] = None
+    batch_size: int = 64  # global, per forward/backward; x grad_accum_steps per optimizer step
+    num_workers: int = 0
+    shuffle: bool = True
+    tokens_per_sample: Optional[int] = None  # turns samples/s into tokens/s in the logs
+
+    def problems(self) -> List[tuple[str, str]]:
+        out = _target_problems("data.train", self.train) + _target_problems("data.val", self.val)
+        out += _at_least("data.batch_size", self.batch_size, 1)
+        out += _at_least("data.num_workers", self.num_workers, 0)
+        out += _at_least("data.tokens_per_sample", self.tokens_per_sample, 1)
+        return out
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: Optional[int] = None
+    max_epochs: Optional[int] = None
+    grad_accum_steps: int = 1
+    clip_grad_norm: Optional[float] = None
+    log_every: int = 50
+    eval_every: Optional[int] = None
+
+    def problems(self) -> List[tuple[str, str]]:
+        out = []
+        if self.max_steps is None and self.max_epochs is None:
+            out.append(("trainer.max_steps", "set trainer.max_steps or trainer.max_epochs (or both)"))
+        out += _at_least("trainer.max_steps", self.max_steps, 1)
+        out += _at_least("trainer.max_epochs", self.max_epochs, 1)
+        out += _at_least("trainer.grad_accum_steps", self.grad_accum_steps, 1)
+        out += _at_least("trainer.log_every", self.log_every, 1)
+        out += _at_least("trainer.eval_every", self.eval_every, 1)
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            out.append(("trainer.clip_grad_norm", f"must be a positive number or null, got {self.clip_grad_norm}"))
+        return out
+
+
+@dataclass
+class CheckpointConfig:
+    every: Optional[int] = 500  # optimizer steps between saves; null: only the final save
+    keep: int = 3
+    resume: str = "auto"  # auto | never | <path of a checkpoint folder>
+    init_from: Optional[str] = None  # a model state_dict file; wrapper prefixes accepted
+
+    def problems(self) -> List[tuple[str, str]]:
+        return _at_least("checkpoint.every", self.every, 1) + _at_least("checkpoint.keep", self.keep, 1)
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class Recipe:
+    name: str = MISSING
+    run_dir: str = "runs/${name}"
+    seed: int = 0
+    strategy: str = "auto"
+    devices: Any = "auto"
+    precision: str = "fp32"
+    model: Target = MISSING
+    loss: Target = MISSING
+    optimizer: Target = MISSING  # the launcher passes the parameters
+    lr_schedule: Optional[Target] = None  # the launcher passes the optimizer; stepped per optimizer step
+    metrics: Dict[str, Target] = field(default_factory=dict)  # name -> callable(output, target) -> per-item values
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def problems(self) -> List[tuple[str, str]]:
+        """Every value-level problem as (key, message); empty when the recipe is valid."""
+        out = []
+        if self.strategy not in STRATEGIES:
+            out.append(("strategy", f"got {self.strategy!r}; valid: {', '.join(STRATEGIES)}"))
+        if self.precision not in PRECISIONS:
+            out.append(("precision", f"got {self.precision!r}; valid: {', '.join(PRECISIONS)}"))
+        if not devices_valid(self.devices):
+            out.append(("devices", f"got {self.devices!r}; valid: {DEVICES_HELP}"))
+        if not re.fullmatch(r"[\w.\-]+", self.name):
+            out.append(("name", f"got {self.name!r}; use letters, digits, '.', '_' or '-' (it names the run folder)"))
+        for key in ("model", "loss", "optimizer", "lr_schedule"):
+            out += _target_problems(key, getattr(self, key))
+        for metric, spec in self.metrics.items():
+            out += _target_problems(f"metrics.{metric}", spec)
+        for section in (self.data, self.trainer, self.checkpoint):
+            out += section.problems()
+        return out
+
+
+def devices_valid(devices: Any) -> bool:
+    if isinstance(devices, str):
+        return bool(re.fullmatch(r"auto|cpu|cuda|cuda:\d+|auto:[1-9]\d*", devices))
+    if isinstance(devices, (list, tuple)) and devices:
+        return all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+    return False
+
+
+def _at_least(key: str, value: Optional[int], low: int) -> List[tuple[str, str]]:
+    if value is None or value >= low:
+        return []
+    return [(key, f"must be {low} or more, got {value}")]
+
+
+def _target_problems(key: str, spec: Optional[Target]) -> List[tuple[str, str]]:
+    if spec is None:
+        return []
+    if not isinstance(spec, dict) or not isinstance(spec.get("_target_"), str):
+        return [(key, "needs a _target_ naming an importable callable, e.g. {_target_: torch.nn.CrossEntropyLoss}")]
+    return []

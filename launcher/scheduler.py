@@ -1,0 +1,89 @@
+"""Placement: which rank this process is and which device it trains on.
+
+`place` is a pure function of the environment variables and the number of GPUs
+this process can see, so it is tested with tables of environments. Nothing here
+starts CUDA.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
+
+from launcher.errors import UserError
+
+Devices = Union[str, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Placement:
+    rank: int = 0  # global rank
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    device: str = "cpu"  # a torch device string
+    gpu: Optional[str] = None  # the physical GPU, as CUDA_VISIBLE_DEVICES names it (index, UUID or MIG id)
+    launched_by: str = "plain"  # plain | torchrun
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def place(env: Mapping[str, str], devices: Devices, visible_gpus: int) -> Tuple[Placement, List[str]]:
+    """The placement for this process, and notes worth one line each on the console.
+
+    `visible_gpus` is torch.cuda.device_count() as this process sees it (the caller observes it).
+    """
+    rank, local_rank, world, local_world, node, launched_by = _ranks(env)
+    notes: List[str] = []
+    device, index = _device(devices, local_rank, visible_gpus, env, notes)
+    gpu = None
+    if index is not None:
+        listed = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        gpu = listed[index] if index < len(listed) else str(index)
+    return Placement(rank, local_rank, world, local_world, node, device, gpu, launched_by), notes
+
+
+def _ranks(env: Mapping[str, str]) -> tuple:
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (and anything else that speaks its protocol)
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+        values = []
+        for name in names:
+            raw = env.get(name, "0" if name != "LOCAL_WORLD_SIZE" else env["WORLD_SIZE"])
+            if not re.fullmatch(r"\d+", raw):
+                raise UserError(f"environment variable {name}={raw!r} is not a non-negative integer")
+            values.append(int(raw))
+        rank, local_rank, world, local_world, node = values
+        if world < 1 or rank >= world:
+            raise UserError(f"environment: RANK={rank} must be below WORLD_SIZE={world}")
+        return rank, local_rank, world, local_world, node, "torchrun"
+    return 0, 0, 1, 1, 0, "plain"
+
+
+def _device(devices: Devices, local_rank: int, visible: int, env: Mapping[str, str], notes: List[str]):
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    seen = f"CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else "CUDA_VISIBLE_DEVICES unset"
+    if devices == "cpu":
+        return "cpu", None
+    if devices == "auto" and visible == 0:
+        notes.append(f"devices: auto found no GPU ({seen}); training on the CPU")
+        return "cpu", None
+    if visible == 0:
+        raise UserError(f"devices: {devices!r} asks for a GPU but none is visible ({seen}, "
+                        f"torch.cuda.device_count() is 0); use devices=cpu or devices=auto")
+    if isinstance(devices, str) and devices.startswith("cuda:"):
+        index = int(devices.split(":")[1])
+        if index >= visible:
+            raise UserError(f"devices: {devices} is not visible; this process sees {visible} GPU(s), "
+                            f"cuda:0 to cuda:{visible - 1} ({seen})")
+        return devices, index
+    # auto, cuda, auto:N and id lists: one GPU per local rank, or the only one each process sees.
+    if visible == 1:
+        return "cuda:0", 0
+    if local_rank >= visible:
+        raise UserError(f"local rank {local_rank} has no GPU: this process sees {visible} ({seen}); "
+                        f"start at most {visible} processes per node")
+    return f"cuda:{local_rank}", local_rank

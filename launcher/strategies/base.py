@@ -1,0 +1,61 @@
+"""The strategy contract, and unwrapping through every wrapper layer."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, List
+
+import torch
+from torch import nn
+
+from launcher.scheduler import Placement
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DataParallel, DistributedDataParallel and torch.compile, however nested."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class Strategy:
+    """One process's share of a run. The defaults are those of a single process."""
+
+    name = "base"
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+        self.device = torch.device(placement.device)
+
+    def setup(self) -> None:
+        """Start whatever the strategy needs (a process group); called before anything is built."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model to train, already on `self.device`, wrapped for this strategy."""
+        return model
+
+    def no_sync(self, model: nn.Module, skip: bool) -> ContextManager:
+        """A context in which backward does not synchronise gradients (accumulation micro-steps)."""
+        return contextlib.nullcontext()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return unwrap(model)
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass

@@ -1,0 +1,132 @@
+"""One run, end to end: place, build every part from its section of the recipe, resume, train, save."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from launcher import checkpoint, data, loggers, scheduler, seeding, strategies
+from launcher.checkpoint import Checkpointer
+from launcher.errors import UserError
+from launcher.loop import Parts, fit, total_steps
+from launcher.metrics import TrainMeter
+from launcher.precision import Precision
+from launcher.recipe import Loaded, instantiate
+
+
+def train(loaded: Loaded) -> Dict[str, float]:
+    recipe = loaded.recipe
+    visible = torch.cuda.device_count() if recipe.devices != "cpu" else 0
+    placement, notes = scheduler.place(os.environ, recipe.devices, visible)
+    strategy = strategies.create(recipe.strategy, placement)
+    strategy.setup()
+    try:
+        return _train(loaded, strategy, notes)
+    finally:
+        strategy.teardown()
+
+
+def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[str, float]:
+    recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
+    run_dir = Path(recipe.run_dir)
+    if placement.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(OmegaConf.to_yaml(loaded.config))
+    logger, console = loggers.make(placement.is_main, run_dir, recipe.logging.tensorboard, recipe.logging.progress_bar)
+    for note in notes:
+        console.info(note)
+    checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main)
+    resume = checkpointer.resume_from(recipe.checkpoint.resume)
+
+    seeding.seed_everything(recipe.seed)
+    model = _build(recipe.model, "model", nn.Module).to(device)
+    if recipe.checkpoint.init_from and resume is None:
+        checkpoint.load_model_state(model, Path(recipe.checkpoint.init_from), map_location=device)
+        console.info(f"initialised the model from {recipe.checkpoint.init_from}")
+    wrapped = strategy.wrap(model)
+    optimizer = instantiate(recipe.optimizer, [q for q in model.parameters() if q.requires_grad])
+    schedule = instantiate(recipe.lr_schedule, optimizer) if recipe.lr_schedule else None
+    precision = Precision(recipe.precision, device)
+    metrics = {name: instantiate(spec) for name, spec in recipe.metrics.items()}
+    cfg = recipe.data
+    train_data = data.TrainData(_build(cfg.train, "data.train", object), cfg.batch_size, recipe.trainer.grad_accum_steps,
+                                placement.world_size, placement.rank, cfg.shuffle, recipe.seed, cfg.num_workers, device)
+    val = data.val_batches(_build(cfg.val, "data.val", object) if cfg.val else None, cfg.batch_size,
+                           placement.world_size, placement.rank, cfg.num_workers, device, recipe.seed)
+
+    position = data.Position()
+    if resume is not None:
+        state = checkpoint.load_file(resume / "state.pt", map_location=device)
+        checkpoint.load_model_state(model, resume / "model.pt", map_location=device)
+        optimizer.load_state_dict(state["optimizer"])
+        if schedule is not None:
+            schedule.load_state_dict(state["lr_schedule"])
+        precision.load_state_dict(state["scaler"])
+        position = data.Position(**state["position"])
+        rngs = state["rng"]
+        seeding.restore(rngs[placement.rank] if placement.rank < len(rngs) else rngs[0], device)
+        console.info(f"resumed from {resume} (step {position.step}, epoch {position.epoch})")
+
+    def save(pos: data.Position, final: bool) -> None:
+        rngs = strategy.all_gather_object(seeding.capture(device))  # a collective: every rank calls save
+        model_state = {k: v.detach().cpu() for k, v in strategy.unwrap(wrapped).state_dict().items()}
+        state = {"position": vars(pos).copy(), "optimizer": optimizer.state_dict(),
+                 "lr_schedule": schedule.state_dict() if schedule is not None else None,
+                 "scaler": precision.state_dict(), "rng": rngs, "world_size": placement.world_size,
+                 "recipe": OmegaConf.to_yaml(loaded.config)}
+        checkpointer.save(pos.step, model_state, state)
+        if final:
+            checkpointer.save_final(model_state)
+        strategy.barrier()
+
+    samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
+    meter = TrainMeter(metrics, device, recipe.trainer.log_every, samples_per_step, cfg.tokens_per_sample)
+    logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
+    logger.hparams(_hparams(loaded), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
+    parts = Parts(wrapped, optimizer, schedule, loss_fn=instantiate(recipe.loss), metrics=metrics,
+                  precision=precision, strategy=strategy, data=train_data, val=val, meter=meter,
+                  logger=logger, console=console, save=save)
+    total = total_steps(recipe.trainer, train_data.steps_per_epoch)
+    if position.step >= total:
+        console.info(f"{run_dir} already finished at step {position.step}; nothing to train")
+        save(position, final=True)
+        results: Dict[str, float] = {}
+    else:
+        console.info(f"training {recipe.name}: {total} steps of {samples_per_step} samples, "
+                     f"{train_data.steps_per_epoch} steps per epoch, on {device} ({strategy.name})")
+        results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
+    logger.close()
+    final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
+    console.info(f"done: step {position.step} | {final} | model: {run_dir / 'model.pt'}")
+    return results
+
+
+def _build(spec: Dict[str, Any], key: str, kind: type) -> Any:
+    built = instantiate(spec)
+    if kind is nn.Module and not isinstance(built, nn.Module):
+        raise UserError(f"{key}: {spec['_target_']} built a {type(built).__name__}, not a torch.nn.Module")
+    if key.startswith("data.") and not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
+        raise UserError(f"{key}: {spec['_target_']} built a {type(built).__name__}, not a map-style Dataset "
+                        f"(__getitem__ and __len__)")
+    return built
+
+
+def _hparams(loaded: Loaded) -> Dict[str, Any]:
+    flat: Dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}." if k != "_target_" else prefix)
+                if k == "_target_":
+                    flat[prefix.rstrip(".") or "target"] = v
+        elif isinstance(node, (bool, int, float, str)):
+            flat[prefix.rstrip(".")] = node
+
+    walk(OmegaConf.to_container(loaded.config, resolve=True), "")
+    return flat
