@@ -66,9 +66,9 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         p.precision.unscale(p.optimizer)
         norm = None
         if cfg.clip_grad_norm:
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm, foreach=True)
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
         elif syncing:
-            norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None], foreach=True)
+            norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
         lr = p.optimizer.param_groups[0]["lr"]
         p.precision.step(p.optimizer)
         p.optimizer.zero_grad(set_to_none=True)

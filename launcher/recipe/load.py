@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
 
 from launcher.errors import UserError
 from launcher.recipe.instantiate import TargetError, check_arguments
@@ -66,8 +66,7 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
             probe = probe.rpartition(".")[0]
         return str(path)
 
-    if not problems:
-        problems += _resolve_all(cfg, "", where)
+    problems += _resolve_all(cfg, "", where, reported={p.split(": ")[1] for p in problems if ": " in p})
     if not problems:
         recipe: Recipe = OmegaConf.to_object(cfg)
         problems += [f"{where(key)}: {key}: {msg}" for key, msg in recipe.problems()]
@@ -171,23 +170,27 @@ def _describe(kind: Any) -> str:
     return f"{text} or null" if optional else text
 
 
-def _resolve_all(cfg: Any, prefix: str, where) -> List[str]:
-    """Resolve every value; report missing ones and broken interpolations, each once."""
+def _resolve_all(cfg: Any, prefix: str, where, reported: set) -> List[str]:
+    """Resolve every value; report missing ones and broken interpolations (unless already reported)."""
     problems = []
     keys = cfg.keys() if isinstance(cfg, DictConfig) else range(len(cfg))
     for key in keys:
         full = f"{prefix}{key}"
+        if full in reported:
+            continue
         if OmegaConf.is_missing(cfg, key):
             problems.append(f"{where(full)}: {full}: required value is missing")
             continue
         try:
             value = cfg[key]
+        except (MissingMandatoryValue, InterpolationToMissingValueError):
+            continue  # it points at a missing value, which is reported under its own key
         except OmegaConfBaseException as e:
             raw = OmegaConf.to_container(cfg, resolve=False)[key]
             problems.append(f"{where(full)}: {full}: cannot resolve {raw!r}: {_first_line(e)}")
             continue
         if OmegaConf.is_config(value):
-            problems += _resolve_all(value, full + ".", where)
+            problems += _resolve_all(value, full + ".", where, reported)
     return problems
 
 

@@ -1,0 +1,54 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# One intra-op thread: the machines running the tests are small and shared, and two spinning
+# OpenMP threads competing with another process make a tiny model a hundred times slower.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+
+# A quickstart run small enough for a test: 32 steps per epoch, no files beyond the checkpoints.
+SMALL = [
+    "data.train.n=1024", "data.val.n=256", "data.batch_size=32", "trainer.max_steps=80",
+    "trainer.log_every=10", "trainer.eval_every=null", "checkpoint.every=null",
+    "logging.tensorboard=false", "logging.progress_bar=false",
+]
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def train(run_dir: Path, *overrides: str, recipe: Path = QUICKSTART) -> dict:
+    """Train in this process (fast: torch is already imported) and return the last logged values."""
+    from launcher.recipe import load
+    from launcher.train import train as run
+
+    return run(load(recipe, [*SMALL, f"run_dir={run_dir}", *overrides]))
+
+
+def launch(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m launcher ARGS` in a fresh process, as a user types it."""
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def state_dict(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    sa, sb = state_dict(a), state_dict(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), f"{key} differs between {a} and {b}"
