@@ -6,6 +6,7 @@ tensorboard and tqdm are imported only when they are used.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Dict, Optional
@@ -54,7 +55,9 @@ class Console:
         if self.use_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+            # A terminal that reports no size (a fresh pseudo-terminal) would hide tqdm's bar.
+            size = os.get_terminal_size(sys.stderr.fileno())
+            self.bar = tqdm(total=total, initial=initial, unit="step", ncols=size.columns or 100, nrows=size.lines or 24)
 
     def advance(self) -> None:
         if self.bar is not None:

@@ -79,10 +79,11 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         p.console.advance()
         if not syncing:
             continue
-        last.update(p.meter.read(p.strategy.all_reduce_mean, float(lr)))  # host sync: once per interval
-        p.logger.scalars(last, step)
+        values = p.meter.read(p.strategy.all_reduce_mean, float(lr))  # host sync: once per interval
+        p.logger.scalars(values, step)
+        last.update(values)
         if _due(step, cfg.log_every) or step == total:
-            p.console.progress(step, total, pos.epoch, {k: v for k, v in last.items() if k.startswith("train/")})
+            p.console.progress(step, total, pos.epoch, values)
         if evaluating:
             results = evaluate(p.model, p.val, p.loss_fn, p.metrics, p.precision.autocast,
                                p.strategy.all_reduce_sum, p.strategy.device)

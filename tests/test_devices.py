@@ -1,0 +1,53 @@
+"""Placement from the environment: a pure function, tested with tables."""
+
+import pytest
+
+from launcher.errors import UserError
+from launcher.scheduler import Placement, place
+from tests.conftest import launch
+
+TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+
+
+@pytest.mark.parametrize("env, devices, gpus, expected", [
+    ({}, "cpu", 0, Placement()),
+    ({}, "cpu", 2, Placement()),
+    ({}, "auto", 0, Placement()),
+    ({}, "auto", 1, Placement(device="cuda:0", gpu="0")),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-1234abcd"}, "auto", 1, Placement(device="cuda:0", gpu="GPU-1234abcd")),
+    ({"CUDA_VISIBLE_DEVICES": "5,7"}, "cuda:1", 2, Placement(device="cuda:1", gpu="7")),
+    ({"CUDA_VISIBLE_DEVICES": "MIG-a1b2"}, "cuda", 1, Placement(device="cuda:0", gpu="MIG-a1b2")),
+    (TORCHRUN, "cpu", 0, Placement(3, 1, 4, 2, 1, "cpu", None, "torchrun")),
+    ({**TORCHRUN, "CUDA_VISIBLE_DEVICES": "2,3"}, "auto", 2, Placement(3, 1, 4, 2, 1, "cuda:1", "3", "torchrun")),
+    ({**TORCHRUN, "CUDA_VISIBLE_DEVICES": "3"}, "cuda", 1, Placement(3, 1, 4, 2, 1, "cuda:0", "3", "torchrun")),
+])
+def test_placement_table(env, devices, gpus, expected):
+    placement, _ = place(env, devices, gpus)
+    assert placement == expected
+
+
+@pytest.mark.parametrize("env, devices, gpus, message", [
+    ({}, "cuda", 0, "devices: 'cuda' asks for a GPU but none is visible (CUDA_VISIBLE_DEVICES unset"),
+    ({"CUDA_VISIBLE_DEVICES": ""}, "cuda:0", 0, "none is visible (CUDA_VISIBLE_DEVICES=''"),
+    ({}, "cuda:2", 2, "devices: cuda:2 is not visible; this process sees 2 GPU(s), cuda:0 to cuda:1"),
+    ({**TORCHRUN, "LOCAL_RANK": "2"}, "auto", 2, "local rank 2 has no GPU: this process sees 2"),
+    ({**TORCHRUN, "RANK": "x"}, "cpu", 0, "environment variable RANK='x' is not a non-negative integer"),
+    ({**TORCHRUN, "RANK": "4"}, "cpu", 0, "RANK=4 must be below WORLD_SIZE=4"),
+])
+def test_placement_errors_name_the_variable(env, devices, gpus, message):
+    with pytest.raises(UserError) as info:
+        place(env, devices, gpus)
+    assert message in str(info.value)
+
+
+def test_auto_without_a_gpu_says_so_in_one_line():
+    placement, notes = place({}, "auto", 0)
+    assert placement.device == "cpu" and len(notes) == 1 and "training on the CPU" in notes[0]
+
+
+def test_cuda_without_a_gpu_exits_2(tmp_path):
+    done = launch("recipes/quickstart.yaml", "devices=cuda", f"run_dir={tmp_path}",
+                  env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2
+    assert done.stderr.startswith("launcher: devices: 'cuda' asks for a GPU but none is visible")
+    assert len(done.stderr.splitlines()) == 1

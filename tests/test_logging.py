@@ -1,0 +1,79 @@
+"""What a run shows: TensorBoard's event files, read back with TensorBoard's own reader, and the console."""
+
+import os
+import pty
+import subprocess
+import sys
+
+import pytest
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from tests.conftest import REPO, launch, train
+
+
+def test_tensorboard_scalars_recipe_and_hparams(tmp_path):
+    train(tmp_path, "logging.tensorboard=true", "trainer.eval_every=40", "data.tokens_per_sample=32")
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    expected = {"train/loss", "train/lr", "train/samples_per_s", "train/tokens_per_s", "train/accuracy",
+                "train/grad_norm", "val/loss", "val/accuracy"}
+    assert expected <= scalars, scalars
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(10, 81, 10))
+    assert [e.step for e in events.Scalars("val/accuracy")] == [40, 80]
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert losses[-1] < losses[0]
+    assert events.Scalars("train/lr")[0].value == pytest.approx(1e-3)  # stored as float32
+    tps, sps = events.Scalars("train/tokens_per_s")[-1].value, events.Scalars("train/samples_per_s")[-1].value
+    assert abs(tps - 32 * sps) < 1e-3 * tps
+
+    text = events.Tensors("recipe/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "name: quickstart" in text and "_target_: recipes.components.mlp.MLP" in text
+
+    content = events.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    hparams = start.session_start_info.hparams
+    assert hparams["optimizer.lr"].number_value == 1e-3
+    assert hparams["model"].string_value == "recipes.components.mlp.MLP"
+    assert hparams["data.batch_size"].number_value == 32
+    assert not [p for p in (tmp_path / "tensorboard").iterdir() if p.is_dir()]  # no stray sub-runs
+
+
+def test_console_lines_without_a_terminal(tmp_path):
+    done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path}", "trainer.max_steps=100",
+                  "trainer.log_every=25", "logging.tensorboard=false")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    steps = [l for l in lines if l.startswith("step ")]
+    assert [l.split()[1] for l in steps] == ["25/100", "50/100", "75/100", "100/100"]
+    assert "| loss " in steps[0] and "| accuracy " in steps[0] and "samples/s" in steps[0]
+    assert any(l.startswith("eval at step 100 | val/loss") for l in lines)
+    final = lines[-1]
+    assert final.startswith("done: step 100") and "val/accuracy" in final
+    assert float(final.split("val/accuracy ")[1].split()[0]) > 0.5  # ten classes: chance is 0.1
+
+
+def test_progress_bar_on_a_terminal(tmp_path):
+    """With stderr on a terminal, rank 0 draws a tqdm bar instead of printing step lines."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "recipes/quickstart.yaml", f"run_dir={tmp_path}",
+         "trainer.max_steps=60", "logging.tensorboard=false"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=follower, text=True)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    out, _ = proc.communicate(timeout=60)
+    terminal = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0
+    assert "60/60" in terminal and "step/s" in terminal and "loss" in terminal
+    assert not any(l.startswith("step ") for l in (out + terminal).splitlines())

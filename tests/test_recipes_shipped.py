@@ -1,0 +1,23 @@
+"""Every recipe shipped under recipes/ loads, validates, and names importable components."""
+
+import pytest
+
+from launcher.recipe import instantiate, load
+from tests.conftest import REPO
+
+RECIPES = sorted((REPO / "recipes").glob("**/*.yaml"))
+
+
+def test_there_are_recipes():
+    assert len(RECIPES) >= 2
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_recipe_loads_and_builds(path):
+    loaded = load(path)
+    assert loaded.recipe.name == path.stem
+    header = path.read_text().splitlines()[0]
+    assert header.startswith("#"), "a recipe starts with a header comment giving the commands that run it"
+    assert f"python -m launcher recipes/{path.name}" in path.read_text()
+    instantiate(loaded.recipe.model)  # the model builds as the recipe states it
+    assert len(instantiate(loaded.recipe.data.train)) > 0
