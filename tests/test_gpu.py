@@ -1,0 +1,70 @@
+"""Checks that need CUDA. Skipped, saying why, on a machine without a GPU: `python -m pytest -m gpu`."""
+
+import pytest
+import torch
+
+import launcher.loop
+from launcher.metrics import TrainMeter
+from recipes.components.mlp import MLP
+from tests.conftest import state_dict, train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+]
+
+
+def allowing_syncs(fn):
+    """Run `fn` with CUDA sync checks off: it is a log step, an evaluation or a checkpoint."""
+    def wrapped(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+    return wrapped
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_no_host_sync_between_log_steps(tmp_path, monkeypatch, precision):
+    """torch.cuda.set_sync_debug_mode("error") raises on any synchronising call between two log steps."""
+    fit = launcher.loop.fit
+
+    def strict_fit(parts, *args):
+        parts.save = allowing_syncs(parts.save)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fit(parts, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(launcher.loop, "fit", strict_fit)
+    monkeypatch.setattr("launcher.train.fit", strict_fit)
+    monkeypatch.setattr(TrainMeter, "read", allowing_syncs(TrainMeter.read))
+    monkeypatch.setattr(launcher.loop, "evaluate", allowing_syncs(launcher.loop.evaluate))
+    values = train(tmp_path, "devices=cuda", f"precision={precision}", "trainer.grad_accum_steps=2",
+                   "trainer.clip_grad_norm=1.0", "trainer.eval_every=40", "checkpoint.every=30",
+                   "lr_schedule={_target_: torch.optim.lr_scheduler.CosineAnnealingLR, T_max: 80}")
+    assert values["val/accuracy"] > 0.5
+
+
+def test_fp16_with_grad_scaler(tmp_path):
+    values = train(tmp_path, "devices=cuda", "precision=fp16")
+    assert 0 < values["train/loss"] < 2.3
+    assert "scale" in torch.load(tmp_path / "checkpoints/step_80/state.pt", weights_only=True)["scaler"]
+
+
+def test_checkpoint_saved_on_gpu_loads_on_cpu(tmp_path):
+    train(tmp_path, "devices=cuda", "checkpoint.every=40")
+    MLP().load_state_dict(state_dict(tmp_path / "model.pt"), strict=True)
+    state = torch.load(tmp_path / "checkpoints/step_80/state.pt", map_location="cpu", weights_only=True)
+    assert state["rng"][0]["cuda"].device.type == "cpu"
+
+
+def test_resume_on_gpu(tmp_path):
+    train(tmp_path / "a", "devices=cuda")
+    train(tmp_path / "b", "devices=cuda", "trainer.max_steps=45", "checkpoint.every=45")
+    train(tmp_path / "b", "devices=cuda")
+    a, b = state_dict(tmp_path / "a/model.pt"), state_dict(tmp_path / "b/model.pt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key])
