@@ -38,8 +38,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(OmegaConf.to_yaml(loaded.config), end="")
             return 0
-        from launcher.train import train
+        from launcher.train import spawn_workers, train
 
+        code = spawn_workers(loaded, args.overrides)
+        if code is not None:
+            return code
         train(loaded)
         return 0
     except UserError as e:

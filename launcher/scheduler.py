@@ -87,3 +87,12 @@ def _device(devices: Devices, local_rank: int, visible: int, env: Mapping[str, s
         raise UserError(f"local rank {local_rank} has no GPU: this process sees {visible} ({seen}); "
                         f"start at most {visible} processes per node")
     return f"cuda:{local_rank}", local_rank
+
+
+def table(rows: List[dict]) -> str:
+    """One line per rank, aligned: what rank 0 prints at start."""
+    heads = list(rows[0])
+    widths = [max(len(h), *(len(str(r[h])) for r in rows)) for h in heads]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths))]
+    lines += ["  ".join(str(r[h]).ljust(w) for h, w in zip(heads, widths)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)

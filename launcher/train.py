@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from launcher import checkpoint, data, loggers, scheduler, seeding, strategies
+from launcher import checkpoint, data, loggers, scheduler, seeding, spawn, strategies
 from launcher.checkpoint import Checkpointer
 from launcher.errors import UserError
 from launcher.loop import Parts, fit, total_steps
@@ -19,14 +19,27 @@ from launcher.precision import Precision
 from launcher.recipe import Loaded, instantiate
 
 
+def _place(loaded: Loaded):
+    visible = torch.cuda.device_count() if loaded.recipe.devices != "cpu" else 0
+    placement, notes = scheduler.place(os.environ, loaded.recipe.devices, visible)
+    return placement, notes, visible
+
+
+def spawn_workers(loaded: Loaded, overrides: list) -> Optional[int]:
+    """Start torchrun for `strategy=ddp` in a plain process and return its exit code; None if not needed."""
+    placement, _, visible = _place(loaded)
+    if not strategies.must_spawn(loaded.recipe.strategy, placement):
+        return None
+    nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device)
+    return spawn.torchrun(loaded.path, overrides, nproc)
+
+
 def train(loaded: Loaded) -> Dict[str, float]:
-    recipe = loaded.recipe
-    visible = torch.cuda.device_count() if recipe.devices != "cpu" else 0
-    placement, notes = scheduler.place(os.environ, recipe.devices, visible)
-    strategy = strategies.create(recipe.strategy, placement)
+    placement, notes, _ = _place(loaded)
+    strategy = strategies.create(loaded.recipe.strategy, placement)
     strategy.setup()
     try:
-        return _train(loaded, strategy, notes)
+        return _train(loaded, strategy, notes + strategy.notes())
     finally:
         strategy.teardown()
 
@@ -40,6 +53,8 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     logger, console = loggers.make(placement.is_main, run_dir, recipe.logging.tensorboard, recipe.logging.progress_bar)
     for note in notes:
         console.info(note)
+    rows = strategy.all_gather_object(_describe(placement))  # a collective: every rank takes part
+    console.info(scheduler.table(rows))
     checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main)
     resume = checkpointer.resume_from(recipe.checkpoint.resume)
 
@@ -104,6 +119,15 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
     console.info(f"done: step {position.step} | {final} | model: {run_dir / 'model.pt'}")
     return results
+
+
+def _describe(placement: scheduler.Placement) -> Dict[str, Any]:
+    row = {"rank": placement.rank, "local rank": placement.local_rank, "node": placement.node_rank,
+           "device": placement.device, "physical GPU": "-"}
+    if placement.device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(placement.device))
+        row["physical GPU"] = f"{placement.gpu} {props.name} {getattr(props, 'uuid', '')}".strip()
+    return row
 
 
 def _build(spec: Dict[str, Any], key: str, kind: type) -> Any:

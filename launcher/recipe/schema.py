@@ -85,6 +85,7 @@ class Recipe:
     strategy: str = "auto"
     devices: Any = "auto"
     precision: str = "fp32"
+    nproc_per_node: Optional[int] = None  # strategy=ddp outside torchrun: workers to start (default: one per GPU)
     model: Target = MISSING
     loss: Target = MISSING
     optimizer: Target = MISSING  # the launcher passes the parameters
@@ -106,6 +107,7 @@ class Recipe:
             out.append(("devices", f"got {self.devices!r}; valid: {DEVICES_HELP}"))
         if not re.fullmatch(r"[\w.\-]+", self.name):
             out.append(("name", f"got {self.name!r}; use letters, digits, '.', '_' or '-' (it names the run folder)"))
+        out += _at_least("nproc_per_node", self.nproc_per_node, 1)
         for key in ("model", "loss", "optimizer", "lr_schedule"):
             out += _target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():

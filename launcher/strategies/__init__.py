@@ -9,16 +9,31 @@ from typing import Callable, Dict
 from launcher.errors import UserError
 from launcher.scheduler import Placement
 from launcher.strategies.base import Strategy, unwrap
+from launcher.strategies.ddp import DDP
+from launcher.strategies.dp import DP
 from launcher.strategies.single import Single
 
-REGISTRY: Dict[str, Callable[[Placement], Strategy]] = {"single": Single}
+REGISTRY: Dict[str, Callable[[Placement], Strategy]] = {"single": Single, "dp": DP, "ddp": DDP}
+ONE_PROCESS = ("single", "dp")
+
+
+def resolve(name: str, placement: Placement) -> str:
+    """The strategy `auto` stands for here."""
+    if name == "auto":
+        return "single" if placement.world_size == 1 else "ddp"
+    return name
+
+
+def must_spawn(name: str, placement: Placement) -> bool:
+    """DDP asked for in a plain process: the launcher starts torchrun itself."""
+    return name == "ddp" and placement.launched_by == "plain"
 
 
 def create(name: str, placement: Placement) -> Strategy:
-    if name == "auto":
-        name = "single" if placement.world_size == 1 else "ddp"
-    if name not in REGISTRY:
-        raise UserError(f"strategy: {name!r} is not available in this version; valid: auto, {', '.join(REGISTRY)}")
+    name = resolve(name, placement)
+    if name in ONE_PROCESS and placement.world_size > 1:
+        raise UserError(f"strategy: {name} runs one process, but this is one of WORLD_SIZE={placement.world_size} "
+                        f"started by {placement.launched_by}; use strategy=ddp (or auto)")
     return REGISTRY[name](placement)
 
 

@@ -34,6 +34,10 @@ class Strategy:
     def setup(self) -> None:
         """Start whatever the strategy needs (a process group); called before anything is built."""
 
+    def notes(self) -> List[str]:
+        """Lines for the console about how this strategy runs here (say, a fallback)."""
+        return []
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model to train, already on `self.device`, wrapped for this strategy."""
         return model

@@ -1,0 +1,58 @@
+"""DistributedDataParallel: one process per device, started by torchrun (or by the launcher through
+torch.distributed.run). nccl on CUDA, gloo on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from typing import Any, ContextManager, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launcher.errors import UserError
+from launcher.strategies.base import Strategy
+
+# A rank that waits longer than this for the others has lost them: fail instead of hanging.
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class DDP(Strategy):
+    name = "ddp"
+
+    def setup(self) -> None:
+        if self.placement.launched_by == "plain":
+            raise UserError("strategy: ddp needs the rank variables torchrun sets (RANK, WORLD_SIZE, ...); "
+                            "start it with torchrun, or let python -m launcher start torchrun for you")
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=TIMEOUT,
+                                device_id=self.device if cuda else None)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def no_sync(self, model: nn.Module, skip: bool) -> ContextManager:
+        return model.no_sync() if skip else contextlib.nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_sum(tensor) / self.placement.world_size  # gloo has no ReduceOp.AVG
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * self.placement.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
