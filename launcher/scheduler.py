@@ -25,7 +25,7 @@ class Placement:
     node_rank: int = 0
     device: str = "cpu"  # a torch device string
     gpu: Optional[str] = None  # the physical GPU, as CUDA_VISIBLE_DEVICES names it (index, UUID or MIG id)
-    launched_by: str = "plain"  # plain | torchrun
+    launched_by: str = "plain"  # plain | torchrun | accelerate
 
     @property
     def is_main(self) -> bool:
@@ -59,14 +59,22 @@ def _ranks(env: Mapping[str, str]) -> tuple:
         rank, local_rank, world, local_world, node = values
         if world < 1 or rank >= world:
             raise UserError(f"environment: RANK={rank} must be below WORLD_SIZE={world}")
-        return rank, local_rank, world, local_world, node, "torchrun"
-    return 0, 0, 1, 1, 0, "plain"
+        return rank, local_rank, world, local_world, node, _launcher(env, "torchrun")
+    return 0, 0, 1, 1, 0, _launcher(env, "plain")
+
+
+def _launcher(env: Mapping[str, str], otherwise: str) -> str:
+    # `accelerate launch` sets this in every form (one process, torchrun-style, config file).
+    return "accelerate" if "ACCELERATE_MIXED_PRECISION" in env else otherwise
 
 
 def _device(devices: Devices, local_rank: int, visible: int, env: Mapping[str, str], notes: List[str]):
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     seen = f"CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else "CUDA_VISIBLE_DEVICES unset"
     if devices == "cpu":
+        return "cpu", None
+    if env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        notes.append("accelerate launch --cpu: training on the CPU")
         return "cpu", None
     if devices == "auto" and visible == 0:
         notes.append(f"devices: auto found no GPU ({seen}); training on the CPU")

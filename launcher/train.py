@@ -39,7 +39,11 @@ def train(loaded: Loaded) -> Dict[str, float]:
     strategy = strategies.create(loaded.recipe.strategy, placement)
     strategy.setup()
     try:
-        return _train(loaded, strategy, notes + strategy.notes())
+        recipe = loaded.recipe
+        recipe.precision, recipe.trainer.grad_accum_steps, settled = strategy.settle(
+            recipe.precision, recipe.trainer.grad_accum_steps)
+        loaded.config.precision, loaded.config.trainer.grad_accum_steps = recipe.precision, recipe.trainer.grad_accum_steps
+        return _train(loaded, strategy, notes + settled + strategy.notes())
     finally:
         strategy.teardown()
 

@@ -13,13 +13,21 @@ from launcher.strategies.ddp import DDP
 from launcher.strategies.dp import DP
 from launcher.strategies.single import Single
 
-REGISTRY: Dict[str, Callable[[Placement], Strategy]] = {"single": Single, "dp": DP, "ddp": DDP}
+def _accelerate(placement: Placement) -> Strategy:
+    from launcher.strategies.accelerate import Accelerate  # imports accelerate only when chosen
+
+    return Accelerate(placement)
+
+
+REGISTRY: Dict[str, Callable[[Placement], Strategy]] = {"single": Single, "dp": DP, "ddp": DDP, "accelerate": _accelerate}
 ONE_PROCESS = ("single", "dp")
 
 
 def resolve(name: str, placement: Placement) -> str:
     """The strategy `auto` stands for here."""
     if name == "auto":
+        if placement.launched_by == "accelerate":
+            return "accelerate"
         return "single" if placement.world_size == 1 else "ddp"
     return name
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, List
+from typing import Any, ContextManager, List, Tuple
 
 import torch
 from torch import nn
@@ -33,6 +33,10 @@ class Strategy:
 
     def setup(self) -> None:
         """Start whatever the strategy needs (a process group); called before anything is built."""
+
+    def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
+        """The precision and accumulation to train with, when the launch method has a say in them."""
+        return precision, grad_accum, []
 
     def notes(self) -> List[str]:
         """Lines for the console about how this strategy runs here (say, a fallback)."""

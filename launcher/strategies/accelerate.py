@@ -1,0 +1,86 @@
+"""HuggingFace Accelerate: under `accelerate launch` (one or several processes, CPU or GPU) or in a
+plain process. Only this module imports accelerate.
+
+Accelerate prepares the model (device, DDP), skips gradient sync, reduces, gathers and unwraps.
+The sample order stays the launcher's (DESIGN: one permutation per (seed, epoch), interleaved), so
+the loader is not prepared: Accelerate's sharding would give each process other samples. Autocast,
+the grad scaler and accumulation stay the launcher's too, with the values `accelerate launch` sets
+(flags or its config file) when they differ from the recipe's, as one console line says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, ContextManager, List, Tuple
+
+import torch
+from torch import nn
+
+from launcher.errors import UserError
+from launcher.strategies.base import Strategy
+
+PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+class Accelerate(Strategy):
+    name = "accelerate"
+
+    def setup(self) -> None:
+        try:
+            from accelerate import Accelerator
+        except ImportError:
+            raise UserError("strategy: accelerate needs the accelerate package: "
+                            "pip install 'launcher[accelerate]' (or pip install accelerate)") from None
+        self.accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=1,
+                                       cpu=self.device.type == "cpu")
+
+    def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
+        notes = []
+        launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+        if launched is not None and launched not in PRECISION:
+            raise UserError(f"ACCELERATE_MIXED_PRECISION={launched}: the launcher supports "
+                            f"{', '.join(PRECISION)} (precision fp32, fp16, bf16)")
+        if launched is not None and PRECISION[launched] != precision:
+            if launched != "no":  # "no" is also accelerate's default: only a choice made there wins
+                notes.append(f"accelerate launch sets mixed_precision {launched}: it wins over the recipe's precision {precision}")
+                precision = PRECISION[launched]
+            else:
+                notes.append(f"the recipe's precision {precision} wins over accelerate launch's mixed_precision no (its default)")
+        steps = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+        if steps is not None and steps.isdigit() and int(steps) >= 1 and int(steps) != grad_accum:
+            notes.append(f"accelerate sets gradient_accumulation_steps {steps}: it wins over the recipe's "
+                         f"trainer.grad_accum_steps {grad_accum}")
+            grad_accum = int(steps)
+        return precision, grad_accum, notes
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return self.accelerator.prepare_model(model)
+
+    def no_sync(self, model: nn.Module, skip: bool) -> ContextManager:
+        return self.accelerator.no_sync(model) if skip else contextlib.nullcontext()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.accelerator.unwrap_model(model)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum")
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="mean")
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        from accelerate.utils import gather_object
+
+        return gather_object([obj]) if self.placement.world_size > 1 else [obj]
+
+    def barrier(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+    def teardown(self) -> None:
+        from accelerate.state import AcceleratorState
+
+        self.accelerator.end_training()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)  # accelerate keeps process-wide singletons
