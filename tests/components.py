@@ -24,3 +24,21 @@ class DivergesAt(MLP):
 class NotAModule:
     def __init__(self, **kwargs):
         pass
+
+
+class DiesOnce(MLP):
+    """An MLP whose process dies (as if killed) at its `at`-th training forward, in rank `rank`'s first attempt only."""
+
+    def __init__(self, at: int, rank: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.rank, self.calls = at, rank, 0
+
+    def forward(self, x):
+        import os
+
+        if self.training:
+            self.calls += 1
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if first_attempt and os.environ.get("RANK") == str(self.rank) and self.calls == self.at:
+                os._exit(9)
+        return super().forward(x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from typing import Any, ContextManager, List
 
 import torch
@@ -28,8 +29,12 @@ class DDP(Strategy):
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=TIMEOUT,
-                                device_id=self.device if cuda else None)
+        # Keys of an earlier attempt can outlive it in torchrun's store: after an elastic restart a
+        # rank would then dial a dead peer's address. Each attempt gets its own namespace.
+        store, rank, world = next(dist.rendezvous("env://", timeout=TIMEOUT))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
+                                rank=rank, world_size=world, timeout=TIMEOUT, device_id=self.device if cuda else None)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None

@@ -1,0 +1,78 @@
+"""The character-level GPT recipe: its model, its dataset, and a tiny run of recipes/charlm.yaml on the CPU."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.components.chars import CharText
+from recipes.components.gpt import GPT, SequenceCrossEntropy
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "recipes/data/hamlet.txt"
+
+
+def test_gpt_logits_shape_and_flops():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    idx = torch.randint(0, 65, (3, 10))
+    logits = model(idx)
+    assert logits.shape == (3, 10, 65)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    assert model.flops_per_token() > 6 * model.num_params() > 0
+    loss = SequenceCrossEntropy()(logits, torch.randint(0, 65, (3, 10)))
+    assert loss.shape == () and abs(loss.item() - torch.log(torch.tensor(65.0)).item()) < 0.5  # near uniform at init
+    with pytest.raises(ValueError):
+        model(torch.zeros(1, 17, dtype=torch.long))  # longer than block_size
+
+
+def test_chartext_windows_and_split():
+    block = 32
+    train, val = CharText(TEXT, block, "train"), CharText(TEXT, block, "val")
+    assert train.vocab_size == val.vocab_size == 65
+    assert train.chars == val.chars
+    # The two splits partition the whole file.
+    n_chars = len((ROOT / TEXT).read_text(encoding="utf-8"))
+    assert len(train.data) + len(val.data) == n_chars
+    assert len(train) == (len(train.data) - 1) // block and len(val) == (len(val.data) - 1) // block
+    assert len(train) > 8 * len(val) > 0
+    for ds in (train, val):
+        for i in (0, 1, len(ds) - 1):
+            x, y = ds[i]
+            assert x.dtype == y.dtype == torch.long and x.shape == y.shape == (block,)
+            assert torch.equal(x[1:], y[:-1])  # y is x shifted by one
+            assert torch.equal(x, ds.data[i * block:(i + 1) * block].long())  # non-overlapping windows
+            assert y[-1] == ds.data[(i + 1) * block]
+    with pytest.raises(IndexError):
+        train[len(train)]
+    assert train.decode(train[0][0]).startswith("HAMLET")
+
+
+def test_chartext_finds_its_file_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert CharText(TEXT, 64, "val").vocab_size == 65
+
+
+LINE = re.compile(r"^step (\d+)/(\d+) \| epoch \d+ \| loss ([\d.]+) \|", re.MULTILINE)
+
+
+def test_tiny_charlm_run_learns(tmp_path):
+    cmd = [sys.executable, "-m", "launcher", "recipes/charlm.yaml", "devices=cpu", "precision=fp32",
+           "model.n_layer=1", "model.n_head=4", "model.n_embd=64", "model.block_size=32",
+           "data.batch_size=16", "optimizer.lr=3e-3", "trainer.max_steps=60", "trainer.log_every=10",
+           "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false",
+           f"run_dir={tmp_path}/run"]
+    # Takes about 8 s on two idle cores; the timeout only guards against a hang.
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = [(int(s), int(total), float(loss)) for s, total, loss in LINE.findall(done.stdout)]
+    assert [s for s, _, _ in steps] == list(range(10, 61, 10)), done.stdout
+    first, last = steps[0][2], steps[-1][2]
+    assert last < first - 0.3, f"train loss went from {first} to {last}:\n{done.stdout}"
+    assert "eval at step 60 | val/loss" in done.stdout
+    assert (tmp_path / "run" / "model.pt").is_file()

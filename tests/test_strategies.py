@@ -1,0 +1,92 @@
+"""One recipe, every strategy, the same weights: real processes (torchrun, gloo on the CPU)."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, assert_same_weights, state_dict
+
+# No dropout, no batch statistics; 32 steps per epoch, so 40 steps cross an epoch boundary with shuffling.
+RECIPE = ["recipes/quickstart.yaml", "data.train.n=1024", "data.val.n=256", "data.batch_size=32",
+          "trainer.max_steps=40", "trainer.log_every=10", "logging.tensorboard=false"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(command: list, timeout: float = 180) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={folder}", "strategy=single"])
+    return folder / "model.pt"
+
+
+def assert_equivalent(reference, other) -> None:
+    a, b = state_dict(reference), state_dict(other)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs from single's")
+
+
+def test_dp_without_gpus_runs_as_single(reference, tmp_path):
+    done = run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", "strategy=dp"])
+    assert "strategy: dp found no GPU; running as a single process on the CPU" in done.stdout
+    assert_equivalent(reference, tmp_path / "model.pt")
+
+
+def test_ddp_under_torchrun(reference, tmp_path):
+    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *RECIPE, f"run_dir={tmp_path}"])
+    assert "(ddp)" in done.stdout and done.stdout.count("training quickstart") == 1  # rank 0 alone prints
+    assert_equivalent(reference, tmp_path / "model.pt")
+
+
+def test_ddp_started_by_the_launcher(reference, tmp_path):
+    run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", "strategy=ddp", "nproc_per_node=2"])
+    assert_equivalent(reference, tmp_path / "model.pt")
+
+
+def test_accelerate_two_processes(reference, tmp_path):
+    pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
+    # On the CPU, accelerate's `--cpu` starts one process; its torchrun path (--multi_gpu) starts several.
+    done = run([*ACCELERATE, "--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
+                "--dynamo_backend=no", f"--main_process_port={free_port()}",
+                "-m", "launcher", *RECIPE, f"run_dir={tmp_path}"])
+    assert "(accelerate)" in done.stdout  # strategy auto picks accelerate under accelerate launch
+    assert_equivalent(reference, tmp_path / "model.pt")
+
+
+def test_two_nodes_one_process_each(reference, tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen(
+        [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
+         "--rdzv_id=equivalence", "-m", "launcher", *RECIPE, f"run_dir={tmp_path}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=180)[0] for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    table = next(o for o in outputs if "training quickstart" in o)
+    assert "1     0           1" in table  # rank 1 is local rank 0 on node 1
+    assert_equivalent(reference, tmp_path / "model.pt")
+
+
+def test_elastic_restart_resumes_and_finishes(tmp_path):
+    common = [*RECIPE, "checkpoint.every=10"]
+    run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *common, f"run_dir={tmp_path / 'whole'}"])
+    dies = "model={_target_: tests.components.DiesOnce, at: 25, rank: 1}"
+    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m", "launcher", *common,
+                dies, f"run_dir={tmp_path / 'killed'}"])
+    assert "resumed from" in done.stdout and "step_20" in done.stdout
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "killed" / "model.pt")
