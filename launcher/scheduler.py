@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from launcher.errors import UserError
 
@@ -25,7 +25,7 @@ class Placement:
     node_rank: int = 0
     device: str = "cpu"  # a torch device string
     gpu: Optional[str] = None  # the physical GPU, as CUDA_VISIBLE_DEVICES names it (index, UUID or MIG id)
-    launched_by: str = "plain"  # plain | torchrun | accelerate
+    launched_by: str = "plain"  # plain | torchrun | accelerate | slurm
 
     @property
     def is_main(self) -> bool:
@@ -47,6 +47,24 @@ def place(env: Mapping[str, str], devices: Devices, visible_gpus: int) -> Tuple[
     return Placement(rank, local_rank, world, local_world, node, device, gpu, launched_by), notes
 
 
+def _int(env: Mapping[str, str], name: str, default: Optional[str] = None) -> int:
+    raw = env.get(name, default)
+    if raw is None or not re.fullmatch(r"\d+", raw):
+        raise UserError(f"environment variable {name}={raw!r} is not a non-negative integer")
+    return int(raw)
+
+
+def _tasks_on_node(spec: str, node: int) -> int:
+    """Slurm's SLURM_STEP_TASKS_PER_NODE ('2(x3),1') for one node."""
+    counts: List[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise UserError(f"environment variable SLURM_STEP_TASKS_PER_NODE={spec!r} is not Slurm's form, e.g. 2(x3),1")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node] if node < len(counts) else counts[-1]
+
+
 def _ranks(env: Mapping[str, str]) -> tuple:
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (and anything else that speaks its protocol)
         names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -60,6 +78,13 @@ def _ranks(env: Mapping[str, str]) -> tuple:
         if world < 1 or rank >= world:
             raise UserError(f"environment: RANK={rank} must be below WORLD_SIZE={world}")
         return rank, local_rank, world, local_world, node, _launcher(env, "torchrun")
+    if "SLURM_STEP_NUM_TASKS" in env:  # a task of an srun step, started without torchrun
+        world = _int(env, "SLURM_STEP_NUM_TASKS")
+        rank, local_rank, node = _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID"), _int(env, "SLURM_NODEID", "0")
+        local_world = _tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world)), node)
+        if rank >= world:
+            raise UserError(f"environment: SLURM_PROCID={rank} must be below SLURM_STEP_NUM_TASKS={world}")
+        return rank, local_rank, world, local_world, node, "slurm"
     return 0, 0, 1, 1, 0, _launcher(env, "plain")
 
 
@@ -104,3 +129,32 @@ def table(rows: List[dict]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths))]
     lines += ["  ".join(str(r[h]).ljust(w) for h, w in zip(heads, widths)) for r in rows]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def select_gpus(devices: Devices, env: Mapping[str, str],
+                query: Callable[[], Sequence[Tuple[str, int]]]) -> Optional[str]:
+    """The CUDA_VISIBLE_DEVICES value that `devices: auto:N` or `[ids]` asks for, or None to leave it.
+
+    `query()` lists the GPUs this process may use as (id, free MiB); it is called only for those
+    two forms (the caller asks NVML through nvidia-smi, which creates no CUDA context).
+    """
+    if not ((isinstance(devices, str) and devices.startswith("auto:")) or isinstance(devices, (list, tuple))):
+        return None
+    gpus = list(query())
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    seen = f"visible: {', '.join(g for g, _ in gpus) or 'none'}" + (f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else "")
+    if isinstance(devices, str) and devices.startswith("auto:"):
+        n = int(devices.split(":")[1])
+        if len(gpus) < n:
+            raise UserError(f"devices: auto:{n} asks for {n} GPU(s), {seen}")
+        # Most free memory first; the lower id breaks ties, so every rank picks the same set.
+        ranked = sorted(enumerate(gpus), key=lambda item: (-item[1][1], item[0]))[:n]
+        return ",".join(gpus[i][0] for i, _ in sorted(ranked))
+    if isinstance(devices, (list, tuple)):
+        ids = [str(d) for d in devices]
+        listed = [g for g, _ in gpus]
+        missing = [d for d in ids if d not in listed]
+        if missing:
+            raise UserError(f"devices: GPU {missing[0]} of {list(devices)} is not there; {seen}")
+        return ",".join(ids)
+    return None

@@ -20,6 +20,9 @@ from launcher.recipe import Loaded, instantiate
 
 
 def _place(loaded: Loaded):
+    chosen = scheduler.select_gpus(loaded.recipe.devices, os.environ, _nvidia_smi)
+    if chosen is not None:  # before anything starts CUDA, which reads it once
+        os.environ["CUDA_VISIBLE_DEVICES"] = chosen
     visible = torch.cuda.device_count() if loaded.recipe.devices != "cpu" else 0
     placement, notes = scheduler.place(os.environ, loaded.recipe.devices, visible)
     return placement, notes, visible
@@ -123,6 +126,20 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
     console.info(f"done: step {position.step} | {final} | model: {run_dir / 'model.pt'}")
     return results
+
+
+def _nvidia_smi() -> list:
+    """The GPUs this process may use as (id, free MiB), from nvidia-smi: no CUDA context is created."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.free", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.count(",") == 2]
+    allowed = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return [(index, int(free)) for index, uuid, free in rows if not allowed or index in allowed or uuid in allowed]
 
 
 def _describe(placement: scheduler.Placement) -> Dict[str, Any]:

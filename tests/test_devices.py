@@ -1,5 +1,7 @@
 """Placement from the environment: a pure function, tested with tables."""
 
+import re
+
 import pytest
 
 from launcher.errors import UserError
@@ -51,3 +53,63 @@ def test_cuda_without_a_gpu_exits_2(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("launcher: devices: 'cuda' asks for a GPU but none is visible")
     assert len(done.stderr.splitlines()) == 1
+
+
+SLURM = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+         "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+
+
+@pytest.mark.parametrize("env, devices, gpus, expected", [
+    (SLURM, "cpu", 0, Placement(3, 1, 4, 2, 1, "cpu", None, "slurm")),
+    ({**SLURM, "CUDA_VISIBLE_DEVICES": "6"}, "auto", 1, Placement(3, 1, 4, 2, 1, "cuda:0", "6", "slurm")),  # --gpus-per-task
+    ({**SLURM, "CUDA_VISIBLE_DEVICES": "0,1"}, "auto", 2, Placement(3, 1, 4, 2, 1, "cuda:1", "1", "slurm")),  # --gpus-per-node
+    ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "3,1", "SLURM_PROCID": "3", "SLURM_LOCALID": "0"}, "cpu", 0,
+     Placement(3, 0, 4, 1, 1, "cpu", None, "slurm")),
+    ({**TORCHRUN, **SLURM}, "cpu", 0, Placement(3, 1, 4, 2, 1, "cpu", None, "torchrun")),  # torchrun inside srun
+    ({"ACCELERATE_MIXED_PRECISION": "no"}, "auto", 0, Placement(launched_by="accelerate")),
+    ({**TORCHRUN, "ACCELERATE_MIXED_PRECISION": "bf16"}, "cpu", 0, Placement(3, 1, 4, 2, 1, "cpu", None, "accelerate")),
+    ({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "True"}, "auto", 2, Placement(launched_by="accelerate")),
+])
+def test_placement_under_slurm_and_accelerate(env, devices, gpus, expected):
+    assert place(env, devices, gpus)[0] == expected
+
+
+FREE = [("0", 1000), ("1", 30000), ("2", 30000), ("3", 5000)]
+
+
+@pytest.mark.parametrize("devices, env, expected", [
+    ("auto", {}, None),
+    ("cuda", {}, None),
+    ("auto:2", {}, "1,2"),  # most free memory; ties by index
+    ("auto:3", {}, "1,2,3"),
+    ([0, 3], {}, "0,3"),
+    ([3], {"CUDA_VISIBLE_DEVICES": "3"}, "3"),
+])
+def test_gpu_selection(devices, env, expected):
+    from launcher.scheduler import select_gpus
+
+    gpus = [g for g in FREE if "CUDA_VISIBLE_DEVICES" not in env or g[0] in env["CUDA_VISIBLE_DEVICES"].split(",")]
+    assert select_gpus(devices, env, lambda: gpus) == expected
+
+
+@pytest.mark.parametrize("devices, gpus, message", [
+    ("auto:5", FREE, "devices: auto:5 asks for 5 GPU(s), visible: 0, 1, 2, 3"),
+    ("auto:1", [], "devices: auto:1 asks for 1 GPU(s), visible: none"),
+    ([0, 7], FREE, "devices: GPU 7 of [0, 7] is not there; visible: 0, 1, 2, 3"),
+])
+def test_gpu_selection_errors(devices, gpus, message):
+    from launcher.scheduler import select_gpus
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        select_gpus(devices, {}, lambda: gpus)
+
+
+def test_without_accelerate_installed_exit_2_with_the_install_command(tmp_path):
+    fake = tmp_path / "accelerate"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('accelerate is not installed here')\n")
+    done = launch("recipes/quickstart.yaml", "strategy=accelerate", f"run_dir={tmp_path / 'run'}",
+                  env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("launcher: strategy: accelerate needs the accelerate package: "
+                                   "pip install 'launcher[accelerate]' (or pip install accelerate)")

@@ -26,6 +26,9 @@ class DDP(Strategy):
         if self.placement.launched_by == "plain":
             raise UserError("strategy: ddp needs the rank variables torchrun sets (RANK, WORLD_SIZE, ...); "
                             "start it with torchrun, or let python -m launcher start torchrun for you")
+        if self.placement.launched_by == "slurm" and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+            raise UserError("strategy: ddp in Slurm tasks started by srun needs MASTER_ADDR and MASTER_PORT "
+                            "(the first node and a free port); the slurm/ templates set them, or use torchrun")
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
