@@ -63,11 +63,16 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     rows = strategy.all_gather_object(_describe(placement))  # a collective: every rank takes part
     console.info(scheduler.table(rows))
     checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main)
-    resume = checkpointer.resume_from(recipe.checkpoint.resume)
+    found = checkpointer.resume_from(recipe.checkpoint.resume) if placement.is_main else None
+    resume = strategy.all_gather_object(found)[0]  # rank 0 decides, so every rank resumes from the same step
 
     seeding.seed_everything(recipe.seed)
     model = _build(recipe.model, "model", nn.Module).to(device)
-    if recipe.checkpoint.init_from and resume is None:
+    state = None
+    if resume is not None:
+        checkpoint.load_model_state(model, resume / "model.pt", map_location=device)
+        state = checkpoint.load_file(resume / "state.pt", map_location=device)
+    elif recipe.checkpoint.init_from:
         checkpoint.load_model_state(model, Path(recipe.checkpoint.init_from), map_location=device)
         console.info(f"initialised the model from {recipe.checkpoint.init_from}")
     wrapped = strategy.wrap(model)
@@ -82,9 +87,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
                            placement.world_size, placement.rank, cfg.num_workers, device, recipe.seed)
 
     position = data.Position()
-    if resume is not None:
-        state = checkpoint.load_file(resume / "state.pt", map_location=device)
-        checkpoint.load_model_state(model, resume / "model.pt", map_location=device)
+    if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         if schedule is not None:
             schedule.load_state_dict(state["lr_schedule"])

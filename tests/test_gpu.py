@@ -1,5 +1,7 @@
 """Checks that need CUDA. Skipped, saying why, on a machine without a GPU: `python -m pytest -m gpu`."""
 
+import sys
+
 import pytest
 import torch
 
@@ -68,3 +70,20 @@ def test_resume_on_gpu(tmp_path):
     a, b = state_dict(tmp_path / "a/model.pt"), state_dict(tmp_path / "b/model.pt")
     for key in a:
         torch.testing.assert_close(a[key], b[key])
+
+
+def test_dp_on_cuda(tmp_path):
+    from tests.test_strategies import RECIPE, run
+
+    done = run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", "strategy=dp", "devices=cuda"])
+    assert "(dp)" in done.stdout and "cuda:0" in done.stdout
+    MLP().load_state_dict(state_dict(tmp_path / "model.pt"), strict=True)
+
+
+def test_ddp_nccl_one_process(tmp_path):
+    from tests.test_strategies import RECIPE, TORCHRUN, run
+
+    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=1", "-m", "launcher", *RECIPE,
+                f"run_dir={tmp_path}", "strategy=ddp", "devices=cuda"])
+    assert "(ddp)" in done.stdout and "cuda:0" in done.stdout
+    MLP().load_state_dict(state_dict(tmp_path / "model.pt"), strict=True)
