@@ -47,7 +47,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     except UserError as e:
         for problem in e.problems:
-            _say(problem)
+            _say(problem, every_rank=e.every_rank)
         return 2
     except TrainingDiverged as e:
         _say(f"{e}; stopped without saving. The last good checkpoint is kept; lower the learning rate "
@@ -55,7 +55,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
 
-def _say(message: str) -> None:
+def _say(message: str, every_rank: bool = False) -> None:
     # Under torchrun every rank meets the same recipe problem: only global rank 0 prints it.
-    if os.environ.get("RANK", "0") == "0":
-        print(f"launcher: {message}", file=sys.stderr, flush=True)
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if rank == "0" or every_rank:
+        prefix = f"[rank {rank}] " if every_rank and "WORLD_SIZE" in os.environ else ""
+        print(f"{prefix}launcher: {message}", file=sys.stderr, flush=True)

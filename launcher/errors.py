@@ -10,8 +10,11 @@ class UserError(Exception):
     key, variable) and what would be valid. Never carries a traceback to the user.
     """
 
-    def __init__(self, *problems: str):
+    def __init__(self, *problems: str, every_rank: bool = False):
         self.problems = [p for p in problems if p]
+        # Most mistakes are the same on every rank, and rank 0 alone reports them; a problem of
+        # one rank's own (its device, its environment) is reported by that rank.
+        self.every_rank = every_rank
         super().__init__("\n".join(self.problems))
 
 

@@ -106,19 +106,19 @@ def _device(devices: Devices, local_rank: int, visible: int, env: Mapping[str, s
         return "cpu", None
     if visible == 0:
         raise UserError(f"devices: {devices!r} asks for a GPU but none is visible ({seen}, "
-                        f"torch.cuda.device_count() is 0); use devices=cpu or devices=auto")
+                        f"torch.cuda.device_count() is 0); use devices=cpu or devices=auto", every_rank=True)
     if isinstance(devices, str) and devices.startswith("cuda:"):
         index = int(devices.split(":")[1])
         if index >= visible:
             raise UserError(f"devices: {devices} is not visible; this process sees {visible} GPU(s), "
-                            f"cuda:0 to cuda:{visible - 1} ({seen})")
+                            f"cuda:0 to cuda:{visible - 1} ({seen})", every_rank=True)
         return devices, index
     # auto, cuda, auto:N and id lists: one GPU per local rank, or the only one each process sees.
     if visible == 1:
         return "cuda:0", 0
     if local_rank >= visible:
         raise UserError(f"local rank {local_rank} has no GPU: this process sees {visible} ({seen}); "
-                        f"start at most {visible} processes per node")
+                        f"start at most {visible} processes per node", every_rank=True)
     return f"cuda:{local_rank}", local_rank
 
 

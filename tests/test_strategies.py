@@ -90,3 +90,15 @@ def test_elastic_restart_resumes_and_finishes(tmp_path):
                 dies, f"run_dir={tmp_path / 'killed'}"])
     assert "resumed from" in done.stdout and "step_20" in done.stdout
     assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "killed" / "model.pt")
+
+
+def test_a_mistake_under_torchrun_exits_2_on_every_rank_with_one_line(tmp_path):
+    done = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *RECIPE,
+                           f"run_dir={tmp_path}", "trainer.max_step=3"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    ours = [l for l in done.stderr.splitlines() if "launcher:" in l]
+    assert ours == ["launcher: override 'trainer.max_step=3': trainer.max_step: unknown key; "
+                    "did you mean 'trainer.max_steps'?"]
+    assert "exitcode  : 2" in done.stderr  # torchrun's own report follows; no frame of ours is in it
+    assert str(REPO / "launcher") not in done.stderr
