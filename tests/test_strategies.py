@@ -102,3 +102,23 @@ def test_a_mistake_under_torchrun_exits_2_on_every_rank_with_one_line(tmp_path):
                     "did you mean 'trainer.max_steps'?"]
     assert "exitcode  : 2" in done.stderr  # torchrun's own report follows; no frame of ours is in it
     assert str(REPO / "launcher") not in done.stderr
+
+
+@pytest.mark.parametrize("env, recipe, expected, says", [
+    ({}, ("fp32", 1), ("fp32", 1), []),
+    ({"ACCELERATE_MIXED_PRECISION": "no"}, ("fp32", 1), ("fp32", 1), []),
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, ("fp32", 1), ("bf16", 1), ["accelerate launch sets mixed_precision bf16: it wins"]),
+    ({"ACCELERATE_MIXED_PRECISION": "no"}, ("bf16", 1), ("bf16", 1), ["the recipe's precision bf16 wins"]),
+    ({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, ("fp32", 2), ("fp32", 4), ["gradient_accumulation_steps 4: it wins"]),
+])
+def test_accelerate_settles_precision_and_accumulation(monkeypatch, env, recipe, expected, says):
+    from launcher.scheduler import Placement
+    from launcher.strategies.accelerate import Accelerate
+
+    for key in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    precision, accum, notes = Accelerate(Placement()).settle(*recipe)
+    assert (precision, accum) == expected
+    assert len(notes) == len(says) and all(s in n for s, n in zip(says, notes))
