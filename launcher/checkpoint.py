@@ -157,6 +157,18 @@ def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cp
     model.load_state_dict(state, strict=True)
 
 
+def to_cpu(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """CPU copies that stay shared where the model shares them (tied embeddings are saved once)."""
+    copies: Dict[tuple, torch.Tensor] = {}
+    out = {}
+    for key, tensor in state.items():
+        ident = (tensor.device, tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if ident not in copies:
+            copies[ident] = tensor.detach().cpu()
+        out[key] = copies[ident]
+    return out
+
+
 def _write(path: Path, write, atomic: bool = False) -> int:
     """Write through `write(file)`, fsync, and return the size; with atomic, via a temporary name and rename."""
     target = path.with_name(f".{path.name}.tmp") if atomic else path

@@ -44,8 +44,8 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     accum = cfg.grad_accum_steps
     params = [q for q in p.model.parameters() if q.requires_grad]
     batches = p.data.stream(pos)
-    p.meter.first_step = pos.step
     p.console.start(total, pos.step)
+    p.meter.start(pos.step)
     last: Dict[str, float] = {}
     while pos.step < total:
         step = pos.step + 1

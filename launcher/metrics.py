@@ -56,6 +56,10 @@ class TrainMeter:
                     self.sums[i].add_(values.sum())
                     self.counts[i] += values.numel()
 
+    def start(self, step: int) -> None:
+        """Training starts (or resumes) after `step`: the first interval's clock starts now."""
+        self._reset(step)
+
     def step_done(self, grad_norm: Optional[torch.Tensor]) -> None:
         self.steps += 1
         if grad_norm is not None:

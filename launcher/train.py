@@ -17,6 +17,7 @@ from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
 from launcher.precision import Precision
 from launcher.recipe import Loaded, instantiate
+from launcher.recipe.flat import differences, hparams
 
 
 def _place(loaded: Loaded):
@@ -96,10 +97,14 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
         rngs = state["rng"]
         seeding.restore(rngs[placement.rank] if placement.rank < len(rngs) else rngs[0], device)
         console.info(f"resumed from {resume} (step {position.step}, epoch {position.epoch})")
+        changed = differences(OmegaConf.create(state["recipe"]), loaded.config)
+        if changed:
+            console.info(f"the recipe differs from the checkpoint's in {', '.join(changed)}; the optimizer and "
+                         f"LR schedule continue from their saved state (checkpoint.resume=never starts over)")
 
     def save(pos: data.Position, final: bool) -> None:
         rngs = strategy.all_gather_object(seeding.capture(device))  # a collective: every rank calls save
-        model_state = {k: v.detach().cpu() for k, v in strategy.unwrap(wrapped).state_dict().items()}
+        model_state = checkpoint.to_cpu(strategy.unwrap(wrapped).state_dict())
         state = {"position": vars(pos).copy(), "optimizer": optimizer.state_dict(),
                  "lr_schedule": schedule.state_dict() if schedule is not None else None,
                  "scaler": precision.state_dict(), "rng": rngs, "world_size": placement.world_size,
@@ -112,7 +117,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
     meter = TrainMeter(metrics, device, recipe.trainer.log_every, samples_per_step, cfg.tokens_per_sample)
     logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
-    logger.hparams(_hparams(loaded), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
+    logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
     parts = Parts(wrapped, optimizer, schedule, loss_fn=instantiate(recipe.loss), metrics=metrics,
                   precision=precision, strategy=strategy, data=train_data, val=val, meter=meter,
                   logger=logger, console=console, save=save)
@@ -145,6 +150,12 @@ def _nvidia_smi() -> list:
     return [(index, int(free)) for index, uuid, free in rows if not allowed or index in allowed or uuid in allowed]
 
 
+
+
+
+
+
+
 def _describe(placement: scheduler.Placement) -> Dict[str, Any]:
     row = {"rank": placement.rank, "local rank": placement.local_rank, "node": placement.node_rank,
            "device": placement.device, "physical GPU": "-"}
@@ -162,19 +173,3 @@ def _build(spec: Dict[str, Any], key: str, kind: type) -> Any:
         raise UserError(f"{key}: {spec['_target_']} built a {type(built).__name__}, not a map-style Dataset "
                         f"(__getitem__ and __len__)")
     return built
-
-
-def _hparams(loaded: Loaded) -> Dict[str, Any]:
-    flat: Dict[str, Any] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{prefix}{k}." if k != "_target_" else prefix)
-                if k == "_target_":
-                    flat[prefix.rstrip(".") or "target"] = v
-        elif isinstance(node, (bool, int, float, str)):
-            flat[prefix.rstrip(".")] = node
-
-    walk(OmegaConf.to_container(loaded.config, resolve=True), "")
-    return flat

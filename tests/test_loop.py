@@ -126,3 +126,12 @@ def test_a_finished_run_is_not_trained_again(tmp_path):
 def test_batch_too_large_for_the_data(tmp_path):
     with pytest.raises(UserError, match=r"data.train: 1024 items are fewer than one optimizer step takes"):
         train(tmp_path, "data.batch_size=2048")
+
+
+def test_resuming_with_a_changed_recipe_says_what_changed(tmp_path, capsys):
+    train(tmp_path, "trainer.max_steps=20", "checkpoint.every=10")
+    capsys.readouterr()
+    train(tmp_path, "trainer.max_steps=40")
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "step_20" in out
+    assert "the recipe differs from the checkpoint's in trainer.max_steps (20 -> 40)" in out
