@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import List, Optional
 
 from launcher.errors import TrainingDiverged, UserError
@@ -48,6 +49,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as e:
         for problem in e.problems:
             _say(problem, every_rank=e.every_rank)
+        if not e.every_rank and _rank() != "0":
+            # Rank 0 reports this one. torchrun stops every rank as soon as one exits, so give
+            # rank 0, busy with the same work, the moment it needs to say it.
+            time.sleep(3)
         return 2
     except TrainingDiverged as e:
         _say(f"{e}; stopped without saving. The last good checkpoint is kept; lower the learning rate "
@@ -55,9 +60,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
 
+def _rank() -> str:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
 def _say(message: str, every_rank: bool = False) -> None:
     # Under torchrun every rank meets the same recipe problem: only global rank 0 prints it.
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    rank = _rank()
     if rank == "0" or every_rank:
         prefix = f"[rank {rank}] " if every_rank and "WORLD_SIZE" in os.environ else ""
         print(f"{prefix}launcher: {message}", file=sys.stderr, flush=True)

@@ -74,10 +74,19 @@ def test_non_writers_write_nothing(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+class Compiled(nn.Module):
+    """The layout of torch.compile's OptimizedModule (the model under `_orig_mod`), without starting
+    inductor's compile workers, which would slow every later test on a small machine."""
+
+    def __init__(self, model):
+        super().__init__()
+        self._orig_mod = model
+
+
 @pytest.mark.parametrize("wrap", [
     lambda m: nn.DataParallel(m),
-    lambda m: torch.compile(m),
-    lambda m: nn.DataParallel(torch.compile(m)),
+    lambda m: Compiled(m),
+    lambda m: nn.DataParallel(Compiled(m)),
 ], ids=["module.", "_orig_mod.", "module._orig_mod."])
 def test_init_from_accepts_wrapper_prefixes(tmp_path, wrap):
     source = MLP()
