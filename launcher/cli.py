@@ -13,6 +13,7 @@ import time
 from typing import List, Optional
 
 from launcher.errors import TrainingDiverged, UserError
+from launcher.stopping import RequeueFailed, Stopped, exit_code
 
 USAGE = "python -m launcher RECIPE.yaml [key=value ...] [--print-config]"
 
@@ -54,6 +55,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             # rank 0, busy with the same work, the moment it needs to say it.
             time.sleep(3)
         return 2
+    except Stopped as e:
+        return exit_code(e.signum)
+    except RequeueFailed as e:
+        _say(str(e))
+        return 1
     except TrainingDiverged as e:
         _say(f"{e}; stopped without saving. The last good checkpoint is kept; lower the learning rate "
              f"or enable trainer.clip_grad_norm, then resume")

@@ -13,6 +13,7 @@ from launcher.loggers import Console, NullLogger
 from launcher.metrics import TrainMeter, evaluate
 from launcher.precision import Precision
 from launcher.recipe.schema import TrainerConfig
+from launcher.stopping import StopFlag, Stopped
 from launcher.strategies import Strategy
 
 
@@ -31,6 +32,8 @@ class Parts:
     logger: NullLogger
     console: Console
     save: Callable[[Position, bool], None]  # a checkpoint (and, when final, model.pt); every rank calls it
+    stop: StopFlag  # set by a signal; checked at step boundaries
+    save_on_stop: bool = True
 
 
 def total_steps(cfg: TrainerConfig, steps_per_epoch: int) -> int:
@@ -77,13 +80,15 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         pos.step = step
         p.meter.step_done(norm)
         p.console.advance()
-        if not syncing:
-            continue
-        values = p.meter.read(p.strategy.all_reduce_mean, float(lr))  # host sync: once per interval
-        p.logger.scalars(values, step)
-        last.update(values)
-        if _due(step, cfg.log_every) or step == total:
-            p.console.progress(step, total, pos.epoch, values)
+        stopping = p.stop.agreed(step, p.strategy.max_over_ranks) if step < total else None
+        if stopping and p.save_on_stop:
+            saving = syncing = True
+        if syncing:
+            values = p.meter.read(p.strategy.all_reduce_mean, float(lr))  # host sync: once per interval
+            p.logger.scalars(values, step)
+            last.update(values)
+            if _due(step, cfg.log_every) or step == total:
+                p.console.progress(step, total, pos.epoch, values)
         if evaluating:
             results = evaluate(p.model, p.val, p.loss_fn, p.metrics, p.precision.autocast,
                                p.strategy.all_reduce_sum, p.strategy.device)
@@ -92,6 +97,9 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
             last.update(results)
         if saving:
             p.save(pos, step == total)
+        if stopping:
+            p.console.close()
+            raise Stopped(stopping, step)
     p.console.close()
     batches.close()
     return last

@@ -18,6 +18,7 @@ from launcher.metrics import TrainMeter
 from launcher.precision import Precision
 from launcher.recipe import Loaded, instantiate
 from launcher.recipe.flat import differences, hparams
+from launcher.stopping import StopFlag, Stopped, requeue
 
 
 def _place(loaded: Loaded):
@@ -120,7 +121,8 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
     parts = Parts(wrapped, optimizer, schedule, loss_fn=instantiate(recipe.loss), metrics=metrics,
                   precision=precision, strategy=strategy, data=train_data, val=val, meter=meter,
-                  logger=logger, console=console, save=save)
+                  logger=logger, console=console, save=save, stop=StopFlag(placement.world_size),
+                  save_on_stop=recipe.checkpoint.on_signal)
     total = total_steps(recipe.trainer, train_data.steps_per_epoch)
     if position.step >= total:
         console.info(f"{run_dir} already finished at step {position.step}; nothing to train")
@@ -129,7 +131,20 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     else:
         console.info(f"training {recipe.name}: {total} steps of {samples_per_step} samples, "
                      f"{train_data.steps_per_epoch} steps per epoch, on {device} ({strategy.name})")
-        results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
+        parts.stop.install()
+        try:
+            results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
+        except Stopped as stopped:
+            logger.close()
+            saved = f"saved {run_dir / 'checkpoints' / f'step_{stopped.step}'}" if recipe.checkpoint.on_signal else "not saved"
+            console.info(f"{stopped}: {saved}")
+            if placement.is_main and recipe.checkpoint.on_signal:
+                said = requeue()  # raises RequeueFailed when Slurm refuses
+                if said:
+                    console.info(said)
+            raise
+        finally:
+            parts.stop.restore()
     logger.close()
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
     console.info(f"done: step {position.step} | {final} | model: {run_dir / 'model.pt'}")

@@ -42,3 +42,18 @@ class DiesOnce(MLP):
             if first_attempt and os.environ.get("RANK") == str(self.rank) and self.calls == self.at:
                 os._exit(9)
         return super().forward(x)
+
+
+class Slow(MLP):
+    """An MLP that takes `seconds` per training forward, so a test can signal it mid-run."""
+
+    def __init__(self, seconds: float = 0.01, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds
+
+    def forward(self, x):
+        import time
+
+        if self.training:
+            time.sleep(self.seconds)
+        return super().forward(x)

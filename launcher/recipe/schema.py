@@ -66,6 +66,7 @@ class CheckpointConfig:
     keep: int = 3
     resume: str = "auto"  # auto | never | <path of a checkpoint folder>
     init_from: Optional[str] = None  # a model state_dict file; wrapper prefixes accepted
+    on_signal: bool = True  # SIGTERM, Ctrl-C, Slurm's SIGUSR1: save at the next step boundary, then stop
 
     def problems(self) -> List[tuple[str, str]]:
         return _at_least("checkpoint.every", self.every, 1) + _at_least("checkpoint.keep", self.keep, 1)
@@ -75,6 +76,39 @@ class CheckpointConfig:
 class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
+
+
+@dataclass
+class SlurmConfig:
+    """sbatch options for `python -m launcher.slurm submit`; its command-line flags win over these."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tasks_per_node: Optional[int] = None  # layout srun: processes per node (default: gpus_per_node, or 1)
+    cpus_per_task: Optional[int] = None
+    mem: Optional[str] = None  # e.g. 32G
+    time: str = "01:00:00"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    job_name: Optional[str] = None  # default: the recipe's name
+    output: Optional[str] = None  # default: <run_dir>/slurm/%j.out
+    error: Optional[str] = None  # default: with the output
+    layout: str = "torchrun"  # torchrun: one torchrun per node | srun: one task per process, srun alone
+    signal_seconds: int = 120  # Slurm signals the job this long before its time limit: save and requeue
+    python: str = "python"  # the interpreter on the nodes (after the setup lines)
+    sbatch: List[str] = field(default_factory=list)  # extra "#SBATCH ..." lines, without the prefix
+    setup: List[str] = field(default_factory=list)  # shell lines before the run: module loads, activations
+
+    def problems(self) -> List[tuple[str, str]]:
+        out = _at_least("slurm.nodes", self.nodes, 1) + _at_least("slurm.gpus_per_node", self.gpus_per_node, 0)
+        out += _at_least("slurm.tasks_per_node", self.tasks_per_node, 1) + _at_least("slurm.cpus_per_task", self.cpus_per_task, 1)
+        out += _at_least("slurm.signal_seconds", self.signal_seconds, 0)
+        if self.layout not in ("torchrun", "srun"):
+            out.append(("slurm.layout", f"got {self.layout!r}; valid: torchrun, srun"))
+        if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", self.time):
+            out.append(("slurm.time", f"got {self.time!r}; Slurm's forms: MM, HH:MM:SS, D-HH:MM:SS"))
+        return out
 
 
 @dataclass
@@ -95,6 +129,7 @@ class Recipe:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def problems(self) -> List[tuple[str, str]]:
         """Every value-level problem as (key, message); empty when the recipe is valid."""
@@ -112,7 +147,7 @@ class Recipe:
             out += _target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += _target_problems(f"metrics.{metric}", spec)
-        for section in (self.data, self.trainer, self.checkpoint):
+        for section in (self.data, self.trainer, self.checkpoint, self.slurm):
             out += section.problems()
         return out
 

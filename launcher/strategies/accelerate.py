@@ -34,6 +34,8 @@ class Accelerate(Strategy):
                             "pip install 'launcher[accelerate]' (or pip install accelerate)") from None
         self.accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=1,
                                        cpu=self.device.type == "cpu")
+        if self.placement.world_size > 1:  # host-side agreements go through gloo: no device sync
+            self.host_group = torch.distributed.new_group(backend="gloo")
 
     def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
         notes = []
@@ -73,6 +75,13 @@ class Accelerate(Strategy):
         from accelerate.utils import gather_object
 
         return gather_object([obj]) if self.placement.world_size > 1 else [obj]
+
+    def max_over_ranks(self, value: int) -> int:
+        if self.placement.world_size == 1:
+            return value
+        flag = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.host_group)
+        return int(flag.item())  # a CPU tensor through gloo: no device sync
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()

@@ -34,10 +34,13 @@ class DDP(Strategy):
             torch.cuda.set_device(self.device)
         # Keys of an earlier attempt can outlive it in torchrun's store: after an elastic restart a
         # rank would then dial a dead peer's address. Each attempt gets its own namespace.
-        store, rank, world = next(dist.rendezvous("env://", timeout=TIMEOUT))
+        rank, world = self.placement.rank, self.placement.world_size
+        store, _, _ = next(dist.rendezvous(f"env://?rank={rank}&world_size={world}", timeout=TIMEOUT))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
                                 rank=rank, world_size=world, timeout=TIMEOUT, device_id=self.device if cuda else None)
+        # Host-side agreements (stop on a signal) go through gloo, so they never synchronise a GPU.
+        self.host_group = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
 
     def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -52,6 +55,11 @@ class DDP(Strategy):
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_sum(tensor) / self.placement.world_size  # gloo has no ReduceOp.AVG
+
+    def max_over_ranks(self, value: int) -> int:
+        flag = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host_group)
+        return int(flag.item())  # a CPU tensor through gloo: no device sync
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.placement.world_size

@@ -1,0 +1,54 @@
+"""SIGTERM and Ctrl-C: a checkpoint at the next step boundary, exit 143 or 130, and an exact resume."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, SMALL, assert_same_weights, launch
+
+SLOW = ["model={_target_: tests.components.Slow, seconds: 0.01}", "trainer.max_steps=300", "trainer.log_every=10",
+        "checkpoint.every=null"]
+
+
+def start(run_dir, *extra):
+    return subprocess.Popen([sys.executable, "-m", "launcher", "recipes/quickstart.yaml", *SMALL, *SLOW,
+                             f"run_dir={run_dir}", *extra], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def signal_after_first_log(proc, sig) -> str:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 10/"):
+            proc.send_signal(sig)
+            break
+    out, err = proc.communicate(timeout=60)
+    return "".join(lines) + out + err
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, sig, code):
+    proc = start(tmp_path / "stopped")
+    output = signal_after_first_log(proc, sig)
+    assert proc.returncode == code, output
+    saved = sorted((tmp_path / "stopped" / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and 10 <= int(saved[0].name[5:]) < 300, output
+    assert f"stopped by {sig.name} after step {saved[0].name[5:]}: saved" in output
+    assert not (tmp_path / "stopped" / "model.pt").exists()
+
+    resumed = launch("recipes/quickstart.yaml", *SMALL, *SLOW, f"run_dir={tmp_path / 'stopped'}")
+    assert resumed.returncode == 0 and f"resumed from {saved[0]}" in resumed.stdout
+    whole = launch("recipes/quickstart.yaml", *SMALL, *SLOW, f"run_dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "stopped" / "model.pt")
+
+
+def test_the_recipe_can_turn_the_save_off(tmp_path):
+    proc = start(tmp_path, "checkpoint.on_signal=false")
+    output = signal_after_first_log(proc, signal.SIGTERM)
+    assert proc.returncode == 143, output
+    assert not list(tmp_path.glob("checkpoints/step_*"))
+    assert "not saved" in output
