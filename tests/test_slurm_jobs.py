@@ -1,0 +1,107 @@
+"""The launcher on a real Slurm cluster (slurm/local/): submit, several nodes, preemption and requeue."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.recipe.schema import SlurmConfig
+from launcher.slurm.render import render
+from tests.conftest import REPO, assert_same_weights
+from tests.slurm_cluster import slurm_cluster  # noqa: F401
+from tests.test_strategies import RECIPE, assert_equivalent
+
+pytestmark = pytest.mark.slurm
+
+
+def submit(cluster, run_dir: Path, *args: str) -> int:
+    done = subprocess.run([sys.executable, "-m", "launcher.slurm", "submit", *RECIPE, f"run_dir={run_dir}",
+                           f"--python={sys.executable}", "--time=5", *args],
+                          cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    match = re.fullmatch(r"submitted job (\d+): script (\S+), logs (\S+)\n", done.stdout)
+    assert match and Path(match.group(2)) == run_dir / "slurm" / "job.sbatch", done.stdout
+    return int(match.group(1))
+
+
+def log(run_dir: Path, job: int) -> str:
+    path = run_dir / "slurm" / f"{job}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def finished(cluster, run_dir: Path, job: int, timeout: float = 150) -> str:
+    info = cluster.wait(job, timeout=timeout)
+    output = log(run_dir, job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), f"{info}\n{output[-3000:]}"
+    return output
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    done = subprocess.run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={folder}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return folder / "model.pt"
+
+
+def test_two_nodes_through_torchrun(slurm_cluster, tmp_path, single):  # noqa: F811
+    job = submit(slurm_cluster, tmp_path, "--nodes=2")
+    output = finished(slurm_cluster, tmp_path, job)
+    assert "1     0           1" in output  # rank 1: local rank 0 on node 1
+    assert (tmp_path / "recipe.yaml").exists() and (tmp_path / "checkpoints" / "latest").exists()
+    assert_equivalent(single, tmp_path / "model.pt")
+
+
+def test_two_nodes_through_srun_alone(slurm_cluster, tmp_path, single):  # noqa: F811
+    job = submit(slurm_cluster, tmp_path, "--nodes=2", "--layout=srun")
+    output = finished(slurm_cluster, tmp_path, job)
+    assert "(ddp)" in output and "1     0           1" in output
+    assert_equivalent(single, tmp_path / "model.pt")
+
+
+def test_one_node_two_processes(slurm_cluster, tmp_path, single):  # noqa: F811
+    job = submit(slurm_cluster, tmp_path, "--tasks-per-node=2")
+    output = finished(slurm_cluster, tmp_path, job)
+    assert "1     1           0" in output  # rank 1: local rank 1 on node 0
+    assert_equivalent(single, tmp_path / "model.pt")
+
+
+SLOW = ["model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_steps=300", "checkpoint.every=null"]
+
+
+def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path):  # noqa: F811
+    whole = subprocess.run([sys.executable, "-m", "launcher", *RECIPE, *SLOW, f"run_dir={tmp_path / 'whole'}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert whole.returncode == 0, whole.stderr
+    run_dir = tmp_path / "preempted"
+    job = submit(slurm_cluster, run_dir, *SLOW)
+    deadline = time.time() + 90
+    while "step 10/" not in log(run_dir, job):
+        assert time.time() < deadline, log(run_dir, job)
+        time.sleep(0.2)
+    slurm_cluster.run("scancel", "--signal=USR1", str(job))  # what Slurm sends before the time limit
+    slurm_cluster.release(job, timeout=60)  # requeued: start it now instead of after Slurm's hold
+    output = finished(slurm_cluster, run_dir, job)
+    assert "stopped by SIGUSR1 after step" in output and f"requeued Slurm job {job}" in output, output
+    assert "restart 1" in output and "resumed from" in output, output
+    assert slurm_cluster.job_state(job)["Restarts"] == "1"
+    assert_same_weights(tmp_path / "whole" / "model.pt", run_dir / "model.pt")
+
+
+def test_a_bad_recipe_fails_within_seconds_with_one_line(slurm_cluster, tmp_path):  # noqa: F811
+    # submit checks the recipe before sbatch; a script rendered by hand reaches the nodes as it is.
+    script = tmp_path / "bad.sbatch"
+    script.write_text(render(SlurmConfig(python=sys.executable, time="5"), REPO / "recipes" / "quickstart.yaml",
+                             ["trainer.max_step=5"], tmp_path, "bad", REPO))
+    (tmp_path / "slurm").mkdir()
+    started = time.time()
+    job = slurm_cluster.sbatch(script)
+    info = slurm_cluster.wait(job, timeout=60)
+    assert info["JobState"] == "FAILED" and time.time() - started < 30, info
+    lines = [l for l in log(tmp_path, job).splitlines() if l.startswith("launcher: ") and "unknown key" in l]
+    assert lines == ["launcher: override 'trainer.max_step=5': trainer.max_step: unknown key; "
+                     "did you mean 'trainer.max_steps'?"]
