@@ -1,6 +1,5 @@
 """Components only the tests use, named by `_target_` in test recipes."""
 
-import torch
 
 from recipes.components.mlp import MLP
 

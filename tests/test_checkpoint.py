@@ -44,8 +44,6 @@ def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
     keeper.save(20, model.state_dict(), {"x": 2})
     (tmp_path / "checkpoints" / "step_20" / "manifest.json").unlink()  # as if killed before the manifest
     (tmp_path / "checkpoints" / "step_30").mkdir()  # an empty folder
-    with open(tmp_path / "checkpoints" / "step_10" / "state.pt", "ab") as f:
-        pass  # untouched: still complete
     assert keeper.resume_from("auto") == tmp_path / "checkpoints" / "step_10"
     assert keeper.resume_from("never") is None
     with pytest.raises(UserError, match="is incomplete"):

@@ -67,7 +67,7 @@ def test_value_checks_name_the_key_and_the_valid_values(tmp_path):
 
 def test_missing_steps_and_epochs(tmp_path):
     lines = problems(write(tmp_path, GOOD), "trainer.max_steps=null")
-    assert lines == [f"override 'trainer.max_steps=null': trainer.max_steps: set trainer.max_steps or trainer.max_epochs (or both)"]
+    assert lines == ["override 'trainer.max_steps=null': trainer.max_steps: set trainer.max_steps or trainer.max_epochs (or both)"]
 
 
 @pytest.mark.parametrize("override, expected", [

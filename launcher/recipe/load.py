@@ -15,7 +15,7 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -52,10 +52,11 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
     _apply(cfg, user, Recipe, "", where_file, origin, problems)
     for item in overrides:
         parsed = _parse_override(item)
+        shown = item if item.isprintable() else item.encode("unicode_escape").decode()  # one line, always
         if isinstance(parsed, str):
-            problems.append(f"override '{item}': {parsed}")
+            problems.append(f"override '{shown}': {parsed}")
             continue
-        _apply(cfg, parsed, Recipe, "", lambda _k, item=item: f"override '{item}'", origin, problems)
+        _apply(cfg, parsed, Recipe, "", lambda _k, shown=shown: f"override '{shown}'", origin, problems)
 
     def where(key: str) -> str:
         # The most specific key that was set by the user names the place to look.
@@ -98,15 +99,17 @@ def _read_yaml(path: Path) -> tuple[dict, Dict[str, int]]:
         raise UserError(f"{path}: cannot read the recipe: {e.strerror}") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = OmegaConf.create(text) if node is not None else OmegaConf.create({})
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise UserError(f"{at}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
-    except OmegaConfBaseException as e:
+        raise UserError(f"{at}: not valid YAML: {_first_line(getattr(e, 'problem', None) or e)}") from None
+    if node is not None and not isinstance(node, yaml.MappingNode):
+        kind = "list" if isinstance(node, yaml.SequenceNode) else "single value"
+        raise UserError(f"{path}: a recipe is a mapping of keys (name:, model:, ...), not a {kind}")
+    try:
+        data = OmegaConf.create(text) if node is not None else OmegaConf.create({})
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
         raise UserError(f"{path}: {_first_line(e)}") from None
-    if not isinstance(data, DictConfig):
-        raise UserError(f"{path}: a recipe is a mapping of keys (name:, model:, ...), not a {type(data).__name__}")
     lines: Dict[str, int] = {}
     _line_numbers(node, "", lines)
     return OmegaConf.to_container(data, resolve=False), lines
@@ -221,6 +224,6 @@ def _targets_in(spec: Any, key: str):
             yield from _targets_in(v, f"{key}.{i}")
 
 
-def _first_line(e: BaseException) -> str:
+def _first_line(e: object) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
