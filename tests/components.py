@@ -26,19 +26,25 @@ class NotAModule:
 
 
 class DiesOnce(MLP):
-    """An MLP whose process dies (as if killed) at its `at`-th training forward, in rank `rank`'s first attempt only."""
+    """An MLP whose process dies at its `at`-th training forward, in rank `rank`'s first attempt only:
+    `how` is "exit" (os._exit), "kill" (SIGKILL, as the OOM killer does) or "raise" (an exception)."""
 
-    def __init__(self, at: int, rank: int = 1, **kwargs):
+    def __init__(self, at: int, rank: int = 1, how: str = "exit", **kwargs):
         super().__init__(**kwargs)
-        self.at, self.rank, self.calls = at, rank, 0
+        self.at, self.rank, self.how, self.calls = at, rank, how, 0
 
     def forward(self, x):
         import os
+        import signal
 
         if self.training:
             self.calls += 1
             first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             if first_attempt and os.environ.get("RANK") == str(self.rank) and self.calls == self.at:
+                if self.how == "raise":
+                    raise RuntimeError(f"rank {self.rank} broke at forward {self.at}")
+                if self.how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 os._exit(9)
         return super().forward(x)
 
