@@ -40,3 +40,13 @@ def test_a_rank_that_raises_takes_the_others_down_quickly(tmp_path):
     error = "RuntimeError: rank 1 broke at forward 15"
     ours = [l for l in done.stderr.splitlines() if l.endswith(error)]
     assert ours == [f"[rank1]: {error}"], done.stderr[-3000:]  # once, prefixed by its rank
+
+
+def test_a_crash_inside_a_save_never_loses_the_newest_complete_checkpoint(tmp_path):
+    """Three seeded instants (python -m tests.save_crash --trials 20 is the stress run)."""
+    from tests.save_crash import count_events, run, trial
+
+    assert run(tmp_path / "reference").returncode == 0
+    total = count_events(tmp_path)
+    for kill_at in random.Random(0).sample(range(1, total + 1), 3):
+        assert trial(tmp_path, kill_at, tmp_path / "reference" / "model.pt").endswith("exact")
