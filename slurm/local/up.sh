@@ -5,7 +5,11 @@
 #   bash slurm/local/up.sh            # then: export SLURM_CONF=/tmp/launcher-slurm/slurm.conf
 #   bash slurm/local/down.sh [--wipe]
 #
-# State (slurm.conf, spool, state, logs, pid files) lives in ${LAUNCHER_SLURM_STATE:-/tmp/launcher-slurm}.
+# State (slurm.conf, gres.conf, spool, state, logs, pid files) lives in ${LAUNCHER_SLURM_STATE:-/tmp/launcher-slurm}.
+# Each node has ${LAUNCHER_SLURM_GPUS:-2} fake GPUs (GRES gpu; 0: none): character devices
+# /dev/launcher-fake-gpu<i> that nothing opens, so jobs asking for GPUs get CUDA_VISIBLE_DEVICES set
+# the way a real cluster sets it, while torch still sees no GPU. When slurm.conf or gres.conf changes,
+# daemons already running are restarted (running jobs go on); when nothing changed, nothing is.
 # Exit status: 0 up; 1 a daemon did not come up (the logs' last lines are printed);
 # 3 not root (nothing done); 4 the packages could not be installed.
 set -euo pipefail
@@ -26,6 +30,10 @@ fi
 have_all() { command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged; } >/dev/null 2>&1
 PATH=$PATH:/usr/sbin:/sbin
 mkdir -p "$STATE"/{state,spool,log,run}
+# One up.sh at a time (two test sessions starting together): a restart must not race a start.
+# Daemons are started with fd 9 closed, so they do not hold the lock.
+exec 9>"$STATE/run/up.lock"
+flock -w 120 9 || { echo "up.sh: another up.sh has held $STATE/run/up.lock for 120 s" >&2; exit 1; }
 APTLOG=$STATE/log/apt.log
 if ! have_all; then
     pkgs=(slurmctld slurmd slurm-client munge)
@@ -55,9 +63,40 @@ fail() {
     exit 1
 }
 
+# --- fake GPUs --------------------------------------------------------------------------------
+# GRES File= must name a character or block device (a regular file makes slurmd fail with "is not
+# a valid character or block device"): mknod with NVIDIA's major number 195, minor i, mode 666.
+# Node n1 gets gpu0..gpu{G-1}, n2 gpu{G}..gpu{2G-1}: distinct files, so a job's GPUs tell its node.
+GPUS=${LAUNCHER_SLURM_GPUS:-2}
+[[ $GPUS =~ ^[0-9]+$ ]] || { echo "up.sh: LAUNCHER_SLURM_GPUS=$GPUS is not a number" >&2; exit 2; }
+for ((i = 0; i < 2 * GPUS; i++)); do
+    dev=/dev/launcher-fake-gpu$i
+    [[ -c $dev && $(stat -c '%t:%T' "$dev") == "c3:$(printf '%x' "$i")" ]] && continue
+    rm -f "$dev"
+    if ! mknod -m 666 "$dev" c 195 "$i" 2>"$STATE/log/mknod.err"; then
+        say "mknod $dev failed ($(head -c 200 "$STATE/log/mknod.err")): nodes get no GPUs"
+        GPUS=0
+        break
+    fi
+done
+gres_line() {  # gres_line NODE FIRST: gres.conf's line for NODE, GPUs FIRST..FIRST+GPUS-1
+    if ((GPUS == 1)); then
+        echo "NodeName=$1 Name=gpu File=/dev/launcher-fake-gpu$2"
+    else
+        echo "NodeName=$1 Name=gpu File=/dev/launcher-fake-gpu[$2-$(($2 + GPUS - 1))]"
+    fi
+}
+
 # --- configuration ----------------------------------------------------------------------------
 HOST=$(hostname -s)
 chmod 755 "$STATE"
+if ((GPUS > 0)); then
+    GRES_TYPES=$'\nGresTypes=gpu'
+    NODE_GRES=" Gres=gpu:$GPUS"
+else
+    GRES_TYPES=""
+    NODE_GRES=""
+fi
 
 new_conf=$(cat <<EOF
 # Written by slurm/local/up.sh; rewritten on every run. Two nodes on one host.
@@ -82,7 +121,7 @@ MinJobAge=3600
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-MailProg=/bin/true
+MailProg=/bin/true${GRES_TYPES}
 StateSaveLocation=$STATE/state
 SlurmdSpoolDir=$STATE/spool/%n
 SlurmctldPidFile=$STATE/run/slurmctld.pid
@@ -91,15 +130,30 @@ SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdLogFile=$STATE/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-NodeName=n1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17001 CPUs=2 RealMemory=4000 State=UNKNOWN
-NodeName=n2 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17002 CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=n1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17001 CPUs=2 RealMemory=4000${NODE_GRES} State=UNKNOWN
+NodeName=n2 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17002 CPUs=2 RealMemory=4000${NODE_GRES} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 )
-if [[ ! -f $CONF ]] || [[ $(cat "$CONF") != "$new_conf" ]]; then
-    [[ -f $CONF ]] && say "slurm.conf changed; daemons already running keep the old one until down.sh && up.sh"
-    printf '%s\n' "$new_conf" >"$CONF"
+# gres.conf: slurmctld and slurmd read it from slurm.conf's folder (the -f file's, or SLURM_CONF's).
+GRES_CONF=$STATE/gres.conf
+new_gres="# Written by slurm/local/up.sh; rewritten on every run. Fake GPUs: see up.sh."
+if ((GPUS > 0)); then
+    new_gres+=$'\n'"AutoDetect=off"$'\n'"$(gres_line n1 0)"$'\n'"$(gres_line n2 "$GPUS")"
 fi
+write_if_changed() {  # write_if_changed FILE CONTENT
+    if [[ ! -f $1 ]] || [[ $(cat "$1") != "$2" ]]; then
+        printf '%s\n' "$2" >"$1"
+    fi
+}
+write_if_changed "$CONF" "$new_conf"
+write_if_changed "$GRES_CONF" "$new_gres"
+# The two files as the running daemons read them when they started (written below, once they are
+# started). Daemons started from other files (changed since, or started by an older up.sh or by
+# hand) are restarted: GresTypes and the nodes' Gres take effect only then, `scontrol reconfigure`
+# leaves the nodes without GPUs.
+STARTED=$STATE/run/started-with.conf
+want=$(cat "$CONF" "$GRES_CONF")
 
 # Node names must resolve (torchrun --master_addr=n1 hangs on "gai error: -2" otherwise).
 if ! getent hosts n1 >/dev/null || ! getent hosts n2 >/dev/null; then
@@ -131,15 +185,39 @@ if alive /run/munge/munged.pid munged && munge_ok; then
 else
     say "starting munged"
     # --force: start even if an earlier munged left its socket or pid file behind.
-    timeout 20 runuser -u munge -- /usr/sbin/munged --force || fail "munged did not start"
+    timeout 20 runuser -u munge -- /usr/sbin/munged --force 9>&- || fail "munged did not start"
     for _ in $(seq 50); do munge_ok && break; sleep 0.1; done
     munge_ok || fail "munge -n | unmunge fails"
+fi
+
+# Daemons started from other files: stop slurmd n1, n2 and slurmctld (SIGTERM, together; ~1 s) to
+# start them again below. Jobs keep running through it (their slurmstepd stays); so does their state.
+if [[ ! -f $STARTED ]] || [[ $(cat "$STARTED") != "$want" ]]; then
+    pids=()
+    for name in slurmd.n1:slurmd slurmd.n2:slurmd slurmctld:slurmctld; do
+        if alive "$STATE/run/${name%%:*}.pid" "${name#*:}"; then
+            pids+=("$(<"$STATE/run/${name%%:*}.pid")")
+        fi
+    done
+    if ((${#pids[@]})); then
+        say "configuration changed since the daemons started: restarting slurmctld and slurmd (pids ${pids[*]})"
+        kill -TERM "${pids[@]}" 2>/dev/null || true
+        for _ in $(seq 150); do
+            live=0
+            for pid in "${pids[@]}"; do if kill -0 "$pid" 2>/dev/null; then live=1; fi; done
+            ((live)) || break
+            sleep 0.1
+        done
+        for pid in "${pids[@]}"; do
+            if kill -0 "$pid" 2>/dev/null; then say "pid $pid ignored SIGTERM for 15 s: SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; fi
+        done
+    fi
 fi
 
 # slurmctld
 if ! alive "$STATE/run/slurmctld.pid" slurmctld; then
     say "starting slurmctld"
-    timeout 30 slurmctld -f "$CONF" || fail "slurmctld did not start"
+    timeout 30 slurmctld -f "$CONF" 9>&- || fail "slurmctld did not start"
 fi
 for _ in $(seq $((WAIT_S * 5))); do timeout 5 scontrol ping >/dev/null 2>&1 && break; sleep 0.2; done
 timeout 5 scontrol ping 2>/dev/null | grep -q UP || fail "slurmctld does not answer scontrol ping"
@@ -153,9 +231,10 @@ for node in n1 n2; do
         fresh+=("$node")
         rm -f "$STATE/run/slurmd.$node.pid"
         mkdir -p "$STATE/spool/$node"
-        timeout 30 slurmd -f "$CONF" -N "$node" || fail "slurmd -N $node did not start"
+        timeout 30 slurmd -f "$CONF" -N "$node" 9>&- || fail "slurmd -N $node did not start"
     fi
 done
+[[ -f $STARTED ]] && [[ $(cat "$STARTED") == "$want" ]] || printf '%s\n' "$want" >"$STARTED"
 
 # --- wait until both nodes take jobs ---------------------------------------------------------
 # Nodes busy with jobs (allocated, mixed, completing) count as up: another user may be running.
