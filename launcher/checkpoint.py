@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -42,8 +44,15 @@ class Checkpointer:
     def save(self, step: int, model_state: Dict[str, torch.Tensor], state: Dict[str, Any]) -> Optional[Path]:
         if not self.writer:
             return None
-        final = self.folder / f"step_{step}"
         partial = self.folder / f".step_{step}.partial"
+        try:
+            return self._save(step, partial, model_state, state)
+        except OSError as e:
+            shutil.rmtree(partial, ignore_errors=True)  # the complete checkpoints stay as they were
+            raise cannot_write(self.folder, e) from None
+
+    def _save(self, step: int, partial: Path, model_state: Dict[str, torch.Tensor], state: Dict[str, Any]) -> Path:
+        final = self.folder / f"step_{step}"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         files = {}
@@ -67,7 +76,10 @@ class Checkpointer:
         if not self.writer:
             return None
         path = self.run_dir / "model.pt"
-        _write(path, lambda f: torch.save(model_state, f), atomic=True)
+        try:
+            _write(path, lambda f: torch.save(model_state, f), atomic=True)
+        except OSError as e:
+            raise cannot_write(path, e) from None
         return path
 
     def complete(self) -> List[Path]:
@@ -102,6 +114,11 @@ class Checkpointer:
         return path
 
 
+def cannot_write(where: Path, e: OSError) -> UserError:
+    return UserError(f"cannot write {where}: {e.strerror or e} (errno {e.errno}); the newest complete checkpoint "
+                     f"is kept. HINT: free some space, or point run_dir=... at a writable folder")
+
+
 def is_complete(folder: Path) -> bool:
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
@@ -113,14 +130,20 @@ def is_complete(folder: Path) -> bool:
 def load_file(path: Path, map_location: Any = "cpu") -> Any:
     """torch.load with weights_only=True: a file that needs arbitrary unpickling is refused, never run."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols on stderr: one line is ours
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise UserError(f"{path}: is a folder; name the model.pt file inside it") from None
-    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for bad files
+    except pickle.UnpicklingError:
+        raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: it holds objects other "
+                        f"than tensors and plain containers, which could run code when loaded; it is not loaded") from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, ... for truncated or foreign files
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True ({first})") from None
+        raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: truncated or not a "
+                        f"torch file ({first[:120]})") from None
 
 
 def strip_prefixes(state: Dict[str, Any]) -> Dict[str, Any]:
@@ -173,7 +196,13 @@ def _write(path: Path, write, atomic: bool = False) -> int:
     """Write through `write(file)`, fsync, and return the size; with atomic, via a temporary name and rename."""
     target = path.with_name(f".{path.name}.tmp") if atomic else path
     with open(target, "wb") as f:
-        write(f)
+        recorder = _Recorder(f)
+        try:
+            write(recorder)
+        except RuntimeError:  # torch's zip writer turns a failed write (a full disk) into a RuntimeError
+            if recorder.error is not None:
+                raise recorder.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
@@ -181,6 +210,23 @@ def _write(path: Path, write, atomic: bool = False) -> int:
         os.replace(target, path)
         _fsync_dir(path.parent)
     return size
+
+
+class _Recorder:
+    """A file that remembers the OSError its write raised, for errors that torch re-raises as others."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 
 from launcher.errors import UserError
 
@@ -75,7 +75,7 @@ class TrainData:
         per_rank = batch_size // replicas
         self.sampler = EpochSampler(dataset, replicas, rank, shuffle, seed, per_rank, self.batches_per_epoch)
         self.loader = _loader(dataset, per_rank, self.sampler, num_workers, device, seed, drop_last=True)
-        self.device = device
+        self.dataset, self.device = dataset, device
 
     def stream(self, position: Position) -> Iterator[Any]:
         """Micro-batches from `position` on, across epochs; advances `position.epoch` and `.batch`."""
@@ -133,3 +133,38 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def check_first_batch(dataset: Dataset, model, loss_fn, metrics: dict, autocast, device: torch.device) -> None:
+    """Two items through the model, loss and metrics before training, so that data that does not fit
+    the model is one clear line now rather than a traceback at the first step. In eval mode and
+    without gradients: no RNG is drawn and no state changes."""
+    item = dataset[0]
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise UserError(f"data.train: items must be (input, target) pairs; item 0 is a {type(item).__name__}"
+                        + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+    try:
+        x, y = to_device(default_collate([dataset[i] for i in range(min(2, len(dataset)))]), device)
+    except (TypeError, RuntimeError) as e:
+        raise UserError(f"data.train: items do not batch together: {_first_line(e)}") from None
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast():
+            output = model(x)
+            loss = loss_fn(output, y)
+            for fn in metrics.values():
+                fn(output, y)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise UserError(f"loss: must return one number (a mean over the batch), got "
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        raise UserError(f"data.train does not fit the model, loss or metrics: the first batch gives "
+                        f"{type(e).__name__}: {_first_line(e)}") from None
+    finally:
+        model.train(was_training)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

@@ -57,8 +57,12 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
     run_dir = Path(recipe.run_dir)
     if placement.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.yaml").write_text(OmegaConf.to_yaml(loaded.config))
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "recipe.yaml").write_text(OmegaConf.to_yaml(loaded.config))
+        except OSError as e:
+            raise UserError(f"run_dir: cannot write {run_dir}: {e.strerror or e}; point run_dir=... at a "
+                            f"writable folder") from None
     logger, console = loggers.make(placement.is_main, run_dir, recipe.logging.tensorboard, recipe.logging.progress_bar)
     for note in notes:
         console.info(note)
@@ -119,7 +123,9 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     meter = TrainMeter(metrics, device, recipe.trainer.log_every, samples_per_step, cfg.tokens_per_sample)
     logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
-    parts = Parts(wrapped, optimizer, schedule, loss_fn=instantiate(recipe.loss), metrics=metrics,
+    loss_fn = instantiate(recipe.loss)
+    data.check_first_batch(train_data.dataset, model, loss_fn, metrics, precision.autocast, device)
+    parts = Parts(wrapped, optimizer, schedule, loss_fn=loss_fn, metrics=metrics,
                   precision=precision, strategy=strategy, data=train_data, val=val, meter=meter,
                   logger=logger, console=console, save=save, stop=StopFlag(placement.world_size),
                   save_on_stop=recipe.checkpoint.on_signal)

@@ -1,5 +1,7 @@
 """Components only the tests use, named by `_target_` in test recipes."""
 
+import torch
+
 
 from recipes.components.mlp import MLP
 
@@ -62,3 +64,13 @@ class Slow(MLP):
         if self.training:
             time.sleep(self.seconds)
         return super().forward(x)
+
+
+class Singles(torch.utils.data.Dataset):
+    """Items that are bare tensors, not (input, target) pairs."""
+
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        return torch.zeros(32)

@@ -138,3 +138,10 @@ def test_command_line_print_config_and_errors(tmp_path):
 
     flag = launch(str(QUICKSTART), "--no-such-flag")
     assert flag.returncode == 2 and len(flag.stderr.splitlines()) == 1 and "--no-such-flag" in flag.stderr
+
+
+def test_a_whole_mapping_replaces_a_dotted_key_changes_one_value(tmp_path):
+    loaded = load(write(tmp_path, GOOD), ["model={_target_: torch.nn.Linear, in_features: 2, out_features: 3}",
+                                          "optimizer.momentum=0.9"])
+    assert loaded.recipe.model == {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 3}
+    assert loaded.recipe.optimizer == {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9}

@@ -56,7 +56,7 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
         if isinstance(parsed, str):
             problems.append(f"override '{shown}': {parsed}")
             continue
-        _apply(cfg, parsed, Recipe, "", lambda _k, shown=shown: f"override '{shown}'", origin, problems)
+        _apply_at(cfg, *parsed, lambda _k, shown=shown: f"override '{shown}'", origin, problems)
 
     def where(key: str) -> str:
         # The most specific key that was set by the user names the place to look.
@@ -123,41 +123,57 @@ def _line_numbers(node: Any, prefix: str, out: Dict[str, int]) -> None:
             _line_numbers(value_node, key + ".", out)
 
 
-def _parse_override(item: str) -> dict | str:
+def _parse_override(item: str) -> tuple | str:
+    """(dotted key, value) of `key=value`, the value parsed as OmegaConf's dotlist does; or what is wrong."""
     key, eq, _ = item.partition("=")
     if not eq or not key or not all(part.isidentifier() for part in key.split(".")):
         return "expected key=value with a dotted key, e.g. trainer.max_steps=100"
     try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
     except (OmegaConfBaseException, yaml.YAMLError) as e:
         return f"cannot parse the value: {_first_line(e)}"
+    for part in key.split("."):
+        value = value[part]
+    return key, value
 
 
 def _apply(cfg: DictConfig, data: dict, schema: type, prefix: str, where, origin, problems) -> None:
-    """Merge `data` into `cfg` key by key, so that every bad key or value is reported."""
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    hints = typing.get_type_hints(schema)
+    """Merge a recipe file's `data` into `cfg` key by key, so that every bad key or value is reported."""
     for key, value in data.items():
-        full = f"{prefix}{key}"
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
+        _apply_at(cfg, f"{prefix}{key}", value, where, origin, problems, schema, len(prefix.split(".")) - 1)
+
+
+def _apply_at(cfg: DictConfig, dotted: str, value: Any, where, origin, problems,
+              schema: type = Recipe, depth: int = 0) -> None:
+    """Set `dotted` to `value`, walking the schema's sections; inside a free mapping (model, data.train,
+    ...) the rest of the key is that component's argument. A whole mapping replaces the one before:
+    a new `_target_` takes none of the old arguments."""
+    parts = dotted.split(".")
+    for i in range(depth, len(parts)):
+        fields = {f.name for f in dataclasses.fields(schema)}
+        prefix, full = ".".join(parts[:i]), ".".join(parts[:i + 1])
+        if parts[i] not in fields:
+            close = difflib.get_close_matches(parts[i], fields, n=1)
+            dot = f"{prefix}." if prefix else ""
+            hint = f"did you mean '{dot}{close[0]}'?" if close else f"valid keys: {', '.join(sorted(fields))}"
             problems.append(f"{where(full)}: {full}: unknown key; {hint}")
-            continue
-        kind = hints[key]
-        if dataclasses.is_dataclass(kind) and isinstance(value, dict):
-            _apply(cfg, value, kind, full + ".", where, origin, problems)
-            continue
-        try:
-            OmegaConf.update(cfg, full, value, merge=_is_free_mapping(kind))
-        except OmegaConfBaseException:
-            problems.append(f"{where(full)}: {full}: expected {_describe(kind)}, got {value!r}")
-            continue
-        origin[full] = where(full)
-
-
-def _is_free_mapping(kind: Any) -> bool:
-    return dict in (typing.get_origin(kind), *[typing.get_origin(a) for a in typing.get_args(kind)])
+            return
+        kind = typing.get_type_hints(schema)[parts[i]]
+        if dataclasses.is_dataclass(kind):
+            if i == len(parts) - 1 and isinstance(value, dict):
+                _apply(cfg, value, kind, full + ".", where, origin, problems)
+                return
+            if i < len(parts) - 1:
+                schema = kind
+                continue
+        break
+    try:
+        OmegaConf.update(cfg, dotted, value, merge=False)
+    except OmegaConfBaseException:
+        shown = _describe(kind) if full == dotted else "a value its component accepts"
+        problems.append(f"{where(dotted)}: {dotted}: expected {shown}, got {value!r}")
+        return
+    origin[dotted] = where(dotted)
 
 
 def _describe(kind: Any) -> str:

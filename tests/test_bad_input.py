@@ -1,0 +1,138 @@
+"""Every user mistake ends within seconds with exit 2 and one line on stderr naming the problem:
+no traceback, on every rank."""
+
+import pickle
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from launcher.cli import main
+from recipes.components.mlp import MLP
+from tests.conftest import REPO, SMALL
+
+Q = "recipes/quickstart.yaml"
+
+
+def files(tmp):
+    """The files some cases point at."""
+    (tmp / "broken.yaml").write_text("name: x\nmodel: {_target_: a\n")
+    (tmp / "nameless.yaml").write_text((REPO / Q).read_text().replace("name: quickstart\n", ""))
+    (tmp / "list.yaml").write_text("- 1\n")
+    torch.save(MLP(hidden=64).state_dict(), tmp / "other.pt")
+    torch.save(MLP().state_dict(), tmp / "whole.pt")
+    (tmp / "truncated.pt").write_bytes((tmp / "whole.pt").read_bytes()[:500])
+    (tmp / "step_5").mkdir(exist_ok=True)
+    (tmp / "step_5" / "model.pt").write_bytes((tmp / "whole.pt").read_bytes())
+    with open(tmp / "evil.pt", "wb") as f:
+        pickle.dump({"0.weight": Evil()}, f)
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+# (id, command line after `python -m launcher`, what the one line says); {t} is a scratch folder.
+CASES = [
+    ("malformed-yaml", ["{t}/broken.yaml"], "broken.yaml:3: not valid YAML"),
+    ("not-a-mapping", ["{t}/list.yaml"], "a recipe is a mapping of keys"),
+    ("no-file", ["{t}/none.yaml"], "none.yaml: recipe file not found"),
+    ("unknown-key", [Q, "trainer.max_step=5"], "trainer.max_step: unknown key; did you mean 'trainer.max_steps'?"),
+    ("wrong-type", [Q, "trainer.max_steps=many"], "trainer.max_steps: expected an integer or null, got 'many'"),
+    ("missing-value", ["{t}/nameless.yaml"], "name: required value is missing"),
+    ("interpolation", [Q, "run_dir=runs/${nope}"], "run_dir: cannot resolve 'runs/${nope}'"),
+    ("malformed-override", [Q, "trainer.max_steps"], "expected key=value with a dotted key"),
+    ("bad-override-value", [Q, "trainer.max_steps=[1,"], "cannot parse the value"),
+    ("no-import", [Q, "model._target_=recipes.components.mlp.Nope"], "has no attribute 'Nope'"),
+    ("not-callable", [Q, "model._target_=recipes.components.mlp"], "'recipes.components.mlp' is not callable"),
+    ("wrong-arguments", [Q, "model.widht=3"], "got an unexpected keyword argument 'widht'"),
+    ("out-of-range", [Q, "trainer.max_steps=0"], "trainer.max_steps: must be 1 or more, got 0"),
+    ("bad-choice", [Q, "precision=fp8"], "precision: got 'fp8'; valid: fp32, bf16, fp16"),
+    ("unknown-flag", [Q, "--fast"], "unrecognized arguments: --fast"),
+    ("cuda-without-gpu", [Q, "devices=cuda"], "devices: 'cuda' asks for a GPU but none is visible"),
+    ("gpu-not-there", [Q, "devices=cuda:3"], "asks for a GPU but none is visible"),
+    ("gpu-ids-not-there", [Q, "devices=[0,3]"], "devices: GPU 0 of [0, 3] is not there; visible: none"),
+    ("free-gpus-not-there", [Q, "devices=auto:2"], "devices: auto:2 asks for 2 GPU(s), visible: none"),
+    ("fp16-on-cpu", [Q, "precision=fp16", "devices=cpu"], "precision: fp16 needs a CUDA device"),
+    ("ddp-count-on-cpu", [Q, "strategy=ddp"], "nproc_per_node: strategy=ddp on the CPU"),
+    ("empty-dataset", [Q, "data.train.n=0"], "data.train: the dataset is empty"),
+    ("batch-too-large", [Q, "data.batch_size=100000"], "items are fewer than one optimizer step takes"),
+    ("items-not-pairs", [Q, "data.train={_target_: tests.components.Singles}"], "items must be (input, target) pairs"),
+    ("items-wrong-shape", [Q, "model.in_dim=16"], "data.train does not fit the model, loss or metrics"),
+    ("another-model", [Q, "checkpoint.init_from={t}/other.pt"], "does not fit this model: '0.weight' is (64, 32)"),
+    ("truncated-file", [Q, "checkpoint.init_from={t}/truncated.pt"], "truncated or not a torch file"),
+    ("runs-code", [Q, "checkpoint.init_from={t}/evil.pt"], "which could run code when loaded; it is not loaded"),
+    ("not-a-file", [Q, "checkpoint.init_from={t}"], "is a folder; name the model.pt file inside it"),
+    ("missing-manifest", [Q, "checkpoint.resume={t}/step_5"], "is incomplete (no valid manifest.json)"),
+    ("no-folder", [Q, "checkpoint.resume={t}/nowhere"], "is not a checkpoint folder"),
+    ("run-dir-is-a-file", [Q, "run_dir={t}/whole.pt"], "run_dir: cannot write"),
+]
+
+
+@pytest.mark.parametrize("args, says", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_one_line_exit_2(tmp_path, capsys, args, says):
+    files(tmp_path)
+    args = [a.replace("{t}", str(tmp_path)) for a in args]
+    if args[0] == Q and "run_dir=" not in " ".join(args):
+        args.append(f"run_dir={tmp_path / 'run'}")
+    started = time.time()
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launcher: ") and says in lines[0], err
+    assert time.time() - started < 30
+    assert "this must never run" not in capsys.readouterr().out
+
+
+def test_there_are_at_least_25_cases():
+    assert len(CASES) >= 25
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 64 KiB file system (no space) and a read-only one (no permission): root only."""
+    full, readonly = tmp_path / "full", tmp_path / "readonly"
+    full.mkdir(), readonly.mkdir()
+    for folder, options in ((full, "size=64k"), (readonly, "ro,size=64k")):
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip() or 'not root'})")
+    yield full, readonly
+    for folder in (full, readonly):
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def test_no_space_or_permission_while_saving(tiny_disk, capsys):
+    full, readonly = tiny_disk
+    code = main([Q, *SMALL, f"run_dir={full}", "model.hidden=256"])  # the first checkpoint does not fit in 64 KiB
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and "No space left on device (errno 28)" in err[0], err
+    assert not list(full.glob("checkpoints/.step_*"))  # the partial save is gone
+    code = main([Q, *SMALL, f"run_dir={readonly}"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and err == [f"launcher: run_dir: cannot write {readonly}: Read-only file system; "
+                                 f"point run_dir=... at a writable folder"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["trainer.max_step=5"], "trainer.max_step: unknown key"),
+    (["data.batch_size=33"], "data.batch_size: 33 does not divide among 2 processes; use a multiple of 2"),
+    (["data.train.n=0"], "data.train: the dataset is empty"),
+    (["model.in_dim=16"], "data.train does not fit the model"),
+], ids=["recipe", "batch-not-divisible", "empty-dataset", "wrong-shape"])
+def test_the_same_under_torchrun_with_two_processes(tmp_path, args, says):
+    started = time.time()
+    done = subprocess.run([sys.executable, "-m", "launcher", Q, "strategy=ddp", "nproc_per_node=2",
+                           f"run_dir={tmp_path}", "logging.tensorboard=false", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    ours = [l for l in done.stderr.splitlines() if "launcher:" in l]
+    assert len(ours) == 1 and says in ours[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and time.time() - started < 60
