@@ -2,7 +2,6 @@
 
 import random
 import subprocess
-import sys
 import time
 
 import pytest
