@@ -82,14 +82,14 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
         checkpoint.load_model_state(model, Path(recipe.checkpoint.init_from), map_location=device)
         console.info(f"initialised the model from {recipe.checkpoint.init_from}")
     wrapped = strategy.wrap(model)
-    optimizer = instantiate(recipe.optimizer, [q for q in model.parameters() if q.requires_grad])
-    schedule = instantiate(recipe.lr_schedule, optimizer) if recipe.lr_schedule else None
+    optimizer = _build(recipe.optimizer, "optimizer", object, [q for q in model.parameters() if q.requires_grad])
+    schedule = _build(recipe.lr_schedule, "lr_schedule", object, optimizer) if recipe.lr_schedule else None
     precision = Precision(recipe.precision, device)
-    metrics = {name: instantiate(spec) for name, spec in recipe.metrics.items()}
+    metrics = {name: _build(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
     cfg = recipe.data
-    train_data = data.TrainData(_build(cfg.train, "data.train", object), cfg.batch_size, recipe.trainer.grad_accum_steps,
+    train_data = data.TrainData(_build(cfg.train, "data.train"), cfg.batch_size, recipe.trainer.grad_accum_steps,
                                 placement.world_size, placement.rank, cfg.shuffle, recipe.seed, cfg.num_workers, device)
-    val = data.val_batches(_build(cfg.val, "data.val", object) if cfg.val else None, cfg.batch_size,
+    val = data.val_batches(_build(cfg.val, "data.val") if cfg.val else None, cfg.batch_size,
                            placement.world_size, placement.rank, cfg.num_workers, device, recipe.seed)
 
     position = data.Position()
@@ -123,7 +123,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     meter = TrainMeter(metrics, device, recipe.trainer.log_every, samples_per_step, cfg.tokens_per_sample)
     logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
-    loss_fn = instantiate(recipe.loss)
+    loss_fn = _build(recipe.loss, "loss")
     data.check_first_batch(train_data.dataset, model, loss_fn, metrics, precision.autocast, device)
     parts = Parts(wrapped, optimizer, schedule, loss_fn=loss_fn, metrics=metrics,
                   precision=precision, strategy=strategy, data=train_data, val=val, meter=meter,
@@ -186,8 +186,15 @@ def _describe(placement: scheduler.Placement) -> Dict[str, Any]:
     return row
 
 
-def _build(spec: Dict[str, Any], key: str, kind: type) -> Any:
-    built = instantiate(spec)
+def _build(spec: Dict[str, Any], key: str, kind: type = object, *args: Any) -> Any:
+    """Build a recipe component. A constructor that rejects the recipe's arguments (a negative size, a
+    value out of its range) is the recipe's mistake: one line naming the key, not a traceback."""
+    try:
+        built = instantiate(spec, *args)
+    except (TypeError, ValueError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{key}: {spec['_target_']} failed with the recipe's arguments: "
+                        f"{type(e).__name__}: {first}") from None
     if kind is nn.Module and not isinstance(built, nn.Module):
         raise UserError(f"{key}: {spec['_target_']} built a {type(built).__name__}, not a torch.nn.Module")
     if key.startswith("data.") and not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):

@@ -52,3 +52,22 @@ def test_the_recipe_can_turn_the_save_off(tmp_path):
     assert proc.returncode == 143, output
     assert not list(tmp_path.glob("checkpoints/step_*"))
     assert "not saved" in output
+
+
+def test_sigterm_under_torchrun_two_ranks_agree_save_and_resume_exactly(tmp_path):
+    """torchrun forwards SIGTERM to both workers; they agree on one step (a host collective every 10
+    steps), save once, and stop; resuming under torchrun finishes bitwise equal."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "launcher",
+                "recipes/quickstart.yaml", *SMALL, *SLOW]
+    proc = subprocess.Popen([*torchrun, f"run_dir={tmp_path / 'stopped'}"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    output = signal_after_first_log(proc, signal.SIGTERM)
+    assert proc.returncode != 0, output
+    saved = sorted((tmp_path / "stopped" / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and int(saved[0].name[5:]) % 10 == 0, output
+    assert f"stopped by SIGTERM after step {saved[0].name[5:]}: saved" in output
+    for run_dir in ("stopped", "whole"):
+        done = subprocess.run([*torchrun, f"run_dir={tmp_path / run_dir}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "stopped" / "model.pt")
