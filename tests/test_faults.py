@@ -49,3 +49,40 @@ def test_a_crash_inside_a_save_never_loses_the_newest_complete_checkpoint(tmp_pa
     total = count_events(tmp_path)
     for kill_at in random.Random(0).sample(range(1, total + 1), 3):
         assert trial(tmp_path, kill_at, tmp_path / "reference" / "model.pt").endswith("exact")
+
+
+def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path):
+    """Two torchrun agents stand for two nodes; one node is lost whole (agent and worker SIGKILLed)."""
+    import os
+    import signal
+
+    from tests.test_strategies import free_port
+
+    slow = ["model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_steps=150"]
+
+    def nodes(run_dir, extra):
+        endpoint = f"127.0.0.1:{free_port()}"
+        return [subprocess.Popen([*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                                  f"--rdzv_endpoint={endpoint}", "--rdzv_id=nodeloss", "-m", "launcher", *COMMON,
+                                  *extra, f"run_dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True) for _ in range(2)]
+
+    first = nodes(tmp_path, slow)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("checkpoints/step_20")):
+        assert time.time() < deadline and all(n.poll() is None for n in first)
+        time.sleep(0.1)
+    os.killpg(first[1].pid, signal.SIGKILL)  # the whole node: its agent and its worker
+    lost = time.time()
+    first[0].communicate(timeout=90)
+    assert first[0].returncode != 0 and time.time() - lost < 60
+    assert not (tmp_path / "model.pt").exists()
+    # The node is back (or the job is resubmitted): the same command resumes from the newest checkpoint.
+    again = nodes(tmp_path, slow)
+    outputs = [n.communicate(timeout=180)[0] for n in again]
+    assert [n.returncode for n in again] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert any("resumed from" in o for o in outputs)
+    reference = tmp_path.parent / "reference_nodes"
+    whole = nodes(reference, slow)
+    assert [n.communicate(timeout=180) and n.returncode for n in whole] == [0, 0]
+    assert_same_weights(reference / "model.pt", tmp_path / "model.pt")
