@@ -91,8 +91,26 @@ def test_one_line_exit_2(tmp_path, capsys, args, says):
     assert "this must never run" not in capsys.readouterr().out
 
 
+SLURM_CASES = [
+    ("slurm-unknown-option", ["render", Q, "--node", "2"], "unknown option --node; valid: --nodes, --gpus-per-node"),
+    ("slurm-bad-value", ["render", Q, "--nodes", "two"], "--nodes two: expected an integer, got 'two'"),
+    ("slurm-bad-layout", ["render", Q, "--layout", "mpi"], "--layout mpi: got 'mpi'; valid: torchrun, srun"),
+    ("slurm-bad-time", ["submit", Q, "--time", "soon"], "--time soon: got 'soon'; Slurm's forms"),
+    ("slurm-no-command", ["launch", Q], "usage: python -m launcher.slurm {submit,render}"),
+]
+
+
+@pytest.mark.parametrize("args, says", [c[1:] for c in SLURM_CASES], ids=[c[0] for c in SLURM_CASES])
+def test_slurm_options_one_line_exit_2(capsys, args, says):
+    from launcher.slurm.__main__ import main as slurm_main
+
+    assert slurm_main(args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launcher: ") and says in lines[0], lines
+
+
 def test_there_are_at_least_25_cases():
-    assert len(CASES) >= 25
+    assert len(CASES) + len(SLURM_CASES) >= 25
 
 
 @pytest.fixture
