@@ -51,7 +51,8 @@ def test_a_crash_inside_a_save_never_loses_the_newest_complete_checkpoint(tmp_pa
         assert trial(tmp_path, kill_at, tmp_path / "reference" / "model.pt").endswith("exact")
 
 
-def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("lost", [0, 1], ids=["the-rendezvous-host", "the-other-node"])
+def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path, lost):
     """Two torchrun agents stand for two nodes; one node is lost whole (agent and worker SIGKILLed)."""
     import os
     import signal
@@ -61,21 +62,40 @@ def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path):
     slow = ["model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_steps=150"]
 
     def nodes(run_dir, extra):
-        endpoint = f"127.0.0.1:{free_port()}"
-        return [subprocess.Popen([*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                                  f"--rdzv_endpoint={endpoint}", "--rdzv_id=nodeloss", "-m", "launcher", *COMMON,
-                                  *extra, f"run_dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, start_new_session=True) for _ in range(2)]
+        """Node 0 starts first and hosts the rendezvous store; node 1 joins once the store listens."""
+        import socket
+
+        port = free_port()
+        command = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodeloss", "-m", "launcher", *COMMON, *extra,
+                   f"run_dir={run_dir}"]
+        started = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)]
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline, "node 0's rendezvous store never listened"
+                time.sleep(0.1)
+        started.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True))
+        return started
 
     first = nodes(tmp_path, slow)
     deadline = time.time() + 120
     while not list(tmp_path.glob("checkpoints/step_20")):
         assert time.time() < deadline and all(n.poll() is None for n in first)
         time.sleep(0.1)
-    os.killpg(first[1].pid, signal.SIGKILL)  # the whole node: its agent and its worker
-    lost = time.time()
-    first[0].communicate(timeout=90)
-    assert first[0].returncode != 0 and time.time() - lost < 60
+    # The node whole: its agent and its worker (torchrun starts workers in sessions of their own).
+    workers = subprocess.run(["pgrep", "-P", str(first[lost].pid)], capture_output=True, text=True).stdout.split()
+    for pid in [first[lost].pid, *map(int, workers)]:
+        os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+    survivor = first[1 - lost]
+    survivor.communicate(timeout=90)
+    assert survivor.returncode != 0 and time.time() - killed < 60
     assert not (tmp_path / "model.pt").exists()
     # The node is back (or the job is resubmitted): the same command resumes from the newest checkpoint.
     again = nodes(tmp_path, slow)
