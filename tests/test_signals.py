@@ -71,3 +71,22 @@ def test_sigterm_under_torchrun_two_ranks_agree_save_and_resume_exactly(tmp_path
                               text=True, timeout=180)
         assert done.returncode == 0, done.stderr[-2000:]
     assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "stopped" / "model.pt")
+
+
+@pytest.mark.parametrize("env, job", [
+    ({"SLURM_JOB_ID": "41"}, "41"),
+    ({"SLURM_JOB_ID": "57", "SLURM_ARRAY_JOB_ID": "50", "SLURM_ARRAY_TASK_ID": "7"}, "50_7"),  # the array task
+])
+def test_requeue_names_the_job_or_the_array_task(tmp_path, monkeypatch, env, job):
+    from launcher.stopping import RequeueFailed, requeue
+
+    fake = tmp_path / "scontrol"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/called\n[ "$2" != refuse ] || {{ echo "Requested operation '
+                    f'is presently disabled" >&2; exit 1; }}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert requeue(env) == f"requeued Slurm job {job}: it resumes from the checkpoint"
+    assert (tmp_path / "called").read_text().split() == ["requeue", job]
+    assert requeue({}) is None  # outside Slurm: nothing to requeue
+    with pytest.raises(RequeueFailed, match="presently disabled. HINT: submit with --requeue"):
+        requeue({"SLURM_JOB_ID": "refuse"})
