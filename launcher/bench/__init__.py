@@ -1,0 +1,1 @@
+"""`python -m launcher.bench`: the reference workload through a recipe against a hand-written loop."""

@@ -1,0 +1,49 @@
+"""The reference workload of shared/bench: MLP 32-128-128-10, Adam, global batch 64, an in-memory
+TensorDataset, one thread. Both sides of the benchmark build it from here, and both time their
+steps with `StepClock`."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+
+import torch
+from torch import nn
+
+N, D, C, WIDTH = 8192, 32, 10, 128
+
+
+def make_data(seed: int = 0) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g)
+    w = torch.randn(D, C, generator=g)
+    return torch.utils.data.TensorDataset(x, (x @ w).argmax(1))
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(D, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, C))
+
+
+class StepClock:
+    """Ends of steps on the host clock; the report is one JSON line on stdout."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+        self.first_wall = None
+
+    def tick(self) -> None:
+        self.ends.append(time.perf_counter())
+        if self.first_wall is None:
+            self.first_wall = time.time()
+
+    def report(self, **extra) -> None:
+        durations = [b - a for a, b in zip(self.ends, self.ends[1:])][50:]  # after 50 steps of warm-up
+        t0 = float(os.environ.get("BENCH_T0", "0")) or None
+        print("BENCH " + json.dumps({
+            "median_step_us": statistics.median(durations) * 1e6,
+            "first_step_s": self.first_wall - t0 if t0 else None,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "steps": len(self.ends), **extra}), flush=True)
