@@ -116,7 +116,8 @@ def evaluate(model, batches, loss_fn, metrics: Dict[str, MetricFn], autocast,
             sums[i].add_(values.sum())
             counts[i] += values.numel()
     model.train(was_training)
-    totals = all_reduce_sum(torch.cat([sums, torch.tensor(counts, dtype=sums.dtype, device=device)])).tolist()
+    packed = torch.cat([sums, torch.tensor(counts, dtype=sums.dtype, device=device)])
+    totals = all_reduce_sum(packed).tolist()  # host sync: once per evaluation, at its end
     n = len(counts)
     result = {"val/loss": totals[0] / max(totals[n], 1)}
     for i, name in enumerate(metrics, start=1):
