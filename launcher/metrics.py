@@ -30,16 +30,19 @@ class TrainMeter:
     """Per-step losses and metric sums over one log interval, on the device.
 
     Losses are kept per optimizer step (not only summed) so that a NaN or inf is
-    reported with the step it first appeared at, without a per-step host read.
+    reported with the step it first appeared at, without a per-step host read. Each
+    micro-batch only appends its detached loss (and metric sums) to a list: no tensor
+    operation per step; the interval's values are stacked and reduced when read.
     """
 
-    def __init__(self, metrics: Dict[str, MetricFn], device: torch.device, interval: int,
-                 samples_per_step: int, tokens_per_sample: Optional[int] = None):
+    def __init__(self, metrics: Dict[str, MetricFn], device: torch.device, samples_per_step: int,
+                 tokens_per_sample: Optional[int] = None):
         self.metrics = metrics
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
-        self.losses = torch.zeros(interval, device=device)
-        self.sums = torch.zeros(max(len(metrics), 1), device=device)
+        self.device = device
+        self.losses: List[torch.Tensor] = []  # this interval's micro-batch losses, on the device
+        self.sums: List[List[torch.Tensor]] = [[] for _ in metrics]  # per metric, per micro-batch sums
         self.counts: List[int] = [0] * len(metrics)  # element counts are shapes: known on the host
         self.first_step = 0  # global step of slot 0
         self.steps = 0  # steps recorded since the last read
@@ -48,12 +51,12 @@ class TrainMeter:
 
     def add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> None:
         """One micro-batch: `loss` is already divided by the accumulation steps."""
-        self.losses[self.steps].add_(loss.detach())
+        self.losses.append(loss.detach())
         if self.metrics:
             with torch.no_grad():
                 for i, fn in enumerate(self.metrics.values()):
                     values = fn(output.detach(), target)
-                    self.sums[i].add_(values.sum())
+                    self.sums[i].append(values.sum())
                     self.counts[i] += values.numel()
 
     def start(self, step: int) -> None:
@@ -68,8 +71,11 @@ class TrainMeter:
     def read(self, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor], lr: float) -> Dict[str, float]:
         """The interval's means across ranks. This is the one host sync of the interval."""
         n = self.steps
-        grad = self.grad_norm.reshape(1).float() if self.grad_norm is not None else self.sums.new_zeros(0)
-        packed = all_reduce_mean(torch.cat([self.losses[:n], self.sums, grad]))
+        empty = torch.zeros(0, device=self.device)
+        per_step = torch.stack(self.losses).float().view(n, -1).sum(1) if n else empty  # micro-batches summed
+        sums = [torch.stack(s).float().sum().reshape(1) if s else empty.new_zeros(1) for s in self.sums]
+        grad = self.grad_norm.reshape(1).float() if self.grad_norm is not None else empty
+        packed = all_reduce_mean(torch.cat([per_step, *sums, grad]))
         values = packed.tolist()  # device -> host: the only read between log steps
         seconds = time.perf_counter() - self.clock
         losses, sums = values[:n], values[n:n + len(self.sums)]
@@ -90,8 +96,8 @@ class TrainMeter:
         return out
 
     def _reset(self, first_step: int) -> None:
-        self.losses.zero_()
-        self.sums.zero_()
+        self.losses = []
+        self.sums = [[] for _ in self.metrics]
         self.counts = [0] * len(self.metrics)
         self.first_step, self.steps, self.grad_norm = first_step, 0, None
         self.clock = time.perf_counter()

@@ -120,7 +120,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
         strategy.barrier()
 
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
-    meter = TrainMeter(metrics, device, recipe.trainer.log_every, samples_per_step, cfg.tokens_per_sample)
+    meter = TrainMeter(metrics, device, samples_per_step, cfg.tokens_per_sample)
     logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
     loss_fn = _build(recipe.loss, "loss")
