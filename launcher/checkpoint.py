@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from launcher.errors import UserError
+from launcher.errors import UserError, first_line
 
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel / DDP, torch.compile
 _STEP = re.compile(r"step_(\d+)")
@@ -141,9 +141,8 @@ def load_file(path: Path, map_location: Any = "cpu") -> Any:
         raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: it holds objects other "
                         f"than tensors and plain containers, which could run code when loaded; it is not loaded") from None
     except Exception as e:  # torch raises RuntimeError, EOFError, ... for truncated or foreign files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: truncated or not a "
-                        f"torch file ({first[:120]})") from None
+                        f"torch file ({first_line(e)[:120]})") from None
 
 
 def strip_prefixes(state: Dict[str, Any]) -> Dict[str, Any]:

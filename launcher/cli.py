@@ -40,13 +40,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(OmegaConf.to_yaml(loaded.config), end="")
             return 0
-        from launcher.train import spawn_workers, train
+        from launcher.train import run
 
-        code = spawn_workers(loaded, args.overrides)
-        if code is not None:
-            return code
-        train(loaded)
-        return 0
+        return run(loaded, args.overrides)
     except UserError as e:
         for problem in e.problems:
             _say(problem, every_rank=e.every_rank)

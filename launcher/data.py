@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 
-from launcher.errors import UserError
+from launcher.errors import UserError, first_line
 
 
 @dataclass
@@ -146,7 +146,7 @@ def check_first_batch(dataset: Dataset, model, loss_fn, metrics: dict, autocast,
     try:
         x, y = to_device(default_collate([dataset[i] for i in range(min(2, len(dataset)))]), device)
     except (TypeError, RuntimeError) as e:
-        raise UserError(f"data.train: items do not batch together: {_first_line(e)}") from None
+        raise UserError(f"data.train: items do not batch together: {first_line(e)}") from None
     was_training = model.training
     model.eval()
     try:
@@ -160,11 +160,6 @@ def check_first_batch(dataset: Dataset, model, loss_fn, metrics: dict, autocast,
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         raise UserError(f"data.train does not fit the model, loss or metrics: the first batch gives "
-                        f"{type(e).__name__}: {_first_line(e)}") from None
+                        f"{type(e).__name__}: {first_line(e)}") from None
     finally:
         model.train(was_training)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__

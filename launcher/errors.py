@@ -18,5 +18,11 @@ class UserError(Exception):
         super().__init__("\n".join(self.problems))
 
 
+def first_line(e: object) -> str:
+    """The first line of an exception's message (or of any text): messages to users are one line."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 class TrainingDiverged(Exception):
     """The loss became NaN or infinite; the run stops without saving over good checkpoints."""

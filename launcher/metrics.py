@@ -1,8 +1,8 @@
 """Training metrics kept on the device, read on the host once per log interval.
 
-Between two reads nothing here touches a tensor's value on the host: each step
-adds into preallocated device buffers, and `read()` makes one reduction across
-ranks and one device-to-host copy.
+Between two reads nothing here touches a tensor's value on the host: each micro-batch
+appends its detached loss and metric sums to lists, and `read()` stacks them, makes one
+reduction across ranks and one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class TrainMeter:
         self.losses: List[torch.Tensor] = []  # this interval's micro-batch losses, on the device
         self.sums: List[List[torch.Tensor]] = [[] for _ in metrics]  # per metric, per micro-batch sums
         self.counts: List[int] = [0] * len(metrics)  # element counts are shapes: known on the host
-        self.first_step = 0  # global step of slot 0
+        self.first_step = 0  # the last step before this interval: its k-th loss is step first_step + k + 1
         self.steps = 0  # steps recorded since the last read
         self.grad_norm: Optional[torch.Tensor] = None
         self.clock = time.perf_counter()

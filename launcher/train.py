@@ -12,7 +12,7 @@ from torch import nn
 
 from launcher import checkpoint, data, loggers, scheduler, seeding, spawn, strategies
 from launcher.checkpoint import Checkpointer
-from launcher.errors import UserError
+from launcher.errors import UserError, first_line
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
 from launcher.precision import Precision
@@ -30,17 +30,20 @@ def _place(loaded: Loaded):
     return placement, notes, visible
 
 
-def spawn_workers(loaded: Loaded, overrides: list) -> Optional[int]:
-    """Start torchrun for `strategy=ddp` in a plain process and return its exit code; None if not needed."""
-    placement, _, visible = _place(loaded)
-    if not strategies.must_spawn(loaded.recipe.strategy, placement):
-        return None
-    nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device)
-    return spawn.torchrun(loaded.path, overrides, nproc)
+def run(loaded: Loaded, overrides: list) -> int:
+    """The command line's run: `strategy=ddp` in a plain process starts torchrun (its exit code);
+    anything else trains here (0)."""
+    placed = _place(loaded)
+    placement, _, visible = placed
+    if strategies.must_spawn(loaded.recipe.strategy, placement):
+        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device)
+        return spawn.torchrun(loaded.path, overrides, nproc)
+    train(loaded, placed)
+    return 0
 
 
-def train(loaded: Loaded) -> Dict[str, float]:
-    placement, notes, _ = _place(loaded)
+def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
+    placement, notes, _ = placed or _place(loaded)
     strategy = strategies.create(loaded.recipe.strategy, placement)
     strategy.setup()
     try:
@@ -171,12 +174,6 @@ def _nvidia_smi() -> list:
     return [(index, int(free)) for index, uuid, free in rows if not allowed or index in allowed or uuid in allowed]
 
 
-
-
-
-
-
-
 def _describe(placement: scheduler.Placement) -> Dict[str, Any]:
     row = {"rank": placement.rank, "local rank": placement.local_rank, "node": placement.node_rank,
            "device": placement.device, "physical GPU": "-"}
@@ -192,9 +189,8 @@ def _build(spec: Dict[str, Any], key: str, kind: type = object, *args: Any) -> A
     try:
         built = instantiate(spec, *args)
     except (TypeError, ValueError, RuntimeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{key}: {spec['_target_']} failed with the recipe's arguments: "
-                        f"{type(e).__name__}: {first}") from None
+                        f"{type(e).__name__}: {first_line(e)}") from None
     if kind is nn.Module and not isinstance(built, nn.Module):
         raise UserError(f"{key}: {spec['_target_']} built a {type(built).__name__}, not a torch.nn.Module")
     if key.startswith("data.") and not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):

@@ -21,7 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
 
-from launcher.errors import UserError
+from launcher.errors import UserError, first_line
 from launcher.recipe.instantiate import TargetError, check_arguments
 from launcher.recipe.schema import Recipe
 
@@ -102,14 +102,14 @@ def _read_yaml(path: Path) -> tuple[dict, Dict[str, int]]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise UserError(f"{at}: not valid YAML: {_first_line(getattr(e, 'problem', None) or e)}") from None
+        raise UserError(f"{at}: not valid YAML: {first_line(getattr(e, 'problem', None) or e)}") from None
     if node is not None and not isinstance(node, yaml.MappingNode):
         kind = "list" if isinstance(node, yaml.SequenceNode) else "single value"
         raise UserError(f"{path}: a recipe is a mapping of keys (name:, model:, ...), not a {kind}")
     try:
         data = OmegaConf.create(text) if node is not None else OmegaConf.create({})
     except (yaml.YAMLError, OmegaConfBaseException) as e:
-        raise UserError(f"{path}: {_first_line(e)}") from None
+        raise UserError(f"{path}: {first_line(e)}") from None
     lines: Dict[str, int] = {}
     _line_numbers(node, "", lines)
     return OmegaConf.to_container(data, resolve=False), lines
@@ -131,7 +131,7 @@ def _parse_override(item: str) -> tuple | str:
     try:
         value = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
     except (OmegaConfBaseException, yaml.YAMLError) as e:
-        return f"cannot parse the value: {_first_line(e)}"
+        return f"cannot parse the value: {first_line(e)}"
     for part in key.split("."):
         value = value[part]
     return key, value
@@ -206,7 +206,7 @@ def _resolve_all(cfg: Any, prefix: str, where, reported: set) -> List[str]:
             continue  # it points at a missing value, which is reported under its own key
         except OmegaConfBaseException as e:
             raw = OmegaConf.to_container(cfg, resolve=False)[key]
-            problems.append(f"{where(full)}: {full}: cannot resolve {raw!r}: {_first_line(e)}")
+            problems.append(f"{where(full)}: {full}: cannot resolve {raw!r}: {first_line(e)}")
             continue
         if OmegaConf.is_config(value):
             problems += _resolve_all(value, full + ".", where, reported)
@@ -238,8 +238,3 @@ def _targets_in(spec: Any, key: str):
     elif isinstance(spec, list):
         for i, v in enumerate(spec):
             yield from _targets_in(v, f"{key}.{i}")
-
-
-def _first_line(e: object) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
