@@ -100,6 +100,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         if stopping:
             p.console.close()
             raise Stopped(stopping, step)
+    p.stop.finish()
     p.console.close()
     batches.close()
     return last

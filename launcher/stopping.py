@@ -1,7 +1,7 @@
 """Stopping on a signal: Slurm's warning before the time limit (SIGUSR1), SIGTERM, Ctrl-C.
 
-The handler only sets a flag. At a step boundary the ranks agree (one small collective on the
-host, every few steps when there are several ranks), the loop saves a checkpoint and stops; under
+The handler only sets a flag. At a step boundary the ranks agree, the loop saves a checkpoint and
+stops; under
 Slurm global rank 0 then requeues the job, and the requeued job resumes from that checkpoint.
 """
 
@@ -13,7 +13,11 @@ import subprocess
 from typing import Callable, Dict, Optional
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-CHECK_EVERY = 10  # steps between agreements when there are several ranks: one host collective each
+# With several ranks, every CHECK_EVERY steps each rank starts a MAX all-reduce of its flag on the
+# host and reads the one it started at the check before, which has long finished: the loop never
+# waits on it, and every rank reads the same value at the same step. A signal stops training within
+# 2 * CHECK_EVERY steps.
+CHECK_EVERY = 10
 
 
 class Stopped(Exception):
@@ -27,6 +31,7 @@ class StopFlag:
         self.signum = 0
         self.every = 1 if ranks == 1 else CHECK_EVERY
         self.previous: Dict[int, object] = {}
+        self.pending: Optional[Callable[[], int]] = None  # the agreement started at the last check
 
     def install(self) -> "StopFlag":
         for sig in SIGNALS:
@@ -46,12 +51,21 @@ class StopFlag:
             signal.signal(sig, handler)
         self.previous.clear()
 
-    def agreed(self, step: int, max_over_ranks: Callable[[int], int]) -> Optional[int]:
+    def agreed(self, step: int, max_over_ranks: Callable[[int], Callable[[], int]]) -> Optional[int]:
         """The signal every rank stops for after `step`, or None to go on. Collective on `every` steps."""
         if step % self.every:
             return None
-        signum = max_over_ranks(self.signum) if self.every > 1 else self.signum
+        if self.every == 1:
+            return self.signum or None
+        signum = self.pending() if self.pending is not None else 0
+        self.pending = None if signum else max_over_ranks(self.signum)
         return signum or None
+
+    def finish(self) -> None:
+        """Wait for the agreement still in flight (every rank started it), before the group goes."""
+        if self.pending is not None:
+            self.pending()
+            self.pending = None
 
 
 def requeue(env=os.environ) -> Optional[str]:

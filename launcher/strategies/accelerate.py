@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, ContextManager, List, Tuple
+from typing import Any, Callable, ContextManager, List, Tuple
 
 import torch
 from torch import nn
 
 from launcher.errors import UserError
-from launcher.strategies.base import Strategy
+from launcher.strategies.base import Strategy, host_max
 
 PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
@@ -76,12 +76,10 @@ class Accelerate(Strategy):
 
         return gather_object([obj]) if self.placement.world_size > 1 else [obj]
 
-    def max_over_ranks(self, value: int) -> int:
+    def max_over_ranks(self, value: int) -> Callable[[], int]:
         if self.placement.world_size == 1:
-            return value
-        flag = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.host_group)
-        return int(flag.item())  # a CPU tensor through gloo: no device sync
+            return lambda: value
+        return host_max(value, self.host_group)
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, List, Tuple
+from typing import Any, Callable, ContextManager, List, Tuple
 
 import torch
 from torch import nn
@@ -62,12 +62,28 @@ class Strategy:
     def all_gather_object(self, obj: Any) -> List[Any]:
         return [obj]
 
-    def max_over_ranks(self, value: int) -> int:
-        """The largest of every rank's `value`, through the host: it never waits on a device."""
-        return value
+    def max_over_ranks(self, value: int) -> Callable[[], int]:
+        """Start taking the largest of every rank's `value` through the host (never a device); the
+        returned function waits for it. Started at one check and read at the next, it costs the loop
+        no wait."""
+        return lambda: value
 
     def barrier(self) -> None:
         pass
 
     def teardown(self) -> None:
         pass
+
+
+def host_max(value: int, group) -> Callable[[], int]:
+    """An asynchronous MAX all-reduce of one int on a gloo group; call the result to wait for it."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([value], dtype=torch.int64)
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def wait() -> int:
+        work.wait()
+        return int(flag.item())  # a CPU tensor: no device sync
+
+    return wait

@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from typing import Any, ContextManager, List
+from typing import Any, Callable, ContextManager, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from launcher.errors import UserError
-from launcher.strategies.base import Strategy
+from launcher.strategies.base import Strategy, host_max
 
 # A rank that waits longer than this for the others has lost them: fail instead of hanging.
 TIMEOUT = datetime.timedelta(minutes=10)
@@ -56,10 +56,8 @@ class DDP(Strategy):
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_sum(tensor) / self.placement.world_size  # gloo has no ReduceOp.AVG
 
-    def max_over_ranks(self, value: int) -> int:
-        flag = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.host_group)
-        return int(flag.item())  # a CPU tensor through gloo: no device sync
+    def max_over_ranks(self, value: int) -> Callable[[], int]:
+        return host_max(value, self.host_group)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.placement.world_size
