@@ -1,5 +1,11 @@
 """The data path: the sample order of DESIGN (one permutation per (seed, epoch), each rank its share),
-resumable in the middle of an epoch, and batches moved to the device.
+resumable in the middle of an epoch, batches fetched whole where the dataset allows it, and moved
+to the device.
+
+Batched fetching: a dataset with `__getitems__(indices)` is asked for a whole batch at once (as the
+DataLoader does). If it returns a list, that is a list of items and is collated as usual; anything
+else (a tuple or dict of batched tensors) is the batch itself, with no per-item Python. An in-memory
+`TensorDataset` is fetched this way: one indexing per tensor instead of one per item.
 """
 
 from __future__ import annotations
@@ -8,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, default_collate
 
 from launcher.errors import UserError, first_line
 
@@ -103,9 +109,34 @@ def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank
     return Batches()
 
 
+class TensorBatches(Dataset):
+    """A TensorDataset that hands out whole batches: `__getitems__` indexes each tensor once."""
+
+    def __init__(self, dataset: TensorDataset):
+        self.tensors = dataset.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, i):
+        return tuple(t[i] for t in self.tensors)
+
+    def __getitems__(self, indices) -> tuple:
+        index = torch.as_tensor(indices)
+        return tuple(t[index] for t in self.tensors)
+
+
+def collate(data: Any) -> Any:
+    """A list of items is stacked into a batch; a batch fetched whole is already one."""
+    return default_collate(data) if isinstance(data, list) else data
+
+
 def _loader(dataset, batch_size, sampler, num_workers, device, seed, drop_last) -> DataLoader:
+    if type(dataset) is TensorDataset:
+        dataset = TensorBatches(dataset)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=drop_last,
+        collate_fn=collate,
         pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
         # Its own generator: worker seeds never draw from (and so never shift) the global RNG.
         generator=torch.Generator().manual_seed(seed),

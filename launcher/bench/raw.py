@@ -1,5 +1,8 @@
 """The limit: a hand-written loop, best practice (loss summed on the device, read every 100 steps).
-One process, or DDP under torchrun (gloo, DistributedSampler) when RANK is set."""
+One process, or DDP under torchrun (gloo, DistributedSampler) when RANK is set.
+
+    python -m launcher.bench.raw [STEPS [BATCH [WIDTH]]]
+"""
 
 import os
 import sys
@@ -11,7 +14,8 @@ from torch import nn
 from launcher.bench.workload import StepClock, make_data, make_model
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-BATCH = 64
+BATCH = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+WIDTH = int(sys.argv[3]) if len(sys.argv) > 3 else 128
 
 
 def main() -> None:
@@ -25,12 +29,12 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH // world, sampler=sampler, shuffle=not ddp,
                                          drop_last=True)
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model(WIDTH)
     if ddp:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
-    clock, step, epoch, total = StepClock(), 0, 0, torch.zeros(())
+    clock, step, epoch, total, mean = StepClock(), 0, 0, torch.zeros(()), float("nan")
     while step < STEPS:
         if sampler is not None:
             sampler.set_epoch(epoch)

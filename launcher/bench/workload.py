@@ -23,8 +23,8 @@ def make_data(seed: int = 0) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, (x @ w).argmax(1))
 
 
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(D, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, C))
+def make_model(width: int = WIDTH) -> nn.Module:
+    return nn.Sequential(nn.Linear(D, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, C))
 
 
 class StepClock:
@@ -40,7 +40,8 @@ class StepClock:
             self.first_wall = time.time()
 
     def report(self, **extra) -> None:
-        durations = [b - a for a, b in zip(self.ends, self.ends[1:])][50:]  # after 50 steps of warm-up
+        durations = [b - a for a, b in zip(self.ends, self.ends[1:])]
+        durations = durations[min(50, len(durations) // 2):]  # after a warm-up of 50 steps (or half)
         t0 = float(os.environ.get("BENCH_T0", "0")) or None
         print("BENCH " + json.dumps({
             "median_step_us": statistics.median(durations) * 1e6,

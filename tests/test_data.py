@@ -1,0 +1,79 @@
+"""The data path: batches fetched whole are the batches a per-item loader makes, in DESIGN's order."""
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
+
+from launcher import data
+from recipes.components.chars import CharText
+from recipes.components.synthetic import Blobs
+
+
+def per_item_batches(dataset, per_rank, replicas, rank, epoch, seed=0):
+    """What a hand-written loop gets: DistributedSampler's order, items stacked one by one."""
+    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    return list(DataLoader(dataset, batch_size=per_rank, sampler=sampler, drop_last=True))
+
+
+def stream(dataset, batch_size, replicas, rank, epochs):
+    train = data.TrainData(dataset, batch_size, 1, replicas, rank, True, 0, 0, torch.device("cpu"))
+    batches = train.stream(data.Position())
+    return [next(batches) for _ in range(epochs * train.batches_per_epoch)], train
+
+
+def assert_same_batches(ours, theirs):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_a_tensor_dataset_is_fetched_whole_and_gives_the_per_item_batches():
+    g = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(torch.randn(100, 3, generator=g), torch.randint(0, 5, (100,), generator=g))
+    for replicas, rank in ((1, 0), (2, 1)):
+        ours, train = stream(dataset, 16, replicas, rank, epochs=2)
+        assert isinstance(train.loader.dataset, data.TensorBatches)
+        theirs = [b for epoch in range(2) for b in per_item_batches(dataset, 16 // replicas, replicas, rank, epoch)]
+        assert_same_batches(ours, theirs[:len(ours)])
+
+
+def test_shipped_datasets_fetch_whole_batches_equal_to_their_items():
+    for dataset in (Blobs(n=64), CharText("recipes/data/hamlet.txt", block_size=32)):
+        index = [3, 0, len(dataset) - 1, 3]
+        whole = dataset.__getitems__(index)
+        assert isinstance(whole, tuple)
+        assert_same_batches([whole], [default_collate([dataset[i] for i in index])])
+        assert all(t.is_contiguous() for t in whole)
+
+
+class ListItems(Dataset):
+    """torch's own protocol: __getitems__ returns a list of items, which the loader collates."""
+
+    def __init__(self):
+        self.asked = []
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), i
+
+    def __getitems__(self, indices):
+        self.asked.append(list(indices))
+        return [self[i] for i in indices]
+
+
+def test_a_getitems_that_returns_a_list_is_collated():
+    dataset = ListItems()
+    ours, _ = stream(dataset, 4, 1, 0, epochs=1)
+    assert dataset.asked and all(len(a) == 4 for a in dataset.asked)
+    assert_same_batches(ours, per_item_batches(dataset, 4, 1, 0, epoch=0))
+
+
+def test_collate_passes_a_whole_batch_through():
+    batch = (torch.zeros(4, 2), torch.ones(4))
+    assert data.collate(batch) is batch
+    x, y = data.collate([(torch.zeros(2), 1), (torch.ones(2), 2)])
+    assert x.shape == (2, 2) and y.tolist() == [1, 2]
