@@ -97,6 +97,10 @@ def format_values(values: Dict[str, float]) -> str:
         name = tag.split("/", 1)[-1]
         if name.endswith("_per_s"):
             parts.append(f"{name.replace('_per_s', '')}/s {value:,.0f}")
+        elif name == "mfu":
+            parts.append(f"mfu {100 * value:.1f}%")
+        elif name == "max_memory_gib":
+            parts.append(f"max mem {value:.2f} GiB")
         elif name == "lr":
             parts.append(f"lr {value:.2e}")
         else:

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from launcher.errors import TrainingDiverged
+from launcher.throughput import Throughput
 
 
 class Accuracy:
@@ -35,11 +36,9 @@ class TrainMeter:
     operation per step; the interval's values are stacked and reduced when read.
     """
 
-    def __init__(self, metrics: Dict[str, MetricFn], device: torch.device, samples_per_step: int,
-                 tokens_per_sample: Optional[int] = None):
+    def __init__(self, metrics: Dict[str, MetricFn], device: torch.device, throughput: Throughput):
         self.metrics = metrics
-        self.samples_per_step = samples_per_step
-        self.tokens_per_sample = tokens_per_sample
+        self.throughput = throughput
         self.device = device
         self.losses: List[torch.Tensor] = []  # this interval's micro-batch losses, on the device
         self.sums: List[List[torch.Tensor]] = [[] for _ in metrics]  # per metric, per micro-batch sums
@@ -88,10 +87,7 @@ class TrainMeter:
             out[f"train/{name}"] = sums[i] / max(self.counts[i], 1)
         if self.grad_norm is not None:
             out["train/grad_norm"] = values[-1]
-        samples_per_s = n * self.samples_per_step / max(seconds, 1e-9)
-        out["train/samples_per_s"] = samples_per_s
-        if self.tokens_per_sample:
-            out["train/tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        out.update(self.throughput.values(n, seconds))
         self._reset(self.first_step + n)
         return out
 

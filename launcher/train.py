@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from launcher import checkpoint, data, loggers, scheduler, seeding, spawn, strategies
+from launcher import checkpoint, data, loggers, scheduler, seeding, spawn, strategies, throughput
 from launcher.checkpoint import Checkpointer
 from launcher.errors import UserError, first_line
 from launcher.loop import Parts, fit, total_steps
@@ -123,7 +123,11 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
         strategy.barrier()
 
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
-    meter = TrainMeter(metrics, device, samples_per_step, cfg.tokens_per_sample)
+    peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
+    rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample,
+                                  throughput.model_flops_per_sample(model, cfg.tokens_per_sample),
+                                  peak * placement.world_size if peak else None, device)
+    meter = TrainMeter(metrics, device, rates)
     logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
     loss_fn = _build(recipe.loss, "loss")

@@ -51,6 +51,7 @@ CASES = [
     ("wrong-arguments", [Q, "model.widht=3"], "got an unexpected keyword argument 'widht'"),
     ("out-of-range", [Q, "trainer.max_steps=0"], "trainer.max_steps: must be 1 or more, got 0"),
     ("bad-choice", [Q, "precision=fp8"], "precision: got 'fp8'; valid: fp32, bf16, fp16"),
+    ("bad-peak", [Q, "logging.peak_tflops=0"], "logging.peak_tflops: must be a positive number of TFLOP/s or null"),
     ("unknown-flag", [Q, "--fast"], "unrecognized arguments: --fast"),
     ("cuda-without-gpu", [Q, "devices=cuda"], "devices: 'cuda' asks for a GPU but none is visible"),
     ("gpu-not-there", [Q, "devices=cuda:3"], "asks for a GPU but none is visible"),

@@ -14,12 +14,13 @@ from tests.conftest import REPO, launch, train
 
 
 def test_tensorboard_scalars_recipe_and_hparams(tmp_path):
-    train(tmp_path, "logging.tensorboard=true", "trainer.eval_every=40", "data.tokens_per_sample=32")
+    train(tmp_path, "logging.tensorboard=true", "trainer.eval_every=40", "data.tokens_per_sample=32",
+          "logging.peak_tflops=0.5")
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    expected = {"train/loss", "train/lr", "train/samples_per_s", "train/tokens_per_s", "train/accuracy",
-                "train/grad_norm", "val/loss", "val/accuracy"}
+    expected = {"train/loss", "train/lr", "train/samples_per_s", "train/tokens_per_s", "train/mfu",
+                "train/accuracy", "train/grad_norm", "val/loss", "val/accuracy"}
     assert expected <= scalars, scalars
     assert [e.step for e in events.Scalars("train/loss")] == list(range(10, 81, 10))
     assert [e.step for e in events.Scalars("val/accuracy")] == [40, 80]
@@ -28,6 +29,9 @@ def test_tensorboard_scalars_recipe_and_hparams(tmp_path):
     assert events.Scalars("train/lr")[0].value == pytest.approx(1e-3)  # stored as float32
     tps, sps = events.Scalars("train/tokens_per_s")[-1].value, events.Scalars("train/samples_per_s")[-1].value
     assert abs(tps - 32 * sps) < 1e-3 * tps
+    flops = 6 * (32 * 128 + 128 * 128 + 128 * 10)  # the quickstart MLP's weights, 6 FLOPs each per sample
+    assert events.Scalars("train/mfu")[-1].value == pytest.approx(sps * flops / 0.5e12, rel=1e-3)
+    assert "train/max_memory_gib" not in scalars  # CUDA only
 
     text = events.Tensors("recipe/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "name: quickstart" in text and "_target_: recipes.components.mlp.MLP" in text

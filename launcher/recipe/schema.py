@@ -76,6 +76,12 @@ class CheckpointConfig:
 class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
+    peak_tflops: Optional[float] = None  # one device's peak, for MFU; default: a known GPU's dense bf16 peak
+
+    def problems(self) -> List[tuple[str, str]]:
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            return [("logging.peak_tflops", f"must be a positive number of TFLOP/s or null, got {self.peak_tflops}")]
+        return []
 
 
 @dataclass
@@ -147,7 +153,7 @@ class Recipe:
             out += _target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += _target_problems(f"metrics.{metric}", spec)
-        for section in (self.data, self.trainer, self.checkpoint, self.slurm):
+        for section in (self.data, self.trainer, self.checkpoint, self.logging, self.slurm):
             out += section.problems()
         return out
 
