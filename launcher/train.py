@@ -132,6 +132,8 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
     loss_fn = _build(recipe.loss, "loss")
     data.check_first_batch(train_data.dataset, model, loss_fn, metrics, precision.autocast, device)
+    if recipe.trainer.compile:  # after the eager check. The wrapper is compiled, so DDP's buckets still
+        wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys
     parts = Parts(wrapped, optimizer, schedule, loss_fn=loss_fn, metrics=metrics,
                   precision=precision, strategy=strategy, data=train_data, val=val, meter=meter,
                   logger=logger, console=console, save=save, stop=StopFlag(placement.world_size),

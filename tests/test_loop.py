@@ -135,3 +135,23 @@ def test_resuming_with_a_changed_recipe_says_what_changed(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "resumed from" in out and "step_20" in out
     assert "the recipe differs from the checkpoint's in trainer.max_steps (20 -> 40)" in out
+
+
+def test_compile_trains_the_same_model_and_saves_plain_keys(tmp_path):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager = train(tmp_path / "eager", "checkpoint.every=40")
+    compiled = train(tmp_path / "compiled", "checkpoint.every=40", "trainer.compile=true")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    a, b = state_dict(tmp_path / "eager/model.pt"), state_dict(tmp_path / "compiled/model.pt")
+    assert list(a) == list(b)  # no _orig_mod. prefix: loads into the plain model
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    assert abs(eager["train/loss"] - compiled["train/loss"]) < 1e-4
+    # and it resumes: a compiled run continues from its own checkpoint
+    shutil.rmtree(tmp_path / "compiled/checkpoints/step_80")
+    (tmp_path / "compiled/model.pt").unlink()
+    train(tmp_path / "compiled", "checkpoint.every=40", "trainer.compile=true")
+    torch.testing.assert_close(state_dict(tmp_path / "compiled/model.pt")["0.weight"], b["0.weight"], rtol=1e-5, atol=1e-6)

@@ -59,6 +59,12 @@ def test_ddp_started_by_the_launcher(reference, tmp_path):
     assert_equivalent(reference, tmp_path / "model.pt")
 
 
+def test_ddp_compiled_gives_the_eager_single_weights(reference, tmp_path):
+    run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", "strategy=ddp", "nproc_per_node=2",
+         "trainer.compile=true"])
+    assert_equivalent(reference, tmp_path / "model.pt")
+
+
 def test_accelerate_two_processes(reference, tmp_path):
     pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
     # On the CPU, accelerate's `--cpu` starts one process; its torchrun path (--multi_gpu) starts several.

@@ -45,6 +45,7 @@ class TrainerConfig:
     clip_grad_norm: Optional[float] = None
     log_every: int = 50
     eval_every: Optional[int] = None
+    compile: bool = False  # torch.compile the (wrapped) model; checkpoints keep the plain model's keys
 
     def problems(self) -> List[tuple[str, str]]:
         out = []
