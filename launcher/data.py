@@ -84,13 +84,53 @@ class TrainData:
         self.dataset, self.device = dataset, device
 
     def stream(self, position: Position) -> Iterator[Any]:
-        """Micro-batches from `position` on, across epochs; advances `position.epoch` and `.batch`."""
+        """Micro-batches on the device from `position` on, across epochs. `position` says which batch
+        was handed out last, so a checkpoint taken between two batches resumes with the next one."""
+        batches = self._batches(position.epoch, position.batch)
+        if self.device.type == "cuda":
+            batches = _copied_ahead(batches, self.device)
+        for epoch, number, batch in batches:
+            position.epoch, position.batch = epoch, number
+            yield batch
+
+    def _batches(self, epoch: int, start: int) -> Iterator[tuple]:
+        """(epoch, its batch number counted from 1, batch on the host), endlessly."""
         while True:
-            self.sampler.set_epoch(position.epoch, position.batch)
-            for batch in self.loader:
-                position.batch += 1
-                yield to_device(batch, self.device)
-            position.epoch, position.batch = position.epoch + 1, 0
+            self.sampler.set_epoch(epoch, start)
+            for number, batch in enumerate(self.loader, start + 1):
+                yield epoch, number, batch
+            epoch, start = epoch + 1, 0
+
+
+def _copied_ahead(batches: Iterator[tuple], device: torch.device) -> Iterator[tuple]:
+    """Batch n+1 is copied from pinned memory to the GPU on a side stream while batch n computes.
+    No host sync: the compute stream waits on the copy stream on the device."""
+    copy, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+
+    def start(item: tuple) -> tuple:
+        epoch, number, batch = item
+        with torch.cuda.stream(copy):
+            return epoch, number, to_device(batch, device)
+
+    ahead = start(next(batches))
+    for item in batches:
+        current = ahead
+        compute.wait_stream(copy)  # before the next copy is queued: wait for this batch's only
+        for t in _tensors(current[2]):
+            t.record_stream(compute)  # made on the copy stream, freed after its use on this one
+        ahead = start(item)
+        yield current
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (list, tuple)):
+        for b in batch:
+            yield from _tensors(b)
+    elif isinstance(batch, dict):
+        for b in batch.values():
+            yield from _tensors(b)
 
 
 def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank: int, num_workers: int,

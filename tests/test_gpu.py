@@ -87,3 +87,25 @@ def test_ddp_nccl_one_process(tmp_path):
                 f"run_dir={tmp_path}", "strategy=ddp", "devices=cuda"])
     assert "(ddp)" in done.stdout and "cuda:0" in done.stdout
     MLP().load_state_dict(state_dict(tmp_path / "model.pt"), strict=True)
+
+
+def test_batches_copied_ahead_on_a_side_stream_are_the_host_batches():
+    from launcher import data
+    from recipes.components.synthetic import Blobs
+
+    dataset = Blobs(n=200)
+
+    def batches(device):
+        train = data.TrainData(dataset, 32, 1, 1, 0, True, 0, 0, torch.device(device))
+        position = data.Position(epoch=0, batch=2)
+        stream = train.stream(position)
+        out = []
+        for _ in range(3 * train.batches_per_epoch):
+            x, y = next(stream)
+            out.append((x.cpu(), y.cpu(), position.epoch, position.batch))
+        return out
+
+    on_cpu, on_gpu = batches("cpu"), batches("cuda")
+    assert len(on_gpu) == len(on_cpu)
+    for (a, b, e, n), (c, d, f, m) in zip(on_cpu, on_gpu):
+        assert torch.equal(a, c) and torch.equal(b, d) and (e, n) == (f, m)
