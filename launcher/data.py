@@ -206,16 +206,20 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def check_first_batch(dataset: Dataset, model, loss_fn, metrics: dict, autocast, device: torch.device) -> None:
-    """Two items through the model, loss and metrics before training, so that data that does not fit
-    the model is one clear line now rather than a traceback at the first step. In eval mode and
-    without gradients: no RNG is drawn and no state changes."""
+def check_first_batch(dataset: Dataset, size: int, model, loss_fn, metrics: dict, autocast,
+                      device: torch.device) -> None:
+    """The first `size` items (a batch), fetched as training fetches them, through the model, loss and
+    metrics before training, so that data that does not fit the model is one clear line now rather
+    than a traceback at the first step. In eval mode and without gradients: no RNG is drawn and no
+    state changes."""
     item = dataset[0]
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
         raise UserError(f"data.train: items must be (input, target) pairs; item 0 is a {type(item).__name__}"
                         + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
     try:
-        x, y = to_device(default_collate([dataset[i] for i in range(min(2, len(dataset)))]), device)
+        indices = list(range(min(size, len(dataset))))
+        fetch = getattr(dataset, "__getitems__", None)
+        x, y = to_device(collate(fetch(indices) if fetch else [dataset[i] for i in indices]), device)
     except (TypeError, RuntimeError) as e:
         raise UserError(f"data.train: items do not batch together: {first_line(e)}") from None
     was_training = model.training

@@ -131,7 +131,8 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
     loss_fn = _build(recipe.loss, "loss")
-    data.check_first_batch(train_data.dataset, model, loss_fn, metrics, precision.autocast, device)
+    data.check_first_batch(train_data.loader.dataset, cfg.batch_size // placement.world_size, model, loss_fn,
+                           metrics, precision.autocast, device)
     if recipe.trainer.compile:  # after the eager check. The wrapper is compiled, so DDP's buckets still
         wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys
     parts = Parts(wrapped, optimizer, schedule, loss_fn=loss_fn, metrics=metrics,

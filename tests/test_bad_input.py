@@ -63,6 +63,7 @@ CASES = [
     ("batch-too-large", [Q, "data.batch_size=100000"], "items are fewer than one optimizer step takes"),
     ("items-not-pairs", [Q, "data.train={_target_: tests.components.Singles}"], "items must be (input, target) pairs"),
     ("items-wrong-shape", [Q, "model.in_dim=16"], "data.train does not fit the model, loss or metrics"),
+    ("more-classes-than-outputs", [Q, "data.train.classes=12"], "IndexError: Target 1"),
     ("another-model", [Q, "checkpoint.init_from={t}/other.pt"], "does not fit this model: '0.weight' is (64, 32)"),
     ("truncated-file", [Q, "checkpoint.init_from={t}/truncated.pt"], "truncated or not a torch file"),
     ("runs-code", [Q, "checkpoint.init_from={t}/evil.pt"], "which could run code when loaded; it is not loaded"),
