@@ -27,3 +27,17 @@ def test_benchmark_prints_every_row():
         assert 0.1 < efficiency < 1.5
     if "accelerate" in sys.modules or __import__("importlib").util.find_spec("accelerate"):
         assert "peer accelerate:" in out
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_tiny_on_the_cpu():
+    done = subprocess.run([sys.executable, "-m", "launcher.bench.gpu", "--device", "cpu", "--size", "tiny",
+                           "--steps", "60", "--reps", "1", "--no-compile"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    for side in ("raw", "ours"):
+        row = [l for l in out.splitlines() if re.match(rf"eager +{side} +\d+\.\d+ms ", l)]
+        assert len(row) == 1, out
+    ratio = float(re.search(r"^eager +ours .*  (\d+\.\d+) \(\S+\)$", out, re.M).group(1))
+    assert 0.2 < ratio < 5, out  # a sanity bound on what was measured, not a target

@@ -43,6 +43,8 @@ class StepClock:
         durations = [b - a for a, b in zip(self.ends, self.ends[1:])]
         durations = durations[min(50, len(durations) // 2):]  # after a warm-up of 50 steps (or half)
         t0 = float(os.environ.get("BENCH_T0", "0")) or None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # a run on the GPU: its peak allocated
+            extra = {"max_memory_gib": torch.cuda.max_memory_allocated() / 2**30, **extra}
         print("BENCH " + json.dumps({
             "median_step_us": statistics.median(durations) * 1e6,
             "first_step_s": self.first_wall - t0 if t0 else None,

@@ -1,0 +1,124 @@
+"""python -m launcher.bench.gpu [--steps 300] [--reps 3] [--size 124M|tiny] [--device cuda|cpu] [--no-compile]
+
+The charlm recipe (a character-level GPT on Hamlet) in bf16 on one GPU, eager and with torch.compile,
+through the launcher (`launcher.bench.child recipes/charlm.yaml ...`) and through a hand-written
+best-practice loop of the same model and the same work per step (launcher/bench/raw_gpt.py),
+alternating, each run in a fresh process, the order reversed every repetition.
+
+Per compile setting and side: the median step time, tokens/s (batch x block / step time), MFU
+(tokens/s x the model's flops_per_token() / the device's dense bf16 peak, launcher.throughput), the
+peak memory allocated, and the step-time ratio ours / raw: the median over repetitions of runs made
+next to each other, with its range (1.02 is 0.98x raw's throughput).
+
+Sizes: 124M, for the GPU: 10 layers, 16 heads of 64, 1024 wide, 1024 characters of context, batch 32
+(126M parameters, 0.88 GFLOP a token; 32K tokens a step). tiny, a smoke test on the CPU: 2 layers,
+64 wide, block 32, batch 8. Hamlet's training split is 157K characters, 152 windows of 1024: an epoch
+is 4 steps of 32, and the data loops over epochs; both sides see data of the same shape.
+
+Both sides read the device only every 50 steps and time each step by when it was dispatched; see
+launcher/bench/raw_gpt.py for why the median then is the steady-state step time. Machines are noisy:
+compare the ratios of one run, and give figures with the date and the device (both printed).
+
+Where one command may run only 10 minutes, `--no-compile` and `--compiled-only` split the GPU benchmark
+into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to pass 10 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+
+import torch
+
+from launcher.bench.__main__ import PY, alternate, median, ratio
+from launcher.throughput import peak_flops
+from recipes.components.gpt import GPT
+
+# layers, heads, embd, block, batch
+SIZES = {"124M": (10, 16, 1024, 1024, 32), "tiny": (2, 2, 64, 32, 8)}
+READ_EVERY = 50  # raw_gpt's read interval, and so the launcher's trainer.log_every here
+VOCAB = 65  # hamlet.txt's distinct characters (recipes/charlm.yaml's model.vocab_size)
+
+
+def sides(args, shape: tuple, compile: bool) -> dict:
+    layers, heads, embd, block, batch = shape
+    cuda = args.device.startswith("cuda")
+    raw = [PY, "-m", "launcher.bench.raw_gpt", "--steps", str(args.steps), "--batch", str(batch), "--block", str(block),
+           "--layers", str(layers), "--heads", str(heads), "--embd", str(embd), "--device", args.device,
+           *(["--compile"] if compile else [])]
+    ours = [PY, "-m", "launcher.bench.child", "recipes/charlm.yaml",
+            f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={embd}", f"model.block_size={block}",
+            "model.dropout=0.0", f"data.batch_size={batch}", "data.val=null", "metrics={}",
+            f"trainer.max_steps={args.steps}", "trainer.eval_every=null", f"trainer.log_every={READ_EVERY}",
+            f"trainer.compile={str(compile).lower()}", "checkpoint.every=null", "checkpoint.resume=never",
+            "logging.tensorboard=false", "logging.progress_bar=false", f"devices={args.device}", "precision=bf16",
+            *(["optimizer.fused=true"] if cuda else []), "run_dir=/tmp/launcher-bench-gpu"]
+    return {"raw": (raw, {}), "ours": (ours, {})}
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--size", choices=sorted(SIZES), default="124M")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, help="sequences per step instead of the size's")
+    parser.add_argument("--peak-tflops", type=float, help="one device's peak, for MFU where it is not known")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--no-compile", dest="settings", action="store_const", const=(False,), default=(False, True))
+    which.add_argument("--compiled-only", dest="settings", action="store_const", const=(True,))
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here; use --device cpu --size tiny for a smoke test")
+    if args.steps <= READ_EVERY:
+        raise SystemExit(f"--steps {args.steps}: give more than {READ_EVERY} (each side reads the device every "
+                         f"{READ_EVERY} steps, and the first 50 are warm-up)")
+
+    layers, heads, embd, block, batch = SIZES[args.size]
+    batch = args.batch or batch
+    shape = (layers, heads, embd, block, batch)
+    with torch.device("meta"):  # the model's own FLOP count, without building its weights
+        model = GPT(VOCAB, block, layers, heads, embd, dropout=0.0, bias=False)
+    flops_per_token, params = model.flops_per_token(), model.num_params()
+    peak = peak_flops(torch.device(args.device), args.peak_tflops)
+    tokens = batch * block
+
+    print(f"charlm GPT, bf16, {params / 1e6:.{1 if params > 1e7 else 3}f}M parameters ({layers} layers, {heads} heads, "
+          f"{embd} wide), block {block}, batch {batch} ({tokens} tokens a step), {flops_per_token / 1e6:,.1f} MFLOP a "
+          f"token", flush=True)
+    print(f"{device_name(args.device)}, peak {peak / 1e12:g} TFLOP/s bf16" if peak else
+          f"{device_name(args.device)}, peak unknown (no MFU; --peak-tflops X)", flush=True)
+    command = " ".join(["python -m launcher.bench.gpu", *(sys.argv[1:] if argv is None else argv)])
+    warm_up = min(50, (args.steps - 1) // 2)  # StepClock.report's
+    print(f"{datetime.date.today().isoformat()}, torch {torch.__version__}, {args.steps} steps ({warm_up} of warm-up), "
+          f"{args.reps} alternating repetitions ({command})", flush=True)
+    print(f"{'':9} {'side':5} {'step':>9} {'tokens/s':>10} {'MFU':>6} {'memory':>9}  ours/raw (range)", flush=True)
+    for compile in args.settings:
+        res = alternate(sides(args, shape, compile), args.reps)  # a side that fails ends it: SystemExit, its stderr
+        if set(res) != {"raw", "ours"}:
+            raise SystemExit(f"a side gave no figures ({', '.join(res) or 'neither'} did)")
+        r, lo, hi = ratio(res, "ours")
+        for side in ("raw", "ours"):
+            step_s = median(res[side], "median_step_us") / 1e6
+            rate = tokens / step_s
+            mfu = f"{rate * flops_per_token / peak:6.1%}" if peak else f"{'-':>6}"
+            mem = [run["max_memory_gib"] for run in res[side] if "max_memory_gib" in run]
+            memory = f"{statistics.median(mem):6.2f}GiB" if mem else f"{'-':>9}"
+            tail = f"  {r:5.3f} ({lo:.3f}-{hi:.3f})" if side == "ours" else ""
+            print(f"{'compiled' if compile else 'eager':9} {side:5} {step_s * 1e3:7.2f}ms {rate:10,.0f} {mfu} "
+                  f"{memory}{tail}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
