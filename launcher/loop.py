@@ -46,6 +46,12 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     total = total_steps(cfg, p.data.steps_per_epoch)
     accum = cfg.grad_accum_steps
     params = [q for q in p.model.parameters() if q.requires_grad]
+    # Where the gradients are freed (set to None). On CUDA right after the optimizer step: the caching
+    # allocator reuses the memory and the forward runs without them (a lower peak). On the CPU after
+    # the first forward, as hand-written loops do: freed right after the step, they would sit at the
+    # top of glibc's heap, go back to the OS and be faulted in again by the next backward (measured:
+    # twice the page faults, 5% of a compute-bound DDP step).
+    free_after_step = p.strategy.device.type == "cuda"
     batches = p.data.stream(pos)
     p.console.start(total, pos.step)
     p.meter.start(pos.step)
@@ -64,6 +70,8 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
                 loss = p.loss_fn(output, y)
                 if accum > 1:
                     loss = loss / accum
+            if micro == 0 and not free_after_step:
+                p.optimizer.zero_grad(set_to_none=True)
             p.precision.backward(loss)
             p.meter.add(loss, output, y)
         p.precision.unscale(p.optimizer)
@@ -74,7 +82,8 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
             norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
         lr = p.optimizer.param_groups[0]["lr"]
         p.precision.step(p.optimizer)
-        p.optimizer.zero_grad(set_to_none=True)
+        if free_after_step:
+            p.optimizer.zero_grad(set_to_none=True)
         if p.schedule is not None:
             p.schedule.step()
         pos.step = step
