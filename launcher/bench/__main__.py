@@ -11,7 +11,7 @@ when the launcher fetches the data item by item as the hand-written loop does (`
 loop's own cost, without the gain of batched fetching); seconds from process start to the end of the
 first step, and peak RSS of rank 0. Accelerate and Lightning (launcher/bench/peer_*.py) run as peers
 when installed. Then scaling: a compute-bound size of the workload from 1 to 2 DDP processes, as
-efficiency (samples/s with 2 / twice samples/s with 1), for both loops.
+efficiency (samples/s with 2 / twice samples/s with 1), for both loops, both fetching item by item.
 
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 """
@@ -113,15 +113,15 @@ def scaling(args) -> list[str]:
               f"model.width={width}", "run_dir=/tmp/launcher-bench"]
     sides = {"raw": ([PY, "-m", "launcher.bench.raw", steps, batch, width], {}),
              "raw x2": ([*TORCHRUN, "-m", "launcher.bench.raw", steps, batch, width], {}),
-             "ours": ([PY, "-m", "launcher.bench.child", *recipe], {}),
-             "ours x2": ([*TORCHRUN, "-m", "launcher.bench.child", *recipe], {})}
+             "ours": ([PY, "-m", "launcher.bench.child", *recipe], {"BENCH_FETCH": "per-item"}),
+             "ours x2": ([*TORCHRUN, "-m", "launcher.bench.child", *recipe], {"BENCH_FETCH": "per-item"})}
     res = alternate(sides, args.reps)
     eff = {}
     for name in ("raw", "ours"):
         pairs = zip(res[name], res[f"{name} x2"])
         eff[name] = statistics.median(one["median_step_us"] / (2 * two["median_step_us"]) for one, two in pairs)
     return [f"scaling, compute-bound (MLP width {width}, global batch {batch}, {steps} steps, {args.reps} repetitions): "
-            f"DDP 1 -> 2 processes",
+            f"DDP 1 -> 2 processes; both fetch item by item, so that they do the same work",
             f"{'':14} {'1 process':>10} {'2 processes':>12} {'efficiency':>11}"] + [
             f"{name:14} {median(res[name], 'median_step_us') / 1e3:8.1f}ms {median(res[name + ' x2'], 'median_step_us') / 1e3:10.1f}ms "
             f"{eff[name]:11.3f}" for name in ("raw", "ours")] + [
