@@ -10,14 +10,20 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from typing import Callable, Dict, Optional
+import time
+from typing import Callable, Dict, List, Optional
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-# With several ranks, every CHECK_EVERY steps each rank starts a MAX all-reduce of its flag on the
-# host and reads the one it started at the check before, which has long finished: the loop never
-# waits on it, and every rank reads the same value at the same step. A signal stops training within
-# 2 * CHECK_EVERY steps.
-CHECK_EVERY = 10
+# With several ranks, at each check every rank starts an all-reduce on the host of its flag and of
+# how many steps it would wait until the next check, and reads the one it started at the check
+# before, which has long finished: the loop never waits on it, and every rank reads the same values
+# at the same step. The next check comes after the fewest steps any rank proposed: about
+# CHECK_SECONDS of its steps, at least one. A collective every few milliseconds would cost a small
+# DDP step 10% (measured on two cores), one every half second costs nothing; a signal is acted on
+# within two intervals, about a second.
+FIRST_CHECK = 10  # the step of the first check, before any step has been timed
+CHECK_SECONDS = 0.5
+MAX_INTERVAL = 1000
 
 
 class Stopped(Exception):
@@ -29,9 +35,11 @@ class Stopped(Exception):
 class StopFlag:
     def __init__(self, ranks: int):
         self.signum = 0
-        self.every = 1 if ranks == 1 else CHECK_EVERY
+        self.ranks = ranks
         self.previous: Dict[int, object] = {}
-        self.pending: Optional[Callable[[], int]] = None  # the agreement started at the last check
+        self.pending: Optional[Callable[[], List[int]]] = None  # the agreement started at the last check
+        self.next_check: Optional[int] = None
+        self.last: tuple = (0, 0.0)  # (step, time) of the last check
 
     def install(self) -> "StopFlag":
         for sig in SIGNALS:
@@ -51,15 +59,25 @@ class StopFlag:
             signal.signal(sig, handler)
         self.previous.clear()
 
-    def agreed(self, step: int, max_over_ranks: Callable[[int], Callable[[], int]]) -> Optional[int]:
-        """The signal every rank stops for after `step`, or None to go on. Collective on `every` steps."""
-        if step % self.every:
-            return None
-        if self.every == 1:
+    def agreed(self, step: int, reduce_max: Callable[[List[int]], Callable[[], List[int]]]) -> Optional[int]:
+        """The signal every rank stops for after `step`, or None to go on. Collective at each check."""
+        if self.ranks == 1:
             return self.signum or None
-        signum = self.pending() if self.pending is not None else 0
-        self.pending = None if signum else max_over_ranks(self.signum)
-        return signum or None
+        if self.next_check is None:
+            self.next_check = (step // FIRST_CHECK + 1) * FIRST_CHECK  # the same on every rank
+        if step < self.next_check:
+            return None
+        signum, minus_interval = self.pending() if self.pending is not None else (0, -FIRST_CHECK)
+        self.pending = None
+        if signum:
+            return signum
+        now = time.monotonic()
+        pace = (now - self.last[1]) / max(step - self.last[0], 1) if self.last[0] else 0.0
+        proposal = max(1, min(MAX_INTERVAL, int(CHECK_SECONDS / pace))) if pace > 0 else FIRST_CHECK
+        self.last = (step, now)
+        self.pending = reduce_max([self.signum, -proposal])  # MAX of the flags, MIN of the proposals
+        self.next_check = step - minus_interval
+        return None
 
     def finish(self) -> None:
         """Wait for the agreement still in flight (every rank started it), before the group goes."""

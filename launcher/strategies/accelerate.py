@@ -76,10 +76,10 @@ class Accelerate(Strategy):
 
         return gather_object([obj]) if self.placement.world_size > 1 else [obj]
 
-    def max_over_ranks(self, value: int) -> Callable[[], int]:
+    def max_over_ranks(self, values: List[int]) -> Callable[[], List[int]]:
         if self.placement.world_size == 1:
-            return lambda: value
-        return host_max(value, self.host_group)
+            return lambda: values
+        return host_max(values, self.host_group)
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()

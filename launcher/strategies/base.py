@@ -62,11 +62,11 @@ class Strategy:
     def all_gather_object(self, obj: Any) -> List[Any]:
         return [obj]
 
-    def max_over_ranks(self, value: int) -> Callable[[], int]:
-        """Start taking the largest of every rank's `value` through the host (never a device); the
-        returned function waits for it. Started at one check and read at the next, it costs the loop
-        no wait."""
-        return lambda: value
+    def max_over_ranks(self, values: List[int]) -> Callable[[], List[int]]:
+        """Start taking the element-wise largest of every rank's `values` through the host (never a
+        device); the returned function waits for it. Started at one check and read at the next, it
+        costs the loop no wait."""
+        return lambda: values
 
     def barrier(self) -> None:
         pass
@@ -75,15 +75,16 @@ class Strategy:
         pass
 
 
-def host_max(value: int, group) -> Callable[[], int]:
-    """An asynchronous MAX all-reduce of one int on a gloo group; call the result to wait for it."""
+def host_max(values: List[int], group) -> Callable[[], List[int]]:
+    """An asynchronous element-wise MAX all-reduce of a few ints on a gloo group; call the result to
+    wait for it."""
     import torch.distributed as dist
 
-    flag = torch.tensor([value], dtype=torch.int64)
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    flags = torch.tensor(values, dtype=torch.int64)
+    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
-    def wait() -> int:
+    def wait() -> List[int]:
         work.wait()
-        return int(flag.item())  # a CPU tensor: no device sync
+        return flags.tolist()  # a CPU tensor: no device sync
 
     return wait

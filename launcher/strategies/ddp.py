@@ -56,8 +56,8 @@ class DDP(Strategy):
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_sum(tensor) / self.placement.world_size  # gloo has no ReduceOp.AVG
 
-    def max_over_ranks(self, value: int) -> Callable[[], int]:
-        return host_max(value, self.host_group)
+    def max_over_ranks(self, values: List[int]) -> Callable[[], List[int]]:
+        return host_max(values, self.host_group)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.placement.world_size
