@@ -81,7 +81,7 @@ class TrainData:
         per_rank = batch_size // replicas
         self.sampler = EpochSampler(dataset, replicas, rank, shuffle, seed, per_rank, self.batches_per_epoch)
         self.loader = _loader(dataset, per_rank, self.sampler, num_workers, device, seed, drop_last=True)
-        self.dataset, self.device = dataset, device
+        self.device = device
 
     def stream(self, position: Position) -> Iterator[Any]:
         """Micro-batches on the device from `position` on, across epochs. `position` says which batch
