@@ -116,21 +116,9 @@ def _copied_ahead(batches: Iterator[tuple], device: torch.device) -> Iterator[tu
     for item in batches:
         current = ahead
         compute.wait_stream(copy)  # before the next copy is queued: wait for this batch's only
-        for t in _tensors(current[2]):
-            t.record_stream(compute)  # made on the copy stream, freed after its use on this one
+        _each_tensor(current[2], lambda t: t.record_stream(compute))  # made on the copy stream: freed after use here
         ahead = start(item)
         yield current
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (list, tuple)):
-        for b in batch:
-            yield from _tensors(b)
-    elif isinstance(batch, dict):
-        for b in batch.values():
-            yield from _tensors(b)
 
 
 def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank: int, num_workers: int,
@@ -197,12 +185,17 @@ def to_device(batch: Any, device: torch.device) -> Any:
     """Move a batch (tensors in tuples, lists, dicts) to the device; asynchronous from pinned memory on CUDA."""
     if device.type == "cpu":
         return batch
+    return _each_tensor(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def _each_tensor(batch: Any, fn) -> Any:
+    """`batch` with `fn` applied to each tensor in it (in tuples, lists, dicts); anything else kept."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
+        return type(batch)(_each_tensor(b, fn) for b in batch)
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: _each_tensor(v, fn) for k, v in batch.items()}
     return batch
 
 

@@ -1,8 +1,8 @@
 """Stopping on a signal: Slurm's warning before the time limit (SIGUSR1), SIGTERM, Ctrl-C.
 
 The handler only sets a flag. At a step boundary the ranks agree, the loop saves a checkpoint and
-stops; under
-Slurm global rank 0 then requeues the job, and the requeued job resumes from that checkpoint.
+stops; under Slurm global rank 0 then requeues the job, and the requeued job resumes from that
+checkpoint.
 """
 
 from __future__ import annotations
