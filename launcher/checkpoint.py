@@ -3,12 +3,14 @@ complete one readable.
 
     checkpoints/step_<N>/model.pt        the unwrapped model state_dict alone
     checkpoints/step_<N>/state.pt        optimizer, schedule, scaler, position, RNG of every rank, recipe
-    checkpoints/step_<N>/manifest.json   written last: a folder without it is incomplete
+    checkpoints/step_<N>/manifest.json   written last: each file's size and CRC-32; a folder without it is incomplete
     checkpoints/latest                   names the newest complete checkpoint
     model.pt                             the final model
 
 A checkpoint is built in `.step_<N>.partial/`, every file fsynced, then the folder
-renamed into place: a folder named step_<N> is always complete.
+renamed into place: a folder named step_<N> is always complete. The CRC-32 of each file is
+computed as it is written and checked before a resume, so a damaged checkpoint (a flipped bit)
+is passed over for the one before it. A checkpoint is data: nothing in it is run or resolved.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import re
 import shutil
 import time
 import warnings
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
+import yaml
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from launcher.errors import UserError, first_line
@@ -58,7 +63,7 @@ class Checkpointer:
         files = {}
         for name, obj in (("model.pt", model_state), ("state.pt", state)):
             files[name] = _write(partial / name, lambda f, obj=obj: torch.save(obj, f))
-        manifest = {"step": step, "files": files, "time": time.time()}
+        manifest = {"format": 2, "step": step, "files": files, "time": time.time()}
         _write(partial / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         _fsync_dir(partial)
         if final.exists():  # a re-save of the same step (say, after a resume): replace it whole
@@ -68,8 +73,8 @@ class Checkpointer:
             shutil.rmtree(stale)
         partial.rename(final)
         _fsync_dir(self.folder)
-        _write(self.folder / "latest", lambda f: f.write(f"{final.name}\n".encode()), atomic=True)
-        self._retain()
+        write_text(self.folder / "latest", f"{final.name}\n")
+        self._retain(final)
         return final
 
     def save_final(self, model_state: Dict[str, torch.Tensor]) -> Optional[Path]:
@@ -84,34 +89,60 @@ class Checkpointer:
 
     def complete(self) -> List[Path]:
         """Complete checkpoints, oldest first."""
-        if not self.folder.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.folder.iterdir()
-                 if (m := _STEP.fullmatch(p.name)) and is_complete(p)]
-        return [p for _, p in sorted(found)]
+        return complete(self.folder)
 
-    def _retain(self) -> None:
-        done = self.complete()
-        for old in done[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _retain(self, written: Path) -> None:
+        # The run folder holds one history (run_dir.py moves any other aside), so the highest steps
+        # are the newest; the checkpoint just written is never deleted, whatever else is there.
+        for old in self.complete()[:-self.keep]:
+            if old != written:
+                shutil.rmtree(old, ignore_errors=True)
         for leftover in self.folder.glob(".step_*"):  # partial saves of a crashed run
             shutil.rmtree(leftover, ignore_errors=True)
 
-    def resume_from(self, resume: str) -> Optional[Path]:
-        """The checkpoint folder to resume from: `auto` the newest complete one (or none), `never` none, else a path."""
-        if resume == "never":
-            return None
-        if resume == "auto":
-            done = self.complete()
-            return done[-1] if done else None
-        path = Path(resume)
-        if not path.is_dir():
-            raise UserError(f"checkpoint.resume: {path} is not a checkpoint folder; use auto, never, "
-                            f"or a folder such as {self.folder}/step_<N>")
-        if not is_complete(path):
-            raise UserError(f"checkpoint.resume: {path} is incomplete (no valid manifest.json); "
-                            f"pick another folder, or resume=auto for the newest complete one")
-        return path
+
+def step_folders(folder: Path) -> List[tuple[int, Path]]:
+    """(step, folder) of every step_<N> folder, complete or not, by step."""
+    if not folder.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.fullmatch(p.name)))
+
+
+def step_of(folder: Path) -> int:
+    m = _STEP.fullmatch(folder.name)
+    return int(m.group(1)) if m else -1
+
+
+def complete(folder: Path) -> List[Path]:
+    """Complete checkpoints, oldest first."""
+    return [p for _, p in step_folders(folder) if is_complete(p)]
+
+
+def choose(folder: Path, resume: str) -> tuple[Optional[Path], List[str]]:
+    """The checkpoint to resume from (None: start over) and lines to say: `auto` the newest complete
+    one whose files match their checksums, `never` none, else the folder named, which must match."""
+    if resume == "never":
+        return None, []
+    if resume == "auto":
+        notes = []
+        for candidate in reversed(complete(folder)):
+            problem = verify(candidate)
+            if problem is None:
+                return candidate, notes
+            notes.append(f"{candidate} is damaged ({problem}); resuming from the checkpoint before it")
+        return None, notes
+    path = Path(resume)
+    if not path.is_dir():
+        raise UserError(f"checkpoint.resume: {path} is not a checkpoint folder; use auto, never, "
+                        f"or a folder such as {folder}/step_<N>")
+    if not is_complete(path):
+        raise UserError(f"checkpoint.resume: {path} is incomplete (no valid manifest.json); "
+                        f"pick another folder, or resume=auto for the newest complete one")
+    problem = verify(path)
+    if problem is not None:
+        raise UserError(f"checkpoint.resume: {path} is damaged ({problem}); pick another folder, or "
+                        f"resume=auto for the newest undamaged one")
+    return path, []
 
 
 def cannot_write(where: Path, e: OSError) -> UserError:
@@ -120,11 +151,38 @@ def cannot_write(where: Path, e: OSError) -> UserError:
 
 
 def is_complete(folder: Path) -> bool:
+    """The manifest is there and names files of the sizes it lists."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
-        return all((folder / name).stat().st_size == size for name, size in manifest["files"].items())
+        return all((folder / name).stat().st_size == _entry(entry)["size"] for name, entry in manifest["files"].items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
+
+
+def _entry(entry: Any) -> Dict[str, Any]:
+    return {"size": entry} if isinstance(entry, int) else entry  # format 1 manifests listed sizes alone
+
+
+def verify(folder: Path) -> Optional[str]:
+    """What is wrong with a complete checkpoint's files (a CRC-32 that differs from the manifest's),
+    or None. Checkpoints written before checksums were recorded pass on their sizes alone."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name, entry in manifest["files"].items():
+        want = _entry(entry).get("crc32")
+        if want is None:
+            continue
+        got = crc32(folder / name)
+        if got != want:
+            return f"{name}: CRC-32 {got}, the manifest says {want}"
+    return None
+
+
+def crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 def load_file(path: Path, map_location: Any = "cpu") -> Any:
@@ -137,12 +195,24 @@ def load_file(path: Path, map_location: Any = "cpu") -> Any:
         raise UserError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise UserError(f"{path}: is a folder; name the model.pt file inside it") from None
-    except pickle.UnpicklingError:
-        raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: it holds objects other "
-                        f"than tensors and plain containers, which could run code when loaded; it is not loaded") from None
+    except pickle.UnpicklingError as e:
+        if not _pickled(path):
+            raise UserError(f"{path}: not a checkpoint: neither torch's zip format nor a pickle") from None
+        if "Unsupported global" in str(e) or not zipfile.is_zipfile(path):
+            raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: it holds objects other "
+                            f"than tensors and plain containers, which could run code when loaded; it is not loaded") from None
+        raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: damaged "
+                        f"({first_line(e)[:120]})") from None
     except Exception as e:  # torch raises RuntimeError, EOFError, ... for truncated or foreign files
         raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: truncated or not a "
                         f"torch file ({first_line(e)[:120]})") from None
+
+
+def _pickled(path: Path) -> bool:
+    """torch's zip format, or a pickle (protocol 2 or later opens with PROTO)."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return zipfile.is_zipfile(path) or (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
 
 
 def strip_prefixes(state: Dict[str, Any]) -> Dict[str, Any]:
@@ -158,25 +228,125 @@ def strip_prefixes(state: Dict[str, Any]) -> Dict[str, Any]:
     return state
 
 
-def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cpu") -> None:
-    """Load a state_dict file into the plain model with strict=True, naming the first difference if it does not fit."""
+# The run state's fields and what each must be; anything else in state.pt is refused.
+STATE_FIELDS = {"position": dict, "optimizer": dict, "lr_schedule": (dict, type(None)), "scaler": dict,
+                "rng": list, "recipe": str, "world_size": int}
+POSITION_FIELDS = ("step", "epoch", "batch")
+
+
+def load_state(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
+    """A checkpoint's state.pt, checked field by field before anything uses it: a file of another
+    structure is one line, never a KeyError or TypeError further on."""
+    state = load_file(path, map_location)
+    problem = _state_problem(state)
+    if problem:
+        raise UserError(f"{path}: not a run state of this launcher: {problem}")
+    return state
+
+
+def _state_problem(state: Any) -> Optional[str]:
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not a mapping"
+    missing = [k for k in STATE_FIELDS if k not in state and k != "world_size"]
+    extra = [k for k in state if k not in STATE_FIELDS]
+    if missing or extra:
+        return f"missing {', '.join(missing)}" if missing else f"unknown field {extra[0]!r}"
+    for key, kind in STATE_FIELDS.items():
+        if key in state and (not isinstance(state[key], kind) or isinstance(state[key], bool)):
+            return f"{key} is a {type(state[key]).__name__}"
+    position = state["position"]
+    if sorted(position) != sorted(POSITION_FIELDS) or not all(
+            type(position[k]) is int and position[k] >= 0 for k in POSITION_FIELDS):
+        return f"position must hold {', '.join(POSITION_FIELDS)} as counts, got {position!r:.80}"
+    if not isinstance(state["optimizer"].get("state"), dict) or not isinstance(state["optimizer"].get("param_groups"), list):
+        return "optimizer is not an optimizer's state_dict (state, param_groups)"
+    if not state["rng"] or not all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) for r in state["rng"]):
+        return "rng must list each rank's generator states"
+    return None
+
+
+def saved_recipe(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The recipe a checkpoint was written with, as plain data: YAML read without OmegaConf, so an
+    interpolation or resolver in it (`${oc.env:...}`) stays text and is never resolved."""
+    try:
+        data = yaml.load(state["recipe"], Loader=_NoAliases)
+    except (yaml.YAMLError, RecursionError) as e:
+        raise UserError(f"the checkpoint's recipe is not YAML: {first_line(e)}") from None
+    if not isinstance(data, dict):
+        raise UserError("the checkpoint's recipe is not a mapping of keys")
+    return data
+
+
+class _NoAliases(yaml.SafeLoader):
+    """Plain YAML without anchors and aliases (a few aliases can expand into billions of nodes)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("aliases (*name) are not allowed in a saved recipe")
+        return super().compose_node(parent, index)
+
+
+# Where other tools nest a model's weights in their files (Lightning's .ckpt: state_dict).
+NESTINGS = ("state_dict", "model", "model_state_dict", "module", "net")
+
+
+def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cpu", verified: bool = False) -> Optional[str]:
+    """Load a state_dict file into the plain model with strict=True, naming the first difference if it
+    does not fit. Weights nested under a key (a Lightning .ckpt's state_dict, {"model": ...}) load too,
+    with a common prefix such as Lightning's `model.` removed when that makes them fit; the return
+    value then says where they were found. A file in a checkpoint folder is first checked against the
+    manifest's CRC-32 (unless `verified` says that was done)."""
+    if not verified:
+        _check_against_manifest(path)
     state = load_file(path, map_location)
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise UserError(f"{path}: not a model state_dict (a mapping of parameter names to tensors)")
+    where = None
+    if not all(isinstance(v, torch.Tensor) for v in state.values()):
+        key = next((k for k in NESTINGS if isinstance(state.get(k), dict) and state[k]
+                    and all(isinstance(v, torch.Tensor) for v in state[k].values())), None)
+        if key is None:
+            keys = ", ".join(repr(k) for k in list(state)[:6])
+            raise UserError(f"{path}: not a model state_dict: its keys ({keys}) hold more than tensors, and none "
+                            f"of {', '.join(NESTINGS)} holds the weights")
+        state, where = state[key], f"the weights under '{key}'"
     state = strip_prefixes(state)
     expected = model.state_dict()
+    if state.keys() != expected.keys():
+        heads = {k.split(".", 1)[0] for k in state}
+        if len(heads) == 1 and all("." in k for k in state):
+            head = heads.pop()
+            stripped = {k[len(head) + 1:]: v for k, v in state.items()}
+            if stripped.keys() == expected.keys():
+                state = stripped
+                where = f"{where or 'the weights'}, prefix '{head}.' removed"
+    inside = f" ({where})" if where else ""
     for key, tensor in expected.items():
         if key not in state:
-            raise UserError(f"{path}: does not fit this model: '{key}' is missing from the file")
+            raise UserError(f"{path}{inside}: does not fit this model: '{key}' is missing from the file")
         got = state[key]
-        if not isinstance(got, torch.Tensor) or got.shape != tensor.shape:
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise UserError(f"{path}: does not fit this model: '{key}' is {shape} in the file, "
+        if got.shape != tensor.shape:
+            raise UserError(f"{path}{inside}: does not fit this model: '{key}' is {tuple(got.shape)} in the file, "
                             f"{tuple(tensor.shape)} in the model")
     extra = [k for k in state if k not in expected]
     if extra:
-        raise UserError(f"{path}: does not fit this model: the file has '{extra[0]}', which the model lacks")
+        raise UserError(f"{path}{inside}: does not fit this model: the file has '{extra[0]}', which the model lacks")
     model.load_state_dict(state, strict=True)
+    return where
+
+
+def _check_against_manifest(path: Path) -> None:
+    """A file inside a checkpoint folder is checked against that folder's manifest before it is used."""
+    manifest = path.parent / "manifest.json"
+    if path.is_file() and manifest.is_file():
+        try:
+            entry = json.loads(manifest.read_text())["files"].get(path.name)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return
+        want = _entry(entry).get("crc32") if entry is not None else None
+        if want is not None and crc32(path) != want:
+            raise UserError(f"{path}: damaged: its CRC-32 differs from the one {manifest} recorded; use another "
+                            f"checkpoint's file")
 
 
 def to_cpu(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -191,8 +361,14 @@ def to_cpu(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _write(path: Path, write, atomic: bool = False) -> int:
-    """Write through `write(file)`, fsync, and return the size; with atomic, via a temporary name and rename."""
+def write_text(path: Path, text: str) -> None:
+    """A small file replaced atomically (a temporary name, fsync, rename)."""
+    _write(path, lambda f: f.write(text.encode()), atomic=True)
+
+
+def _write(path: Path, write, atomic: bool = False) -> Dict[str, Any]:
+    """Write through `write(file)`, fsync, and return the size and CRC-32 of what was written; with
+    atomic, via a temporary name and rename."""
     target = path.with_name(f".{path.name}.tmp") if atomic else path
     with open(target, "wb") as f:
         recorder = _Recorder(f)
@@ -208,21 +384,24 @@ def _write(path: Path, write, atomic: bool = False) -> int:
     if atomic:
         os.replace(target, path)
         _fsync_dir(path.parent)
-    return size
+    return {"size": size, "crc32": f"{recorder.crc:08x}"}
 
 
 class _Recorder:
-    """A file that remembers the OSError its write raised, for errors that torch re-raises as others."""
+    """A file that keeps the CRC-32 of what is written through it (torch.save writes it front to
+    back), and remembers the OSError its write raised, for errors that torch re-raises as others."""
 
     def __init__(self, f):
-        self.f, self.error = f, None
+        self.f, self.error, self.crc = f, None, 0
 
     def write(self, data):
         try:
-            return self.f.write(data)
+            written = self.f.write(data)
         except OSError as e:
             self.error = e
             raise
+        self.crc = zlib.crc32(memoryview(data)[:written] if written is not None else data, self.crc)
+        return written
 
     def __getattr__(self, name):
         return getattr(self.f, name)

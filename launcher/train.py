@@ -18,6 +18,7 @@ from launcher.metrics import TrainMeter
 from launcher.precision import Precision
 from launcher.recipe import Loaded, instantiate
 from launcher.recipe.flat import differences, hparams
+from launcher.run_dir import RunFolder
 from launcher.stopping import StopFlag, Stopped, requeue
 
 
@@ -46,44 +47,43 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     placement, notes, _ = placed or _place(loaded)
     strategy = strategies.create(loaded.recipe.strategy, placement)
     strategy.setup()
+    folder = RunFolder(Path(loaded.recipe.run_dir))
     try:
         recipe = loaded.recipe
         recipe.precision, recipe.trainer.grad_accum_steps, settled = strategy.settle(
             recipe.precision, recipe.trainer.grad_accum_steps)
         loaded.config.precision, loaded.config.trainer.grad_accum_steps = recipe.precision, recipe.trainer.grad_accum_steps
-        return _train(loaded, strategy, notes + settled + strategy.notes())
+        return _train(loaded, strategy, folder, notes + settled + strategy.notes())
     finally:
+        folder.close()
         strategy.teardown()
 
 
-def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[str, float]:
+def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, notes: list) -> Dict[str, float]:
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
-    run_dir = Path(recipe.run_dir)
-    if placement.is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "recipe.yaml").write_text(OmegaConf.to_yaml(loaded.config))
-        except OSError as e:
-            raise UserError(f"run_dir: cannot write {run_dir}: {e.strerror or e}; point run_dir=... at a "
-                            f"writable folder") from None
+    run_dir = folder.path
+    # Rank 0 locks the folder, settles which checkpoint the run continues (moving another history
+    # aside) and writes the recipe, before TensorBoard opens its folder; every rank resumes from it.
+    opened = folder.open(OmegaConf.to_yaml(loaded.config), recipe.checkpoint.resume,
+                         recipe.checkpoint.init_from) if placement.is_main else None
+    resume, said, init_from = strategy.all_gather_object(opened)[0]
     logger, console = loggers.make(placement.is_main, run_dir, recipe.logging.tensorboard, recipe.logging.progress_bar)
-    for note in notes:
+    for note in notes + said:
         console.info(note)
     rows = strategy.all_gather_object(_describe(placement))  # a collective: every rank takes part
     console.info(scheduler.table(rows))
     checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main)
-    found = checkpointer.resume_from(recipe.checkpoint.resume) if placement.is_main else None
-    resume = strategy.all_gather_object(found)[0]  # rank 0 decides, so every rank resumes from the same step
 
     seeding.seed_everything(recipe.seed)
     model = _build(recipe.model, "model", nn.Module).to(device)
     state = None
-    if resume is not None:
-        checkpoint.load_model_state(model, resume / "model.pt", map_location=device)
-        state = checkpoint.load_file(resume / "state.pt", map_location=device)
-    elif recipe.checkpoint.init_from:
-        checkpoint.load_model_state(model, Path(recipe.checkpoint.init_from), map_location=device)
-        console.info(f"initialised the model from {recipe.checkpoint.init_from}")
+    if resume is not None:  # its CRC-32s were checked when rank 0 chose it
+        checkpoint.load_model_state(model, resume / "model.pt", map_location=device, verified=True)
+        state = checkpoint.load_state(resume / "state.pt", map_location=device)
+        _refuse_changed_parts(checkpoint.saved_recipe(state), loaded.config, resume)
+    elif init_from:
+        where = checkpoint.load_model_state(model, Path(init_from), map_location=device)
+        console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
     wrapped = strategy.wrap(model)
     optimizer = _build(recipe.optimizer, "optimizer", object, [q for q in model.parameters() if q.requires_grad])
     schedule = _build(recipe.lr_schedule, "lr_schedule", object, optimizer) if recipe.lr_schedule else None
@@ -97,15 +97,9 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
 
     position = data.Position()
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        if schedule is not None:
-            schedule.load_state_dict(state["lr_schedule"])
-        precision.load_state_dict(state["scaler"])
-        position = data.Position(**state["position"])
-        rngs = state["rng"]
-        seeding.restore(rngs[placement.rank] if placement.rank < len(rngs) else rngs[0], device)
+        position = _restore(state, resume, optimizer, schedule, precision, placement.rank, device)
         console.info(f"resumed from {resume} (step {position.step}, epoch {position.epoch})")
-        changed = differences(OmegaConf.create(state["recipe"]), loaded.config)
+        changed = differences(checkpoint.saved_recipe(state), loaded.config)
         if changed:
             console.info(f"the recipe differs from the checkpoint's in {', '.join(changed)}; the optimizer and "
                          f"LR schedule continue from their saved state (checkpoint.resume=never starts over)")
@@ -163,8 +157,40 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
             parts.stop.restore()
     logger.close()
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
-    console.info(f"done: step {position.step} | {final} | model: {run_dir / 'model.pt'}")
+    console.info(" | ".join(x for x in (f"done: step {position.step}", final, f"model: {run_dir / 'model.pt'}") if x))
     return results
+
+
+def _restore(state: Dict[str, Any], resume: Path, optimizer, schedule, precision: Precision, rank: int,
+             device: torch.device) -> data.Position:
+    """Put the saved run state back; a state that does not fit this run is one line, not a traceback."""
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        if schedule is not None:
+            schedule.load_state_dict(state["lr_schedule"])
+        precision.load_state_dict(state["scaler"])
+        rngs = state["rng"]
+        seeding.restore(rngs[rank] if rank < len(rngs) else rngs[0], device)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
+        raise UserError(f"checkpoint.resume: {resume / 'state.pt'} does not fit this run ({type(e).__name__}: "
+                        f"{first_line(e)[:160]}); start over with checkpoint.resume=never") from None
+    return data.Position(**state["position"])
+
+
+def _refuse_changed_parts(saved: Dict[str, Any], current, resume: Path) -> None:
+    """The saved optimizer and schedule states belong to the classes that wrote them: another
+    optimizer, or a schedule added or removed, cannot continue them."""
+    changed = []
+    for key in ("optimizer", "lr_schedule"):
+        old, new = saved.get(key), current[key]
+        old = old.get("_target_") if isinstance(old, dict) else old
+        new = new["_target_"] if new is not None else None
+        if old != new:
+            changed.append(f"{key} ({old or 'none'} -> {new or 'none'})")
+    if changed:
+        raise UserError(f"checkpoint.resume: the recipe changed {' and '.join(changed)} since {resume}, whose saved "
+                        f"state cannot continue under it; start over with checkpoint.resume=never (add "
+                        f"checkpoint.init_from={resume / 'model.pt'} to keep its weights)")
 
 
 def _nvidia_smi() -> list:

@@ -83,11 +83,11 @@ def trial(folder: Path, kill_at: int, reference: Path) -> str:
     run_dir = folder / f"kill_{kill_at}"
     killed = run(run_dir, kill_at)
     assert killed.returncode == -signal.SIGKILL, f"expected a kill at event {kill_at}: {killed.stderr[-2000:]}"
-    from launcher.checkpoint import Checkpointer, is_complete
+    from launcher.checkpoint import choose, is_complete
 
     steps = sorted((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
     assert all(is_complete(s) for s in steps), f"a step_* folder is incomplete after a kill at event {kill_at}"
-    newest = Checkpointer(run_dir, 2, writer=False).resume_from("auto")
+    newest, _ = choose(run_dir / "checkpoints", "auto")
     resumed = run(run_dir)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     if newest is not None:

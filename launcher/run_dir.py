@@ -1,0 +1,135 @@
+"""The run folder, owned by global rank 0: one run at a time, and one run's history in it.
+
+- A lock (`<run_dir>/.lock`, flock) held for the whole run: a second run started on the same folder
+  is refused with one line instead of interleaving its checkpoints with the first one's.
+- A run that does not continue the history it finds (`checkpoint.resume=never`, a checkpoint from
+  elsewhere, or an earlier checkpoint of this folder) moves what would be mixed with its own into
+  `<run_dir>/replaced/<time>/`: nothing is deleted, and `checkpoints/` and `latest` only ever hold
+  the running history. The Slurm logs stay where they are (a running job writes into them).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from launcher import checkpoint
+from launcher.errors import UserError
+
+# What a run writes that belongs to its history (the recipe.yaml of the run that wrote them too).
+ARTEFACTS = ("checkpoints", "model.pt", "tensorboard", "recipe.yaml")
+REPLACED = "replaced"
+
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+        self._lock: Optional[int] = None
+
+    def open(self, recipe_yaml: str, resume: str, init_from: Optional[str] = None) -> tuple:
+        """Lock the folder, settle which checkpoint this run continues (None: it starts over), move
+        aside what belongs to another history, and write the recipe. Returns the checkpoint, the
+        lines to say about it, and where `init_from` is now (it may have been in what moved)."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _unwritable(self.path, e) from None
+        self.lock()
+        if self.checkpoints.exists() and not self.checkpoints.is_dir():
+            raise UserError(f"run_dir: {self.checkpoints} is a file, where the run keeps its checkpoints folder; "
+                            f"move it away, or point run_dir=... at another folder")
+        found, notes = checkpoint.choose(self.checkpoints, resume)
+        moved = self._set_aside(found)
+        if moved:
+            notes.append(moved[0])
+        if init_from:
+            init_from = str(_relocated(Path(init_from), moved[1:]))
+        try:
+            self.checkpoints.mkdir(exist_ok=True)
+            checkpoint.write_text(self.path / "recipe.yaml", recipe_yaml)
+        except OSError as e:
+            raise _unwritable(self.path, e) from None
+        return found, notes, init_from
+
+    def lock(self) -> None:
+        path = self.path / ".lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _unwritable(self.path, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise UserError(f"run_dir: {self.path} is in use by another run ({holder}); wait for it to end, or "
+                            f"give this one its own folder (name=... or run_dir=...)") from None
+        except OSError as e:  # a file system without locks (some network mounts): run unguarded
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        self._lock = fd
+
+    def close(self) -> None:
+        """Release the lock (the process's exit releases it too, however it ends)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def _set_aside(self, found: Optional[Path]) -> list:
+        """Move what is not this run's history into replaced/<time>/. Returns a line that says so,
+        then (from, to) for each move; nothing if nothing moved."""
+        steps = checkpoint.step_folders(self.checkpoints)
+        continued = found is not None and found.resolve().parent == self.checkpoints.resolve()
+        if continued:
+            moving = [p for step, p in steps if step > checkpoint.step_of(found)]
+            moving += [self.path / "model.pt"] if moving and (self.path / "model.pt").exists() else []
+            why = f"the run continues from {found.name}"
+        else:
+            if not steps and not (self.path / "model.pt").exists():
+                return []  # nothing of an earlier run's to keep apart
+            moving = [self.path / name for name in ARTEFACTS if (self.path / name).exists()]
+            why = "the run starts over" if found is None else f"the run continues from {found}"
+        if not moving:
+            return []
+        target = self._replaced_folder()
+        moves = []
+        for p in moving:
+            relative = p.relative_to(self.path)
+            (target / relative).parent.mkdir(parents=True, exist_ok=True)
+            p.rename(target / relative)
+            moves.append((p, target / relative))
+        if continued:
+            checkpoint.write_text(self.checkpoints / "latest", f"{found.name}\n")
+        names = ", ".join(str(p.relative_to(self.path)) for p in moving)
+        return [f"{why}: moved what an earlier run left in {self.path} ({names}) to {target}", *moves]
+
+    def _replaced_folder(self) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target, n = self.path / REPLACED / stamp, 1
+        while target.exists():
+            n += 1
+            target = self.path / REPLACED / f"{stamp}-{n}"
+        target.mkdir(parents=True)
+        return target
+
+
+def _relocated(path: Path, moves: list) -> Path:
+    """Where `path` is after `moves`, (from, to) pairs."""
+    here = Path(os.path.abspath(path))
+    for old, new in moves:
+        old = Path(os.path.abspath(old))
+        if here == old or old in here.parents:
+            return Path(new) / here.relative_to(old)
+    return path
+
+
+def _unwritable(path: Path, e: OSError) -> UserError:
+    return UserError(f"run_dir: cannot write {path}: {e.strerror or e}; point run_dir=... at a writable folder")
