@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from launcher.checkpoint import Checkpointer
 from launcher.cli import main
 from recipes.components.mlp import MLP
 from tests.conftest import REPO, SMALL
@@ -28,6 +29,15 @@ def files(tmp):
     (tmp / "step_5" / "model.pt").write_bytes((tmp / "whole.pt").read_bytes())
     with open(tmp / "evil.pt", "wb") as f:
         pickle.dump({"0.weight": Evil()}, f)
+    (tmp / "random.pt").write_bytes(bytes(range(7, 250)) * 9)
+    torch.save({"epoch": 3, "global_step": 30}, tmp / "meta.ckpt")
+    (tmp / "with_file").mkdir(exist_ok=True)
+    (tmp / "with_file" / "checkpoints").write_text("not a folder")
+    Checkpointer(tmp / "damaged", keep=1, writer=True).save(1, MLP().state_dict(), {})
+    model = tmp / "damaged" / "checkpoints" / "step_1" / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 1
+    model.write_bytes(bytes(data))
 
 
 class Evil:
@@ -71,6 +81,12 @@ CASES = [
     ("missing-manifest", [Q, "checkpoint.resume={t}/step_5"], "is incomplete (no valid manifest.json)"),
     ("no-folder", [Q, "checkpoint.resume={t}/nowhere"], "is not a checkpoint folder"),
     ("run-dir-is-a-file", [Q, "run_dir={t}/whole.pt"], "run_dir: cannot write"),
+    ("random-bytes", [Q, "checkpoint.init_from={t}/random.pt"], "not a checkpoint: neither torch's zip format nor a pickle"),
+    ("nested-without-weights", [Q, "checkpoint.init_from={t}/meta.ckpt"], "none of state_dict, model, model_state_dict"),
+    ("checkpoints-is-a-file", [Q, "run_dir={t}/with_file"], "with_file/checkpoints is a file"),
+    ("damaged-checkpoint", [Q, "checkpoint.resume={t}/damaged/checkpoints/step_1"], "step_1 is damaged (model.pt: CRC-32"),
+    ("damaged-init-from", [Q, "checkpoint.init_from={t}/damaged/checkpoints/step_1/model.pt"], "damaged: its CRC-32 differs"),
+    ("resume-a-system-folder", [Q, "checkpoint.resume=/etc"], "checkpoint.resume: /etc is incomplete (no valid manifest.json)"),
 ]
 
 
