@@ -5,6 +5,9 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
+import time
 import zlib
 
 import pytest
@@ -383,3 +386,23 @@ def test_random_bytes_are_not_a_checkpoint(tmp_path):
     with pytest.raises(UserError, match="not a checkpoint: neither torch's zip format nor a pickle") as e:
         load_model_state(MLP(), tmp_path / "random.pt")
     assert "run code" not in str(e.value)
+
+
+def test_a_lock_left_to_the_children_of_a_dead_run_is_waited_for(tmp_path):
+    """A killed run's DataLoader workers can hold its lock a moment longer (an elastic restart)."""
+    from launcher.run_dir import RunFolder
+
+    tmp_path.mkdir(exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(tmp_path / '.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.pwrite(fd, f'pid 999999 on {os.uname().nodename}, since then'.encode(), 0)\n"
+        "print('held', flush=True); time.sleep(2)\n")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    started = time.monotonic()
+    folder = RunFolder(tmp_path)
+    folder.lock()  # pid 999999 is gone: wait for its heir (here, the holder) to let go
+    folder.close()
+    assert time.monotonic() - started > 0.5
+    holder.wait()
