@@ -1,6 +1,6 @@
 """The run folder, owned by global rank 0: one run at a time, and one run's history in it.
 
-- A lock (`<run_dir>/.lock`, flock) held for the whole run: a second run started on the same folder
+- A lock (`<run_dir>/.lock`, a POSIX record lock) held for the whole run: a second run started on the same folder
   is refused with one line instead of interleaving its checkpoints with the first one's.
 - A run that does not continue the history it finds (`checkpoint.resume=never`, a checkpoint from
   elsewhere, or an earlier checkpoint of this folder) moves what would be mixed with its own into
@@ -24,7 +24,6 @@ from launcher.errors import UserError
 # What a run writes that belongs to its history (the recipe.yaml of the run that wrote them too).
 ARTEFACTS = ("checkpoints", "model.pt", "tensorboard", "recipe.yaml")
 REPLACED = "replaced"
-HOLDER_GONE_WAIT = 30.0  # seconds
 
 
 class RunFolder:
@@ -64,24 +63,18 @@ class RunFolder:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise _unwritable(self.path, e) from None
-        deadline = time.monotonic() + HOLDER_GONE_WAIT
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-                # A run killed a moment ago (an elastic restart) can leave the lock to its DataLoader
-                # workers, which follow it within seconds: wait for them, not for a live run.
-                if not _gone(holder) or time.monotonic() > deadline:
-                    os.close(fd)
-                    raise UserError(f"run_dir: {self.path} is in use by another run ({holder}); wait for it to "
-                                    f"end, or give this one its own folder (name=... or run_dir=...)") from None
-                time.sleep(0.2)
-            except OSError as e:  # a file system without locks (some network mounts): run unguarded
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    raise
-                break
+        try:
+            # A POSIX record lock: held by this process alone (a forked DataLoader worker does not
+            # inherit it, as it would an flock) and released by the kernel however the process ends.
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise UserError(f"run_dir: {self.path} is in use by another run ({holder}); wait for it to end, or "
+                            f"give this one its own folder (name=... or run_dir=...)") from None
+        except OSError as e:  # a file system without locks (some network mounts): run unguarded
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
         self._lock = fd
@@ -128,20 +121,6 @@ class RunFolder:
             target = self.path / REPLACED / f"{stamp}-{n}"
         target.mkdir(parents=True)
         return target
-
-
-def _gone(holder: str) -> bool:
-    """Whether the process a lock file names (`pid N on HOST, ...`) has ended, as far as this host can tell."""
-    words = holder.split()
-    if len(words) < 4 or words[0] != "pid" or not words[1].isdigit() or words[3].rstrip(",") != socket.gethostname():
-        return False
-    try:
-        os.kill(int(words[1]), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def _relocated(path: Path, moves: list) -> Path:

@@ -1,6 +1,5 @@
 """Checkpoints: DESIGN's run folder, unwrapped keys, atomic writes, retention, tolerant and safe loading."""
 
-import fcntl
 import json
 import os
 import pickle
@@ -213,15 +212,25 @@ def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
 
 def test_a_second_run_on_the_same_folder_is_refused(tmp_path, capsys):
     train(tmp_path, "trainer.max_steps=1")
-    held = os.open(tmp_path / ".lock", os.O_RDWR)
-    fcntl.flock(held, fcntl.LOCK_EX)
+    holder = subprocess.Popen([sys.executable, "-c", (  # another process, as a second run would be
+        "import fcntl, os, sys\n"
+        f"fd = os.open({str(tmp_path / '.lock')!r}, os.O_RDWR)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        assert holder.stdout.readline().strip() == "held"
         code = main(["recipes/quickstart.yaml", *SMALL, f"run_dir={tmp_path}"])
     finally:
-        os.close(held)
+        holder.communicate("")
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and len(err) == 1 and f"run_dir: {tmp_path} is in use by another run (pid " in err[0], err
     assert train(tmp_path, "trainer.max_steps=1") == {}  # released: the next run goes on
+
+
+def test_the_lock_is_not_held_by_dataloader_workers(tmp_path):
+    """Persistent workers are forked from the run: the lock must not outlive the run in them."""
+    train(tmp_path, "data.num_workers=2", "trainer.max_steps=2")
+    train(tmp_path, "data.num_workers=2", "trainer.max_steps=4")
 
 
 # --- Integrity: CRC-32 per file, a damaged checkpoint is passed over ------------------------------
@@ -386,23 +395,3 @@ def test_random_bytes_are_not_a_checkpoint(tmp_path):
     with pytest.raises(UserError, match="not a checkpoint: neither torch's zip format nor a pickle") as e:
         load_model_state(MLP(), tmp_path / "random.pt")
     assert "run code" not in str(e.value)
-
-
-def test_a_lock_left_to_the_children_of_a_dead_run_is_waited_for(tmp_path):
-    """A killed run's DataLoader workers can hold its lock a moment longer (an elastic restart)."""
-    from launcher.run_dir import RunFolder
-
-    tmp_path.mkdir(exist_ok=True)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({str(tmp_path / '.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "os.pwrite(fd, f'pid 999999 on {os.uname().nodename}, since then'.encode(), 0)\n"
-        "print('held', flush=True); time.sleep(2)\n")], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    started = time.monotonic()
-    folder = RunFolder(tmp_path)
-    folder.lock()  # pid 999999 is gone: wait for its heir (here, the holder) to let go
-    folder.close()
-    assert time.monotonic() - started > 0.5
-    holder.wait()
