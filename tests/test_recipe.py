@@ -245,6 +245,7 @@ INT64 = 2**63
     ("logging.peak_tflops=.inf", "logging.peak_tflops: must be a positive number of TFLOP/s or null, got inf"),
     ("name=" + "a" * 256, "name: got 'aaaaaaaaa"),
     ("name=.", "name: got '.'"),
+    ("slurm.setup=5", "slurm.setup: expected a list such as [a, b], got 5"),
 ])
 def test_values_out_of_the_range_of_what_consumes_them(tmp_path, override, says):
     lines = problems(write(tmp_path, GOOD), override)

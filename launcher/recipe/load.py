@@ -168,6 +168,8 @@ def _describe(kind: Any) -> str:
     base = args[0] if optional and len(args) == 1 else kind
     if typing.get_origin(base) is dict:
         text = "a mapping such as {_target_: dotted.path, ...}"
+    elif typing.get_origin(base) is list:
+        text = "a list such as [a, b]"
     else:
         text = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(base, str(base))
     return f"{text} or null" if optional else text
