@@ -10,6 +10,7 @@ else (a tuple or dict of batched tensors) is the batch itself, with no per-item 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -172,10 +173,13 @@ def _loader(dataset, batch_size, sampler, num_workers, device, seed, drop_last) 
 
 
 def _length(dataset: Dataset, key: str) -> int:
+    if not hasattr(dataset, "__len__"):
+        raise UserError(f"{key}: {type(dataset).__name__} has no len(); the launcher needs a map-style Dataset")
     try:
         n = len(dataset)
-    except TypeError:
-        raise UserError(f"{key}: {type(dataset).__name__} has no len(); the launcher needs a map-style Dataset") from None
+    except (TypeError, ValueError, OverflowError) as e:  # __len__ gave a float, a negative or a huge number
+        raise UserError(f"{key}: len() of {type(dataset).__name__} fails: {first_line(e)}; __len__ must return "
+                        f"the number of items, an int from 0 to {sys.maxsize}") from None
     if n == 0:
         raise UserError(f"{key}: the dataset is empty")
     return n
@@ -203,7 +207,7 @@ def check_first_batch(dataset: Dataset, size: int, model, loss_fn, metrics: dict
                       device: torch.device) -> None:
     """The first `size` items (a batch), fetched as training fetches them, through the model, loss and
     metrics before training, so that data that does not fit the model is one clear line now rather
-    than a traceback at the first step. In eval mode and without gradients: no RNG is drawn and no
+    than a traceback at the first step. In eval mode and with no backward pass: no RNG is drawn and no
     state changes."""
     item = dataset[0]
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
@@ -218,16 +222,40 @@ def check_first_batch(dataset: Dataset, size: int, model, loss_fn, metrics: dict
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), autocast():
+        # With gradients (and no backward): the loss must depend on the parameters it trains.
+        with autocast():
             output = model(x)
             loss = loss_fn(output, y)
-            for fn in metrics.values():
-                fn(output, y)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise UserError(f"loss: must return one number (a mean over the batch), got "
-                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         raise UserError(f"data.train does not fit the model, loss or metrics: the first batch gives "
                         f"{type(e).__name__}: {first_line(e)}") from None
     finally:
         model.train(was_training)
+    problem = _loss_problem(loss)
+    if problem:
+        raise UserError(f"loss: {problem}")
+    n = len(indices)
+    with torch.no_grad(), autocast():
+        for name, fn in metrics.items():
+            try:
+                values = fn(output.detach(), y)
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:
+                raise UserError(f"data.train does not fit the model, loss or metrics: metrics.{name} on the "
+                                f"first batch gives {type(e).__name__}: {first_line(e)}") from None
+            if not (isinstance(values, torch.Tensor) and values.dim() >= 1 and values.shape[0] == n):
+                got = f"shape {tuple(values.shape)}" if isinstance(values, torch.Tensor) else f"a {type(values).__name__}"
+                raise UserError(f"metrics.{name}: must return one value per item, a tensor of shape ({n}, ...) "
+                                f"for this batch of {n}; got {got}")
+
+
+def _loss_problem(loss: Any) -> Optional[str]:
+    """What is wrong with the first batch's loss for a backward pass, or None."""
+    if not isinstance(loss, torch.Tensor):
+        return f"must return a scalar tensor (the mean over the batch), got a {type(loss).__name__}"
+    if loss.dim() != 0:
+        return (f"must return a scalar tensor (the mean over the batch), got shape {tuple(loss.shape)} "
+                f"(reduction='none'? take its mean)")
+    if not loss.is_floating_point() or not loss.requires_grad:
+        return (f"the {loss.dtype} it returns does not depend on the model's parameters, so it has no gradient "
+                f"(argmax, .item(), .detach() or torch.tensor(...) inside the loss?)")
+    return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import reprlib
+
 
 class UserError(Exception):
     """A mistake in a recipe, the command line, the environment or a checkpoint.
@@ -22,6 +24,13 @@ def first_line(e: object) -> str:
     """The first line of an exception's message (or of any text): messages to users are one line."""
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
+
+
+def short(value: object) -> str:
+    """repr(value), cut to a readable length: a message quotes what the user gave, which may be huge."""
+    cut = reprlib.Repr()
+    cut.maxstring = cut.maxother = cut.maxlong = 80
+    return cut.repr(value)
 
 
 class TrainingDiverged(Exception):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from launcher.data import Position, TrainData
+from launcher.errors import UserError, first_line
 from launcher.loggers import Console, NullLogger
 from launcher.metrics import TrainMeter, evaluate
 from launcher.precision import Precision
@@ -85,7 +86,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         if free_after_step:
             p.optimizer.zero_grad(set_to_none=True)
         if p.schedule is not None:
-            p.schedule.step()
+            _step_schedule(p.schedule, step)
         pos.step = step
         p.meter.step_done(norm)
         p.console.advance()
@@ -113,6 +114,14 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     p.console.close()
     batches.close()
     return last
+
+
+def _step_schedule(schedule: Any, step: int) -> None:
+    try:
+        schedule.step()
+    except ValueError as e:  # a schedule shorter than the run, such as OneCycleLR's total_steps
+        raise UserError(f"lr_schedule: fails at step {step}: {first_line(e)}; its length must cover "
+                        f"trainer.max_steps (and max_epochs)") from None
 
 
 def _due(step: int, every: Optional[int]) -> bool:

@@ -8,7 +8,6 @@ from typing import Any, Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
-from torch import nn
 
 from launcher import checkpoint, data, loggers, scheduler, seeding, spawn, strategies, throughput
 from launcher.checkpoint import Checkpointer
@@ -17,6 +16,7 @@ from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
 from launcher.precision import Precision
 from launcher.recipe import Loaded, instantiate
+from launcher.recipe.built import check as check_built
 from launcher.recipe.flat import differences, hparams
 from launcher.run_dir import RunFolder
 from launcher.stopping import StopFlag, Stopped, requeue
@@ -75,7 +75,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main)
 
     seeding.seed_everything(recipe.seed)
-    model = _build(recipe.model, "model", nn.Module).to(device)
+    model = _build(recipe.model, "model").to(device)
     state = None
     if resume is not None:  # its CRC-32s were checked when rank 0 chose it
         checkpoint.load_model_state(model, resume / "model.pt", map_location=device, verified=True)
@@ -85,8 +85,8 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
         where = checkpoint.load_model_state(model, Path(init_from), map_location=device)
         console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
     wrapped = strategy.wrap(model)
-    optimizer = _build(recipe.optimizer, "optimizer", object, [q for q in model.parameters() if q.requires_grad])
-    schedule = _build(recipe.lr_schedule, "lr_schedule", object, optimizer) if recipe.lr_schedule else None
+    optimizer = _build(recipe.optimizer, "optimizer", [q for q in model.parameters() if q.requires_grad])
+    schedule = _build(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
     precision = Precision(recipe.precision, device)
     metrics = {name: _build(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
     cfg = recipe.data
@@ -216,17 +216,20 @@ def _describe(placement: scheduler.Placement) -> Dict[str, Any]:
     return row
 
 
-def _build(spec: Dict[str, Any], key: str, kind: type = object, *args: Any) -> Any:
-    """Build a recipe component. A constructor that rejects the recipe's arguments (a negative size, a
-    value out of its range) is the recipe's mistake: one line naming the key, not a traceback."""
+def _build(spec: Dict[str, Any], key: str, *args: Any) -> Any:
+    """Build a recipe component and check it is what its section needs. A constructor that rejects the
+    recipe's arguments (a negative size, a value out of its range) is the recipe's mistake: one line naming
+    the key, not a traceback."""
     try:
         built = instantiate(spec, *args)
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{key}: {spec['_target_']} failed with the recipe's arguments: "
                         f"{type(e).__name__}: {first_line(e)}") from None
-    if kind is nn.Module and not isinstance(built, nn.Module):
-        raise UserError(f"{key}: {spec['_target_']} built a {type(built).__name__}, not a torch.nn.Module")
-    if key.startswith("data.") and not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
-        raise UserError(f"{key}: {spec['_target_']} built a {type(built).__name__}, not a map-style Dataset "
-                        f"(__getitem__ and __len__)")
+    except Exception as e:
+        # Anything else (KeyError, AttributeError, an assert, an import inside it) is taken for a bug in
+        # the component: its traceback is what its author needs, with the recipe key it was built for.
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(f"launcher: raised while building {key} ({spec['_target_']}) from the recipe")
+        raise
+    check_built(key, spec["_target_"], built)
     return built

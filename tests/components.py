@@ -74,3 +74,65 @@ class Singles(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return torch.zeros(32)
+
+
+class Frozen(MLP):
+    """An MLP with every parameter frozen: nothing to train."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.requires_grad_(False)
+
+
+class NoParameters(torch.nn.Module):
+    """The first 10 features as logits: a model without parameters."""
+
+    def forward(self, x):
+        return x[:, :10]
+
+
+class Sized(torch.utils.data.Dataset):
+    """Whatever `length` is, `__len__` returns it (a negative, a float, more than an index holds)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return torch.zeros(32), 0
+
+
+class BadLoss:
+    """Cross-entropy, returned wrongly: `as_` is float, per_item, tuple, detached or count."""
+
+    def __init__(self, as_: str):
+        self.as_ = as_
+
+    def __call__(self, output, target):
+        per_item = torch.nn.functional.cross_entropy(output, target, reduction="none")
+        return {"float": lambda: float(per_item.detach().mean()), "per_item": lambda: per_item,
+                "tuple": lambda: (per_item.mean(), per_item), "detached": lambda: per_item.mean().detach(),
+                "count": lambda: (output.argmax(-1) != target).sum()}[self.as_]()
+
+
+class BadMetric:
+    """Per-item accuracy, returned wrongly: `as_` is float, scalar (0-d) or transposed (classes first)."""
+
+    def __init__(self, as_: str):
+        self.as_ = as_
+
+    def __call__(self, output, target):
+        right = (output.argmax(-1) == target).float()
+        return {"float": lambda: 0.5, "scalar": lambda: right.mean(), "transposed": lambda: output.t()}[self.as_]()
+
+
+class Raises(MLP):
+    """An MLP whose constructor raises the builtin exception named `error`: a bug in a component."""
+
+    def __init__(self, error: str, **kwargs):
+        import builtins
+
+        super().__init__(**kwargs)
+        raise getattr(builtins, error)("broken component")

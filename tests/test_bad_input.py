@@ -1,6 +1,7 @@
 """Every user mistake ends within seconds with exit 2 and one line on stderr naming the problem:
 no traceback, on every rank."""
 
+import builtins
 import pickle
 import subprocess
 import sys
@@ -38,6 +39,14 @@ def files(tmp):
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 1
     model.write_bytes(bytes(data))
+    recipe = (REPO / Q).read_text()
+    (tmp / "utf16.yaml").write_bytes(recipe.encode("utf-16"))
+    (tmp / "latin1.yaml").write_bytes("# a recipe\nname: caf\xe9\n".encode("latin-1"))
+    (tmp / "noise.yaml").write_bytes(bytes(range(256)) * 16)
+    (tmp / "deep.yaml").write_text("[" * 100_000)
+    (tmp / "huge.yaml").write_text(recipe + "#" * (2 << 20))
+    (tmp / "twice.yaml").write_text("name: a\nmodel: {_target_: torch.nn.Linear}\nname: b\n")
+    (tmp / "twice_nested.yaml").write_text("name: a\ndata:\n  batch_size: 8\n  train: {n: 1}\n  batch_size: 16\n")
 
 
 class Evil:
@@ -71,7 +80,8 @@ CASES = [
     ("ddp-count-on-cpu", [Q, "strategy=ddp"], "nproc_per_node: strategy=ddp on the CPU"),
     ("empty-dataset", [Q, "data.train.n=0"], "data.train: the dataset is empty"),
     ("batch-too-large", [Q, "data.batch_size=100000"], "items are fewer than one optimizer step takes"),
-    ("items-not-pairs", [Q, "data.train={_target_: tests.components.Singles}"], "items must be (input, target) pairs"),
+    ("items-not-pairs", [Q, "data.train={_target_: tests.components.Singles}"],
+     "items must be (input, target) pairs"),
     ("items-wrong-shape", [Q, "model.in_dim=16"], "data.train does not fit the model, loss or metrics"),
     ("more-classes-than-outputs", [Q, "data.train.classes=12"], "IndexError: Target 1"),
     ("another-model", [Q, "checkpoint.init_from={t}/other.pt"], "does not fit this model: '0.weight' is (64, 32)"),
@@ -87,6 +97,72 @@ CASES = [
     ("damaged-checkpoint", [Q, "checkpoint.resume={t}/damaged/checkpoints/step_1"], "step_1 is damaged (model.pt: CRC-32"),
     ("damaged-init-from", [Q, "checkpoint.init_from={t}/damaged/checkpoints/step_1/model.pt"], "damaged: its CRC-32 differs"),
     ("resume-a-system-folder", [Q, "checkpoint.resume=/etc"], "checkpoint.resume: /etc is incomplete (no valid manifest.json)"),
+    # Recipe files that are not YAML text, and YAML that loses what matters
+    ("recipe-utf16", ["{t}/utf16.yaml"], "utf16.yaml: UTF-16 or UTF-32 text; save the recipe as UTF-8"),
+    ("recipe-latin1", ["{t}/latin1.yaml"], "latin1.yaml:2: byte 0xe9 is not UTF-8"),
+    ("recipe-is-a-checkpoint", ["{t}/whole.pt"], "whole.pt: a zip archive (a torch.save file?), not a YAML recipe"),
+    ("recipe-is-noise", ["{t}/noise.yaml"], "noise.yaml: binary data, not a YAML recipe"),
+    ("recipe-nests-deep", ["{t}/deep.yaml"], "deep.yaml:1: nested more than 32 levels deep"),
+    ("recipe-huge", ["{t}/huge.yaml"], "huge.yaml: more than 1 MiB"),
+    ("duplicate-key", ["{t}/twice.yaml"], "twice.yaml:3: name: duplicate key (first at line 1)"),
+    ("duplicate-nested-key", ["{t}/twice_nested.yaml"],
+     "twice_nested.yaml:5: data.batch_size: duplicate key (first at line 3)"),
+    ("override-not-utf8", [Q, "name=caf\udce9"], "override 'name=caf\\udce9': holds bytes that are not UTF-8 text"),
+    ("override-nests-deep", [Q, "model.x=" + "[" * 100_000],
+     "cannot parse the value: nested more than 32 levels deep"),
+    ("override-long-number", [Q, "seed=" + "9" * 5000], "9... (5005 characters)': cannot parse the value"),
+    # Numbers out of the range of what consumes them
+    ("seed-past-64-bits", [Q, f"seed={2**64}"], f"seed: must fit in 64 bits ({-2**63} to {2**63 - 1}), got {2**64}"),
+    ("int-past-64-bits", [Q, f"checkpoint.keep={10**20}"], "checkpoint.keep: must fit in 64 bits"),
+    ("workers-absurd", [Q, "data.num_workers=100000"], "data.num_workers: at most 256 loader processes per rank"),
+    ("clip-infinite", [Q, "trainer.clip_grad_norm=inf"],
+     "trainer.clip_grad_norm: must be a positive number or null, got inf"),
+    ("peak-infinite", [Q, "logging.peak_tflops=.inf"], "logging.peak_tflops: must be a positive number of TFLOP/s"),
+    ("lr-negative", [Q, "optimizer.lr=-1"],
+     "optimizer: torch.optim.AdamW failed with the recipe's arguments: ValueError"),
+    ("lr-nan", [Q, "optimizer.lr=.nan"],
+     "optimizer: torch.optim.AdamW failed with the recipe's arguments: ValueError"),
+    ("name-climbs-out", [Q, "name=.."], "name: got '..'"),
+    # Components that are not what their section needs
+    ("optimizer-a-list", [Q, "optimizer={_target_: builtins.list}"],
+     "optimizer: builtins.list built a list, not a torch.optim.Optimizer"),
+    ("optimizer-a-module", [Q, "optimizer={_target_: torch.nn.ParameterList}"], "not a torch.optim.Optimizer"),
+    ("schedule-needs-a-metric", [Q, "lr_schedule={_target_: torch.optim.lr_scheduler.ReduceLROnPlateau}"],
+     "lr_schedule: torch.optim.lr_scheduler.ReduceLROnPlateau.step() needs metrics; the launcher calls step()"),
+    ("schedule-not-a-schedule", [Q, "lr_schedule={_target_: builtins.id}"],
+     "lr_schedule: builtins.id built an int, not an LR schedule"),
+    ("schedule-too-short", [Q, "lr_schedule={_target_: torch.optim.lr_scheduler.OneCycleLR, max_lr: 0.01, total_steps: 5}"],
+     "lr_schedule: fails at step 6: Tried to step 6 times. The specified number of total steps is 5; its length"),
+    ("metric-a-float", [Q, "metrics.accuracy={_target_: tests.components.BadMetric, as_: float}"],
+     "metrics.accuracy: must return one value per item, a tensor of shape (64, ...) for this batch of 64; got a float"),
+    ("metric-a-scalar", [Q, "metrics.accuracy={_target_: tests.components.BadMetric, as_: scalar}"], "got shape ()"),
+    ("metric-not-per-item", [Q, "metrics.accuracy={_target_: tests.components.BadMetric, as_: transposed}"],
+     "got shape (10, 64)"),
+    ("metric-not-callable", [Q, "metrics.accuracy={_target_: builtins.dict}"],
+     "metrics.accuracy: builtins.dict built a dict, which cannot be called"),
+    ("loss-a-float", [Q, "loss={_target_: tests.components.BadLoss, as_: float}"],
+     "loss: must return a scalar tensor (the mean over the batch), got a float"),
+    ("loss-per-item", [Q, "loss.reduction=none"],
+     "loss: must return a scalar tensor (the mean over the batch), got shape (64,)"),
+    ("loss-a-tuple", [Q, "loss={_target_: tests.components.BadLoss, as_: tuple}"], "got a tuple"),
+    ("loss-detached", [Q, "loss={_target_: tests.components.BadLoss, as_: detached}"],
+     "loss: the torch.float32 it returns does not depend on the model's parameters"),
+    ("loss-an-integer", [Q, "loss={_target_: tests.components.BadLoss, as_: count}"],
+     "loss: the torch.int64 it returns does not depend"),
+    ("loss-not-callable", [Q, "loss={_target_: builtins.dict}"],
+     "loss: builtins.dict built a dict, which cannot be called"),
+    ("len-negative", [Q, "data.train={_target_: tests.components.Sized, length: -1}"],
+     "data.train: len() of Sized fails: __len__() should return >= 0"),
+    ("len-a-float", [Q, "data.train={_target_: tests.components.Sized, length: 2.5}"],
+     "data.train: len() of Sized fails: 'float' object"),
+    ("len-past-an-index", [Q, f"data.train={{_target_: tests.components.Sized, length: {2**70}}}"],
+     "data.train: len() of Sized fails: cannot fit"),
+    ("val-len-negative", [Q, "data.val={_target_: tests.components.Sized, length: -1}"],
+     "data.val: len() of Sized fails"),
+    ("model-frozen", [Q, "model={_target_: tests.components.Frozen}"],
+     "model: tests.components.Frozen has nothing to train"),
+    ("model-without-parameters", [Q, "model={_target_: tests.components.NoParameters}"],
+     "has nothing to train (no parameters, or all"),
 ]
 
 
@@ -127,6 +203,17 @@ def test_slurm_options_one_line_exit_2(capsys, args, says):
     assert len(lines) == 1 and lines[0].startswith("launcher: ") and says in lines[0], lines
 
 
+@pytest.mark.parametrize("error", ["KeyError", "AttributeError", "AssertionError", "ImportError"])
+def test_a_component_that_breaks_keeps_its_traceback_and_is_named(tmp_path, error):
+    """A constructor's KeyError, AttributeError, assert or inner import is a bug in that component, not a
+    recipe value it rejects (TypeError, ValueError, RuntimeError): its traceback is kept, the key named."""
+    with pytest.raises(getattr(builtins, error)) as info:
+        main([Q, f"model={{_target_: tests.components.Raises, error: {error}}}", f"run_dir={tmp_path}"])
+    if sys.version_info >= (3, 11):  # exception notes
+        notes = info.value.__notes__
+        assert notes == ["launcher: raised while building model (tests.components.Raises) from the recipe"]
+
+
 def test_there_are_at_least_25_cases():
     assert len(CASES) + len(SLURM_CASES) >= 25
 
@@ -162,7 +249,8 @@ def test_no_space_or_permission_while_saving(tiny_disk, capsys):
     (["data.batch_size=33"], "data.batch_size: 33 does not divide among 2 processes; use a multiple of 2"),
     (["data.train.n=0"], "data.train: the dataset is empty"),
     (["model.in_dim=16"], "data.train does not fit the model"),
-], ids=["recipe", "batch-not-divisible", "empty-dataset", "wrong-shape"])
+    (["model={_target_: tests.components.Frozen}"], "model: tests.components.Frozen has nothing to train"),
+], ids=["recipe", "batch-not-divisible", "empty-dataset", "wrong-shape", "nothing-to-train"])
 def test_the_same_under_torchrun_with_two_processes(tmp_path, args, says):
     started = time.time()
     done = subprocess.run([sys.executable, "-m", "launcher", Q, "strategy=ddp", "nproc_per_node=2",

@@ -21,7 +21,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue, OmegaConfBaseException
 
-from launcher.errors import UserError, first_line
+from launcher.errors import UserError, first_line, short
+from launcher.recipe import yamlfile
 from launcher.recipe.instantiate import TargetError, check_arguments
 from launcher.recipe.schema import Recipe
 
@@ -40,7 +41,7 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
     """Return the validated recipe, or raise UserError listing every problem."""
     path = Path(path)
     _make_importable(path)
-    user, lines = _read_yaml(path)
+    user, lines = yamlfile.read(path)
     cfg = OmegaConf.structured(Recipe)
     origin: Dict[str, str] = {}  # dotted key -> where its value came from
     problems: List[str] = []
@@ -52,7 +53,7 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
     _apply(cfg, user, Recipe, "", where_file, origin, problems)
     for item in overrides:
         parsed = _parse_override(item)
-        shown = item if item.isprintable() else item.encode("unicode_escape").decode()  # one line, always
+        shown = _shown(item)
         if isinstance(parsed, str):
             problems.append(f"override '{shown}': {parsed}")
             continue
@@ -90,51 +91,34 @@ def _make_importable(path: Path) -> None:
             sys.path.insert(0, str(entry))
 
 
-def _read_yaml(path: Path) -> tuple[dict, Dict[str, int]]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UserError(f"{path}: recipe file not found") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read the recipe: {e.strerror}") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise UserError(f"{at}: not valid YAML: {first_line(getattr(e, 'problem', None) or e)}") from None
-    if node is not None and not isinstance(node, yaml.MappingNode):
-        kind = "list" if isinstance(node, yaml.SequenceNode) else "single value"
-        raise UserError(f"{path}: a recipe is a mapping of keys (name:, model:, ...), not a {kind}")
-    try:
-        data = OmegaConf.create(text) if node is not None else OmegaConf.create({})
-    except (yaml.YAMLError, OmegaConfBaseException) as e:
-        raise UserError(f"{path}: {first_line(e)}") from None
-    lines: Dict[str, int] = {}
-    _line_numbers(node, "", lines)
-    return OmegaConf.to_container(data, resolve=False), lines
-
-
-def _line_numbers(node: Any, prefix: str, out: Dict[str, int]) -> None:
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = f"{prefix}{key_node.value}"
-            out[key] = key_node.start_mark.line + 1
-            _line_numbers(value_node, key + ".", out)
-
-
 def _parse_override(item: str) -> tuple | str:
     """(dotted key, value) of `key=value`, the value parsed as OmegaConf's dotlist does; or what is wrong."""
-    key, eq, _ = item.partition("=")
+    key, eq, text = item.partition("=")
     if not eq or not key or not all(part.isidentifier() for part in key.split(".")):
         return "expected key=value with a dotted key, e.g. trainer.max_steps=100"
     try:
+        item.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell passed through that are not UTF-8 (surrogate escapes)
+        return "holds bytes that are not UTF-8 text; write the value in UTF-8"
+    try:
+        yamlfile.compose(text)  # OmegaConf's C parser would crash on deep nesting rather than raise
+    except yamlfile.TooDeep as e:
+        return f"cannot parse the value: {e}"
+    except yaml.YAMLError:
+        pass  # OmegaConf's own parse below says what is wrong
+    try:
         value = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
-    except (OmegaConfBaseException, yaml.YAMLError) as e:
-        return f"cannot parse the value: {first_line(e)}"
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:  # ValueError: an integer of >4300 digits
+        return f"cannot parse the value: {yamlfile.problem(e)}"
     for part in key.split("."):
         value = value[part]
     return key, value
+
+
+def _shown(item: str, most: int = 100) -> str:
+    """An override as a message quotes it: printable, one line, and not endless."""
+    shown = item if item.isprintable() else item.encode("unicode_escape", "backslashreplace").decode()
+    return shown if len(shown) <= most else f"{shown[:most]}... ({len(item)} characters)"
 
 
 def _apply(cfg: DictConfig, data: dict, schema: type, prefix: str, where, origin, problems) -> None:
@@ -156,7 +140,7 @@ def _apply_at(cfg: DictConfig, dotted: str, value: Any, where, origin, problems,
             close = difflib.get_close_matches(parts[i], fields, n=1)
             dot = f"{prefix}." if prefix else ""
             hint = f"did you mean '{dot}{close[0]}'?" if close else f"valid keys: {', '.join(sorted(fields))}"
-            problems.append(f"{where(full)}: {full}: unknown key; {hint}")
+            problems.append(f"{where(full)}: {_shown(full)}: unknown key; {hint}")
             return
         kind = typing.get_type_hints(schema)[parts[i]]
         if dataclasses.is_dataclass(kind):
@@ -171,7 +155,7 @@ def _apply_at(cfg: DictConfig, dotted: str, value: Any, where, origin, problems,
         OmegaConf.update(cfg, dotted, value, merge=False)
     except OmegaConfBaseException:
         shown = _describe(kind) if full == dotted else "a value its component accepts"
-        problems.append(f"{where(dotted)}: {dotted}: expected {shown}, got {value!r}")
+        problems.append(f"{where(dotted)}: {dotted}: expected {shown}, got {short(value)}")
         return
     origin[dotted] = where(dotted)
 
@@ -184,6 +168,8 @@ def _describe(kind: Any) -> str:
     base = args[0] if optional and len(args) == 1 else kind
     if typing.get_origin(base) is dict:
         text = "a mapping such as {_target_: dotted.path, ...}"
+    elif typing.get_origin(base) is list:
+        text = "a list such as [a, b]"
     else:
         text = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(base, str(base))
     return f"{text} or null" if optional else text
@@ -206,7 +192,7 @@ def _resolve_all(cfg: Any, prefix: str, where, reported: set) -> List[str]:
             continue  # it points at a missing value, which is reported under its own key
         except OmegaConfBaseException as e:
             raw = OmegaConf.to_container(cfg, resolve=False)[key]
-            problems.append(f"{where(full)}: {full}: cannot resolve {raw!r}: {first_line(e)}")
+            problems.append(f"{where(full)}: {full}: cannot resolve {short(raw)}: {first_line(e)}")
             continue
         if OmegaConf.is_config(value):
             problems += _resolve_all(value, full + ".", where, reported)

@@ -7,14 +7,19 @@ them at once; the loader prefixes each with the file and line it came from.
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from launcher.errors import short
+
 STRATEGIES = ("auto", "single", "dp", "ddp", "accelerate")
 PRECISIONS = ("fp32", "bf16", "fp16")
+INT64 = (-2**63, 2**63 - 1)  # torch takes integers (seeds, sizes, counts) in 64 bits; OmegaConf's are unbounded
+MAX_WORKERS = 256  # loader processes per rank: more is a typo, and would fork until the system refuses
 DEVICES_HELP = "auto, cpu, cuda, cuda:N, auto:N (N free GPUs) or a list of physical GPU ids such as [0, 3]"
 
 Target = Dict[str, Any]  # {_target_: dotted.path, **kwargs}
@@ -33,6 +38,8 @@ class DataConfig:
         out = _target_problems("data.train", self.train) + _target_problems("data.val", self.val)
         out += _at_least("data.batch_size", self.batch_size, 1)
         out += _at_least("data.num_workers", self.num_workers, 0)
+        if self.num_workers > MAX_WORKERS:
+            out.append(("data.num_workers", f"at most {MAX_WORKERS} loader processes per rank, got {self.num_workers}"))
         out += _at_least("data.tokens_per_sample", self.tokens_per_sample, 1)
         return out
 
@@ -56,7 +63,7 @@ class TrainerConfig:
         out += _at_least("trainer.grad_accum_steps", self.grad_accum_steps, 1)
         out += _at_least("trainer.log_every", self.log_every, 1)
         out += _at_least("trainer.eval_every", self.eval_every, 1)
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+        if self.clip_grad_norm is not None and not _positive(self.clip_grad_norm):
             out.append(("trainer.clip_grad_norm", f"must be a positive number or null, got {self.clip_grad_norm}"))
         return out
 
@@ -80,7 +87,7 @@ class LoggingConfig:
     peak_tflops: Optional[float] = None  # one device's peak, for MFU; default: a known GPU's dense bf16 peak
 
     def problems(self) -> List[tuple[str, str]]:
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
+        if self.peak_tflops is not None and not _positive(self.peak_tflops):
             return [("logging.peak_tflops", f"must be a positive number of TFLOP/s or null, got {self.peak_tflops}")]
         return []
 
@@ -112,9 +119,9 @@ class SlurmConfig:
         out += _at_least("slurm.tasks_per_node", self.tasks_per_node, 1) + _at_least("slurm.cpus_per_task", self.cpus_per_task, 1)
         out += _at_least("slurm.signal_seconds", self.signal_seconds, 0)
         if self.layout not in ("torchrun", "srun"):
-            out.append(("slurm.layout", f"got {self.layout!r}; valid: torchrun, srun"))
+            out.append(("slurm.layout", f"got {short(self.layout)}; valid: torchrun, srun"))
         if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", self.time):
-            out.append(("slurm.time", f"got {self.time!r}; Slurm's forms: MM, HH:MM:SS, D-HH:MM:SS"))
+            out.append(("slurm.time", f"got {short(self.time)}; Slurm's forms: MM, HH:MM:SS, D-HH:MM:SS"))
         return out
 
 
@@ -140,15 +147,19 @@ class Recipe:
 
     def problems(self) -> List[tuple[str, str]]:
         """Every value-level problem as (key, message); empty when the recipe is valid."""
+        sections = {"": self, "data.": self.data, "trainer.": self.trainer, "checkpoint.": self.checkpoint,
+                    "logging.": self.logging, "slurm.": self.slurm}
+        huge = [p for prefix, section in sections.items() for p in _int64_problems(prefix, section)]
         out = []
         if self.strategy not in STRATEGIES:
-            out.append(("strategy", f"got {self.strategy!r}; valid: {', '.join(STRATEGIES)}"))
+            out.append(("strategy", f"got {short(self.strategy)}; valid: {', '.join(STRATEGIES)}"))
         if self.precision not in PRECISIONS:
-            out.append(("precision", f"got {self.precision!r}; valid: {', '.join(PRECISIONS)}"))
+            out.append(("precision", f"got {short(self.precision)}; valid: {', '.join(PRECISIONS)}"))
         if not devices_valid(self.devices):
-            out.append(("devices", f"got {self.devices!r}; valid: {DEVICES_HELP}"))
-        if not re.fullmatch(r"[\w.\-]+", self.name):
-            out.append(("name", f"got {self.name!r}; use letters, digits, '.', '_' or '-' (it names the run folder)"))
+            out.append(("devices", f"got {short(self.devices)}; valid: {DEVICES_HELP}"))
+        if not re.fullmatch(r"[\w.\-]+", self.name) or self.name in (".", "..") or len(self.name.encode()) > 255:
+            out.append(("name", f"got {short(self.name)}; use up to 255 letters, digits, '.', '_' or '-' (it names "
+                                f"the run folder)"))
         out += _at_least("nproc_per_node", self.nproc_per_node, 1)
         for key in ("model", "loss", "optimizer", "lr_schedule"):
             out += _target_problems(key, getattr(self, key))
@@ -156,7 +167,8 @@ class Recipe:
             out += _target_problems(f"metrics.{metric}", spec)
         for section in (self.data, self.trainer, self.checkpoint, self.logging, self.slurm):
             out += section.problems()
-        return out
+        # A value past 64 bits is reported once, not again by the range checks of its own key.
+        return huge + [p for p in out if p[0] not in {key for key, _ in huge}]
 
 
 def devices_valid(devices: Any) -> bool:
@@ -171,6 +183,19 @@ def _at_least(key: str, value: Optional[int], low: int) -> List[tuple[str, str]]
     if value is None or value >= low:
         return []
     return [(key, f"must be {low} or more, got {value}")]
+
+
+def _int64_problems(prefix: str, section: Any) -> List[tuple[str, str]]:
+    out = []
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+            out.append((prefix + f.name, f"must fit in 64 bits ({INT64[0]} to {INT64[1]}), got {short(value)}"))
+    return out
+
+
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0  # nan and inf are numbers to OmegaConf, not a norm or a rate
 
 
 def _target_problems(key: str, spec: Optional[Target]) -> List[tuple[str, str]]:
