@@ -36,7 +36,8 @@ def run(loaded: Loaded, overrides: list) -> int:
     placed = _place(loaded)
     placement, _, visible = placed
     if strategies.must_spawn(loaded.recipe.strategy, placement):
-        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device)
+        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device,
+                                    _cpus())
         return spawn.torchrun(loaded.path, overrides, nproc)
     train(loaded, placed)
     return 0
@@ -47,11 +48,16 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     strategy = strategies.create(loaded.recipe.strategy, placement)
     strategy.setup()
     try:
-        recipe = loaded.recipe
-        recipe.precision, recipe.trainer.grad_accum_steps, settled = strategy.settle(
-            recipe.precision, recipe.trainer.grad_accum_steps)
-        loaded.config.precision, loaded.config.trainer.grad_accum_steps = recipe.precision, recipe.trainer.grad_accum_steps
-        return _train(loaded, strategy, notes + settled + strategy.notes())
+        with strategy.mistakes_shared():
+            recipe = loaded.recipe
+            recipe.precision, recipe.trainer.grad_accum_steps, settled = strategy.settle(
+                recipe.precision, recipe.trainer.grad_accum_steps)
+            loaded.config.precision, loaded.config.trainer.grad_accum_steps = recipe.precision, recipe.trainer.grad_accum_steps
+            try:
+                return _train(loaded, strategy, notes + settled + strategy.notes())
+            except SystemExit as e:  # sys.exit() in a component's code (a forward, a dataset's item, a metric)
+                raise UserError(f"{_innermost(e)} raised SystemExit({e.code!r}) during training; a component must "
+                                f"not exit the process (raise an exception instead)", every_rank=True) from None
     finally:
         strategy.teardown()
 
@@ -59,20 +65,17 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
 def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[str, float]:
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
     run_dir = Path(recipe.run_dir)
-    if placement.is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "recipe.yaml").write_text(OmegaConf.to_yaml(loaded.config))
-        except OSError as e:
-            raise UserError(f"run_dir: cannot write {run_dir}: {e.strerror or e}; point run_dir=... at a "
-                            f"writable folder") from None
-    logger, console = loggers.make(placement.is_main, run_dir, recipe.logging.tensorboard, recipe.logging.progress_bar)
+    # Rank 0 alone writes, and may meet a mistake (an unwritable folder, a full disk) the others do not
+    # see: each such step is agreed on, so that every rank stops with it rather than wait in a collective.
+    strategy.agree(lambda: _write_recipe(run_dir, loaded.config) if placement.is_main else None)
+    logger, console = strategy.agree(lambda: loggers.make(placement.is_main, run_dir, recipe.logging.tensorboard,
+                                                          recipe.logging.progress_bar))
     for note in notes:
         console.info(note)
     rows = strategy.all_gather_object(_describe(placement))  # a collective: every rank takes part
     console.info(scheduler.table(rows))
     checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main)
-    found = checkpointer.resume_from(recipe.checkpoint.resume) if placement.is_main else None
+    found = strategy.agree(lambda: checkpointer.resume_from(recipe.checkpoint.resume) if placement.is_main else None)
     resume = strategy.all_gather_object(found)[0]  # rank 0 decides, so every rank resumes from the same step
 
     seeding.seed_everything(recipe.seed)
@@ -117,10 +120,13 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
                  "lr_schedule": schedule.state_dict() if schedule is not None else None,
                  "scaler": precision.state_dict(), "rng": rngs, "world_size": placement.world_size,
                  "recipe": OmegaConf.to_yaml(loaded.config)}
-        checkpointer.save(pos.step, model_state, state)
-        if final:
-            checkpointer.save_final(model_state)
-        strategy.barrier()
+
+        def write() -> None:
+            checkpointer.save(pos.step, model_state, state)
+            if final:
+                checkpointer.save_final(model_state)
+
+        strategy.agree(write)  # also the barrier: no rank goes on before the checkpoint is complete
 
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
     peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
@@ -167,6 +173,28 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, notes: list) -> Dict[s
     return results
 
 
+def _cpus() -> int:
+    """The CPU cores this process may run on (its affinity, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _write_recipe(run_dir: Path, config) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(OmegaConf.to_yaml(config))
+    except OSError as e:
+        raise UserError(f"run_dir: cannot write {run_dir}: {e.strerror or e}; point run_dir=... at a "
+                        f"writable folder") from None
+
+
+def _innermost(e: BaseException) -> str:
+    """Where an exception was raised, as file:line in function (the component's code, not ours)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "a component"
+
+
 def _nvidia_smi() -> list:
     """The GPUs this process may use as (id, free MiB), from nvidia-smi: no CUDA context is created."""
     import shutil
@@ -198,6 +226,9 @@ def _build(spec: Dict[str, Any], key: str, kind: type = object, *args: Any) -> A
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{key}: {spec['_target_']} failed with the recipe's arguments: "
                         f"{type(e).__name__}: {first_line(e)}") from None
+    except SystemExit as e:  # sys.exit() in a constructor would end the run with its code and no model
+        raise UserError(f"{key}: {spec['_target_']} raised SystemExit({e.code!r}) while being built; a component "
+                        f"must not exit the process (raise an exception instead)") from None
     if kind is nn.Module and not isinstance(built, nn.Module):
         raise UserError(f"{key}: {spec['_target_']} built a {type(built).__name__}, not a torch.nn.Module")
     if key.startswith("data.") and not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
