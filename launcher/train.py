@@ -36,8 +36,7 @@ def run(loaded: Loaded, overrides: list) -> int:
     placed = _place(loaded)
     placement, _, visible = placed
     if strategies.must_spawn(loaded.recipe.strategy, placement):
-        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device,
-                                    _cpus())
+        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device, _cpus())
         return spawn.torchrun(loaded.path, overrides, nproc)
     train(loaded, placed)
     return 0

@@ -42,11 +42,10 @@ class Accelerate(Strategy):
                                            cpu=self.device.type == "cpu")
         except ValueError as e:
             # Accelerate parses its ACCELERATE_* variables here (flags, choices), without naming the one it refuses.
-            named = sorted(k for k in os.environ if k.startswith("ACCELERATE_"))
+            named = sorted(f"{k}={v!r}" for k, v in os.environ.items() if k.startswith("ACCELERATE_"))
             if not named:
                 raise
-            raise UserError(f"accelerate refused its environment: {first_line(e)}; one of {', '.join(named)} "
-                            f"has a value it does not accept") from None
+            raise UserError(f"accelerate refused its environment ({first_line(e)}); check {', '.join(named)}") from None
         if self.placement.world_size > 1:  # host-side agreements go through gloo: no device sync
             self.host_group = torch.distributed.new_group(backend="gloo")
 
