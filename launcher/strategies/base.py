@@ -13,6 +13,7 @@ from launcher.scheduler import Placement
 
 T = TypeVar("T")
 MISTAKE_KEY = "launcher/mistake"  # in the run's c10d store: the rank that stopped for a user mistake
+STORE_SECONDS = 5.0
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -133,6 +134,26 @@ def host_max(values: List[int], group) -> Callable[[], List[int]]:
     return wait
 
 
+def _within(seconds: float, fn: Callable[[], T]) -> Optional[T]:
+    """fn() on a thread of its own, or None if it fails or takes longer: a store whose host is lost
+    without closing its sockets would hold the caller for the store's timeout (minutes), and a rank
+    that is leaving must not wait on it."""
+    import threading
+
+    out: List[Optional[T]] = [None]
+
+    def call() -> None:
+        try:
+            out[0] = fn()
+        except Exception:  # no store to tell or ask (its host has gone): the caller goes on without it
+            pass
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return out[0]
+
+
 def _store():
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
@@ -141,20 +162,15 @@ def _store():
 
 
 def _mark(rank: int) -> None:
-    try:  # the store outlives the ranks under torchrun: its agent hosts it
-        store = _store()
-        if store is not None:
-            store.set(MISTAKE_KEY, str(rank))
-    except Exception:  # no store to tell (it was rank 0's, and rank 0 has gone): the others fail as they would
-        pass
+    # Under torchrun the store outlives the ranks: its agent hosts it.
+    store = _store()
+    if store is not None:
+        _within(STORE_SECONDS, lambda: store.set(MISTAKE_KEY, str(rank)))
 
 
 def _marked() -> Optional[str]:
     """The rank that marked a mistake in the run's store, or None (none did, or the store is unreachable)."""
-    try:
-        store = _store()
-        if store is not None and store.check([MISTAKE_KEY]):
-            return store.get(MISTAKE_KEY).decode()
-    except Exception:
-        pass
-    return None
+    store = _store()
+    if store is None:
+        return None
+    return _within(STORE_SECONDS, lambda: store.get(MISTAKE_KEY).decode() if store.check([MISTAKE_KEY]) else None)
