@@ -1,18 +1,23 @@
 """The command line: parse, load the recipe, hand off to training, turn outcomes into exit codes.
 
-0 done; 1 the loss diverged; 2 a user mistake, one line per problem on stderr; anything else a bug,
-with its traceback.
+    0       done (under Slurm, after a signal too: saved and requeued)
+    1       a bug or a crash: Python's traceback (an uncaught exception)
+    2       a user mistake (recipe, command line, environment, checkpoint): one line per problem, no traceback
+    3       the loss became NaN or infinite: the step is named, nothing is saved after it
+    4       Slurm refused the requeue after a signal; the checkpoint is saved
+    128+N   stopped by signal N (130 Ctrl-C, 143 SIGTERM); the checkpoint is saved
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from typing import List, Optional
 
-from launcher.errors import TrainingDiverged, UserError
+from launcher.errors import EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER, TrainingDiverged, UserError
 from launcher.stopping import RequeueFailed, Stopped, exit_code
 
 USAGE = "python -m launcher RECIPE.yaml [key=value ...] [--print-config]"
@@ -20,8 +25,8 @@ USAGE = "python -m launcher RECIPE.yaml [key=value ...] [--print-config]"
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not argparse's usage block
-        _say(f"{message} (usage: {USAGE})")
-        raise SystemExit(2)
+        _report(UserError(f"{message} (usage: {USAGE})"))
+        raise SystemExit(EXIT_USER)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -44,31 +49,64 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return run(loaded, args.overrides)
     except UserError as e:
-        for problem in e.problems:
-            _say(problem, every_rank=e.every_rank)
-        if not e.every_rank and _rank() != "0":
-            # Rank 0 reports this one. torchrun stops every rank as soon as one exits, so give
-            # rank 0, busy with the same work, the moment it needs to say it.
-            time.sleep(3)
-        return 2
+        _report(e)
+        return EXIT_USER
     except Stopped as e:
         return exit_code(e.signum)
     except RequeueFailed as e:
         _say(str(e))
-        return 1
+        return EXIT_REQUEUE
     except TrainingDiverged as e:
         _say(f"{e}; stopped without saving. The last good checkpoint is kept; lower the learning rate "
              f"or enable trainer.clip_grad_norm, then resume")
-        return 1
+        return EXIT_DIVERGED
 
 
 def _rank() -> str:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
 
 
-def _say(message: str, every_rank: bool = False) -> None:
-    # Under torchrun every rank meets the same recipe problem: only global rank 0 prints it.
+def _report(e: UserError) -> None:
+    """Say a mistake once per run: rank 0 says it, and another rank too unless it knows rank 0 says the same."""
     rank = _rank()
-    if rank == "0" or every_rank:
-        prefix = f"[rank {rank}] " if every_rank and "WORLD_SIZE" in os.environ else ""
-        print(f"{prefix}launcher: {message}", file=sys.stderr, flush=True)
+    # Under a real torchrun every rank meets the same recipe problem; an agreed one every rank learnt of.
+    rank0_says_it = not e.every_rank and (e.agreed or "TORCHELASTIC_RUN_ID" in os.environ)
+    if rank != "0" and rank0_says_it:
+        _for_torchrun(["launcher: rank 0 reports the mistake"])
+        # torchrun stops every rank as soon as one exits: give rank 0, busy with the same work,
+        # the moment it needs to say it.
+        time.sleep(3)
+        return
+    for problem in e.problems:
+        _print(problem, prefixed=rank != "0" or (e.every_rank and _several()))
+    _for_torchrun([f"launcher: {p}" for p in e.problems])
+
+
+def _say(message: str, every_rank: bool = False) -> None:
+    """A line that rank 0 says for every rank, or with every_rank, each rank for itself."""
+    if _rank() == "0" or every_rank:
+        _print(message, prefixed=every_rank and _several())
+
+
+def _several() -> bool:
+    return os.environ.get("WORLD_SIZE", "1") != "1"
+
+
+def _print(message: str, prefixed: bool) -> None:
+    prefix = f"[rank {_rank()}] " if prefixed else ""
+    print(f"{prefix}launcher: {message}", file=sys.stderr, flush=True)
+
+
+def _for_torchrun(lines: List[str]) -> None:
+    """torchrun's failure report shows a worker's error file, else "To enable traceback see: ...": give it
+    our lines, in the format of torch's own ErrorHandler, so the report names the mistake."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = "\n".join(lines)
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the report then says what it says without it; our line is on stderr already

@@ -1,8 +1,17 @@
-"""The one exception type for user mistakes: the command line turns it into exit code 2."""
+"""The one exception type for user mistakes, and the exit codes the command line gives.
+
+0 done; 1 a bug or crash (Python's traceback); 2 a user mistake, one line per problem; 3 the loss
+diverged; 4 Slurm refused the requeue after a signal; 128+N stopped by signal N (see cli.py).
+"""
 
 from __future__ import annotations
 
 import reprlib
+
+EXIT_BUG = 1  # what Python itself gives an uncaught exception: named here, never returned by hand
+EXIT_USER = 2
+EXIT_DIVERGED = 3
+EXIT_REQUEUE = 4
 
 
 class UserError(Exception):
@@ -12,11 +21,13 @@ class UserError(Exception):
     key, variable) and what would be valid. Never carries a traceback to the user.
     """
 
-    def __init__(self, *problems: str, every_rank: bool = False):
+    def __init__(self, *problems: str, every_rank: bool = False, agreed: bool = False):
         self.problems = [p for p in problems if p]
         # Most mistakes are the same on every rank, and rank 0 alone reports them; a problem of
         # one rank's own (its device, its environment) is reported by that rank.
         self.every_rank = every_rank
+        # Every rank has learnt of it through a collective (Strategy.agree), so rank 0 reports it.
+        self.agreed = agreed
         super().__init__("\n".join(self.problems))
 
 

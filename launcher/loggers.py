@@ -6,10 +6,13 @@ tensorboard and tqdm are imported only when they are used.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
+
+from launcher.errors import UserError
 
 
 class NullLogger:
@@ -20,28 +23,65 @@ class NullLogger:
 
 
 class TensorBoard(NullLogger):
-    def __init__(self, folder: Path):
-        from torch.utils.tensorboard import SummaryWriter
+    """Event files through torch's SummaryWriter. A write that fails (a full disk, a read-only folder) is
+    a UserError naming the folder and the errno, as a checkpoint's is."""
 
-        self.writer = SummaryWriter(log_dir=str(folder))
+    def __init__(self, folder: Path):
+        self.folder = folder
+        with self._writing():
+            from torch.utils.tensorboard import SummaryWriter
+
+            _quiet_writer_thread()
+            self.writer = SummaryWriter(log_dir=str(folder))
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            raise UserError(f"logging.tensorboard: cannot write {self.folder}: {e.strerror or e} (errno {e.errno}). "
+                            f"HINT: free some space, point run_dir=... at a writable folder, or set "
+                            f"logging.tensorboard=false") from None
 
     def scalars(self, values: Dict[str, float], step: int) -> None:
-        for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
+        with self._writing():
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
 
     def text(self, tag: str, text: str) -> None:
-        self.writer.add_text(tag, text)
+        with self._writing():
+            self.writer.add_text(tag, text)
 
     def hparams(self, params: Dict[str, object], metrics: list) -> None:
         # Into this run's own event file: SummaryWriter.add_hparams would start a separate run folder.
         from torch.utils.tensorboard.summary import hparams
 
         experiment, start, end = hparams(params, {m: None for m in metrics})
-        for summary in (experiment, start, end):
-            self.writer.file_writer.add_summary(summary)
+        with self._writing():
+            for summary in (experiment, start, end):
+                self.writer.file_writer.add_summary(summary)
 
     def close(self) -> None:
-        self.writer.close()
+        with self._writing():
+            self.writer.close()
+
+
+def _quiet_writer_thread() -> None:
+    """tensorboard writes on a thread of its own; a write that fails there is kept for the next add_*,
+    flush or close, which report it as one line, and then re-raised on the thread, whose traceback
+    would be a second, noisy copy of the same error: leave that one out (it is global: once)."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "launcher_quiet", False):
+        return
+
+    def hook(args) -> None:
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+
+    hook.launcher_quiet = True
+    threading.excepthook = hook
 
 
 class Console:

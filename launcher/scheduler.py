@@ -66,6 +66,10 @@ def _tasks_on_node(spec: str, node: int) -> int:
 
 
 def _ranks(env: Mapping[str, str]) -> tuple:
+    if ("RANK" in env) != ("WORLD_SIZE" in env):  # set by hand: one alone would train as one process
+        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+        raise UserError(f"environment: {given}={env[given]} is set but {missing} is not; torchrun sets both (with "
+                        f"LOCAL_RANK, MASTER_ADDR, MASTER_PORT): set {missing} too, unset {given}, or start with torchrun")
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (and anything else that speaks its protocol)
         names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
         values = []
@@ -77,6 +81,8 @@ def _ranks(env: Mapping[str, str]) -> tuple:
         rank, local_rank, world, local_world, node = values
         if world < 1 or rank >= world:
             raise UserError(f"environment: RANK={rank} must be below WORLD_SIZE={world}")
+        if world > 1:
+            _rendezvous(env, world)
         return rank, local_rank, world, local_world, node, _launcher(env, "torchrun")
     if "SLURM_STEP_NUM_TASKS" in env:  # a task of an srun step, started without torchrun
         world = _int(env, "SLURM_STEP_NUM_TASKS")
@@ -88,6 +94,33 @@ def _ranks(env: Mapping[str, str]) -> tuple:
     return 0, 0, 1, 1, 0, _launcher(env, "plain")
 
 
+def _rendezvous(env: Mapping[str, str], world: int) -> None:
+    """Several processes meet at MASTER_ADDR:MASTER_PORT (torchrun sets both)."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+    if missing:
+        raise UserError(f"environment: WORLD_SIZE={world} says several processes, but {' and '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} not set; they name where rank 0 waits for the "
+                        f"others (torchrun sets them): set MASTER_ADDR and MASTER_PORT, or start with torchrun")
+    port = env["MASTER_PORT"]
+    if not re.fullmatch(r"\d+", port) or not 0 < int(port) < 65536:
+        raise UserError(f"environment variable MASTER_PORT={port!r} is not a port number (1 to 65535)")
+
+
+# accelerate's truth values (accelerate.utils.environment.str_to_bool), so both read a flag alike.
+TRUE, FALSE = ("y", "yes", "t", "true", "on", "1"), ("n", "no", "f", "false", "off", "0")
+
+
+def flag(env: Mapping[str, str], name: str) -> bool:
+    """An ACCELERATE_* on/off variable: unset is off; a value accelerate would refuse is a UserError."""
+    raw = env.get(name)
+    if raw is None or raw.lower() in FALSE:
+        return False
+    if raw.lower() in TRUE:
+        return True
+    raise UserError(f"environment variable {name}={raw!r} is not a truth value; valid: {', '.join(TRUE)} "
+                    f"or {', '.join(FALSE)}")
+
+
 def _launcher(env: Mapping[str, str], otherwise: str) -> str:
     # `accelerate launch` sets this in every form (one process, torchrun-style, config file).
     return "accelerate" if "ACCELERATE_MIXED_PRECISION" in env else otherwise
@@ -96,9 +129,10 @@ def _launcher(env: Mapping[str, str], otherwise: str) -> str:
 def _device(devices: Devices, local_rank: int, visible: int, env: Mapping[str, str], notes: List[str]):
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     seen = f"CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else "CUDA_VISIBLE_DEVICES unset"
+    accelerate_cpu = flag(env, "ACCELERATE_USE_CPU")  # checked whatever `devices` says: accelerate reads it too
     if devices == "cpu":
         return "cpu", None
-    if env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+    if accelerate_cpu:
         notes.append("accelerate launch --cpu: training on the CPU")
         return "cpu", None
     if devices == "auto" and visible == 0:

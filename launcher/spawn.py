@@ -9,22 +9,38 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
-from launcher.errors import UserError
+from launcher.errors import EXIT_BUG, EXIT_USER, UserError
 
 
-def process_count(nproc_per_node: Optional[int], visible_gpus: int, device: str) -> int:
-    if nproc_per_node:
-        return nproc_per_node
-    if device != "cpu" and visible_gpus > 0:
-        return visible_gpus
-    raise UserError("nproc_per_node: strategy=ddp on the CPU starts torchrun for you and needs a process "
-                    "count; add nproc_per_node=N (or start it with torchrun --nproc_per_node=N -m launcher ...)")
+def process_count(nproc_per_node: Optional[int], visible_gpus: int, device: str, cpus: int) -> int:
+    """How many workers to start: one per visible GPU by default. More than the machine holds (a
+    process per GPU, at least a core per process on the CPU) is refused: nproc_per_node=100 on two
+    cores once started 100 workers and took 14 GB before the first step."""
+    on_gpu = device != "cpu" and visible_gpus > 0
+    if not nproc_per_node:
+        if on_gpu:
+            return visible_gpus
+        raise UserError("nproc_per_node: strategy=ddp on the CPU starts torchrun for you and needs a process "
+                        "count; add nproc_per_node=N (or start it with torchrun --nproc_per_node=N -m launcher ...)")
+    if on_gpu and nproc_per_node > visible_gpus:
+        raise UserError(f"nproc_per_node: {nproc_per_node} processes, but this process sees {visible_gpus} GPU(s) "
+                        f"and DDP trains one process per GPU; use nproc_per_node={visible_gpus} or fewer")
+    if not on_gpu and nproc_per_node > cpus:
+        raise UserError(f"nproc_per_node: {nproc_per_node} processes on the CPU, but this process may use {cpus} "
+                        f"CPU core(s) (os.sched_getaffinity); each process needs a core of its own: use "
+                        f"nproc_per_node={cpus} or fewer")
+    return nproc_per_node
 
 
 def torchrun(recipe: Path, overrides: List[str], nproc: int) -> int:
-    """Run the recipe under torchrun with `nproc` workers; the exit code of the first failed worker, else 0."""
+    """Run the recipe under torchrun with `nproc` workers: 0, the exit code of the failed workers (2 if
+    any made a user mistake), or 128+N when this process got signal N (torchrun passed it on, and the
+    workers saved and stopped)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from launcher.stopping import exit_code
 
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--module", "launcher", str(recipe), *overrides])
@@ -32,6 +48,14 @@ def torchrun(recipe: Path, overrides: List[str], nproc: int) -> int:
         run(args)
     except ChildFailedError as e:
         # The workers have said what went wrong; torchrun's own report would repeat it for each rank.
+        # A user mistake on one rank makes the others fail in turn (or be stopped by torchrun): it is the
+        # run's outcome, whichever rank torchrun saw fail first.
+        if any(f.exitcode == EXIT_USER for f in e.failures.values()):
+            return EXIT_USER
         _, first = e.get_first_failure()
-        return first.exitcode if first.exitcode and first.exitcode > 0 else 1
+        return first.exitcode if first.exitcode and first.exitcode > 0 else EXIT_BUG
+    except SignalException as e:
+        # torchrun's handler raised this after passing the signal on to the workers and waiting for them
+        # to save and exit (its shutdown timeout, 30 s): the plain path's exit code, no traceback.
+        return exit_code(e.sigval)
     return 0

@@ -37,7 +37,7 @@ def run(loaded: Loaded, overrides: list) -> int:
     placed = _place(loaded)
     placement, _, visible = placed
     if strategies.must_spawn(loaded.recipe.strategy, placement):
-        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device)
+        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device, _cpus())
         return spawn.torchrun(loaded.path, overrides, nproc)
     train(loaded, placed)
     return 0
@@ -49,11 +49,16 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     strategy.setup()
     folder = RunFolder(Path(loaded.recipe.run_dir))
     try:
-        recipe = loaded.recipe
-        recipe.precision, recipe.trainer.grad_accum_steps, settled = strategy.settle(
-            recipe.precision, recipe.trainer.grad_accum_steps)
-        loaded.config.precision, loaded.config.trainer.grad_accum_steps = recipe.precision, recipe.trainer.grad_accum_steps
-        return _train(loaded, strategy, folder, notes + settled + strategy.notes())
+        with strategy.mistakes_shared():
+            recipe = loaded.recipe
+            recipe.precision, recipe.trainer.grad_accum_steps, settled = strategy.settle(
+                recipe.precision, recipe.trainer.grad_accum_steps)
+            loaded.config.precision, loaded.config.trainer.grad_accum_steps = recipe.precision, recipe.trainer.grad_accum_steps
+            try:
+                return _train(loaded, strategy, folder, notes + settled + strategy.notes())
+            except SystemExit as e:  # sys.exit() in a component's code (a forward, a dataset's item, a metric)
+                raise UserError(f"{_innermost(e)} raised SystemExit({e.code!r}) during training; a component must "
+                                f"not exit the process (raise an exception instead)", every_rank=True) from None
     finally:
         folder.close()
         strategy.teardown()
@@ -64,10 +69,13 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     run_dir = folder.path
     # Rank 0 locks the folder, settles which checkpoint the run continues (moving another history
     # aside) and writes the recipe, before TensorBoard opens its folder; every rank resumes from it.
-    opened = folder.open(OmegaConf.to_yaml(loaded.config), recipe.checkpoint.resume,
-                         recipe.checkpoint.init_from) if placement.is_main else None
+    # Rank 0 alone writes, and may meet a mistake (an unwritable folder, a full disk) the others do not
+    # see: each such step is agreed on, so that every rank stops with it rather than wait in a collective.
+    opened = strategy.agree(lambda: folder.open(OmegaConf.to_yaml(loaded.config), recipe.checkpoint.resume,
+                                                recipe.checkpoint.init_from) if placement.is_main else None)
     resume, said, init_from = strategy.all_gather_object(opened)[0]
-    logger, console = loggers.make(placement.is_main, run_dir, recipe.logging.tensorboard, recipe.logging.progress_bar)
+    logger, console = strategy.agree(lambda: loggers.make(placement.is_main, run_dir, recipe.logging.tensorboard,
+                                                          recipe.logging.progress_bar))
     for note in notes + said:
         console.info(note)
     rows = strategy.all_gather_object(_describe(placement))  # a collective: every rank takes part
@@ -111,10 +119,13 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
                  "lr_schedule": schedule.state_dict() if schedule is not None else None,
                  "scaler": precision.state_dict(), "rng": rngs, "world_size": placement.world_size,
                  "recipe": OmegaConf.to_yaml(loaded.config)}
-        checkpointer.save(pos.step, model_state, state)
-        if final:
-            checkpointer.save_final(model_state)
-        strategy.barrier()
+
+        def write() -> None:
+            checkpointer.save(pos.step, model_state, state)
+            if final:
+                checkpointer.save_final(model_state)
+
+        strategy.agree(write)  # also the barrier: no rank goes on before the checkpoint is complete
 
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
     peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
@@ -193,6 +204,19 @@ def _refuse_changed_parts(saved: Dict[str, Any], current, resume: Path) -> None:
                         f"checkpoint.init_from={resume / 'model.pt'} to keep its weights)")
 
 
+def _cpus() -> int:
+    """The CPU cores this process may run on (its affinity, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _innermost(e: BaseException) -> str:
+    """Where an exception was raised, as file:line in function (the component's code, not ours)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "a component"
+
+
 def _nvidia_smi() -> list:
     """The GPUs this process may use as (id, free MiB), from nvidia-smi: no CUDA context is created."""
     import shutil
@@ -225,6 +249,9 @@ def _build(spec: Dict[str, Any], key: str, *args: Any) -> Any:
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{key}: {spec['_target_']} failed with the recipe's arguments: "
                         f"{type(e).__name__}: {first_line(e)}") from None
+    except SystemExit as e:  # sys.exit() in a constructor would end the run with its code and no model
+        raise UserError(f"{key}: {spec['_target_']} raised SystemExit({e.code!r}) while being built; a component "
+                        f"must not exit the process (raise an exception instead)") from None
     except Exception as e:
         # Anything else (KeyError, AttributeError, an assert, an import inside it) is taken for a bug in
         # the component: its traceback is what its author needs, with the recipe key it was built for.

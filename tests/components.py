@@ -136,3 +136,23 @@ class Raises(MLP):
 
         super().__init__(**kwargs)
         raise getattr(builtins, error)("broken component")
+
+
+class Exits(MLP):
+    """An MLP that calls sys.exit(0) while being built (`when: build`) or in a training forward
+    (`when: forward`): a component that ends the process, as a script's code might."""
+
+    def __init__(self, when: str = "build", **kwargs):
+        import sys
+
+        super().__init__(**kwargs)
+        if when == "build":
+            sys.exit(0)
+        self.when = when
+
+    def forward(self, x):
+        import sys
+
+        if self.training and self.when == "forward":
+            sys.exit(0)
+        return super().forward(x)

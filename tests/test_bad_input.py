@@ -13,7 +13,7 @@ import torch
 from launcher.checkpoint import Checkpointer
 from launcher.cli import main
 from recipes.components.mlp import MLP
-from tests.conftest import REPO, SMALL
+from tests.conftest import REPO, SMALL, launch
 
 Q = "recipes/quickstart.yaml"
 
@@ -163,6 +163,12 @@ CASES = [
      "model: tests.components.Frozen has nothing to train"),
     ("model-without-parameters", [Q, "model={_target_: tests.components.NoParameters}"],
      "has nothing to train (no parameters, or all"),
+    ("exits-while-built", [Q, "model={_target_: tests.components.Exits}"],
+     "model: tests.components.Exits raised SystemExit(0) while being built; a component must not exit the process"),
+    ("exits-in-forward", [Q, "model={_target_: tests.components.Exits, when: forward}"],
+     "in forward raised SystemExit(0) during training; a component must not exit the process"),
+    ("more-processes-than-cores", [Q, "strategy=ddp", "nproc_per_node=4096"],
+     "nproc_per_node: 4096 processes on the CPU, but this process may use"),
 ]
 
 
@@ -260,3 +266,150 @@ def test_the_same_under_torchrun_with_two_processes(tmp_path, args, says):
     ours = [l for l in done.stderr.splitlines() if "launcher:" in l]
     assert len(ours) == 1 and says in ours[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr and time.time() - started < 60
+
+
+def ddp2(*args: str) -> subprocess.CompletedProcess:
+    """`python -m launcher` starting torchrun with two processes (gloo), as a user types it."""
+    return subprocess.run([sys.executable, "-m", "launcher", Q, "strategy=ddp", "nproc_per_node=2", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line(done: subprocess.CompletedProcess, says: str) -> None:
+    assert done.returncode == 2, done.stderr[-3000:]
+    ours = [l for l in done.stderr.splitlines() if "launcher:" in l]
+    assert len(ours) == 1 and ours[0].startswith("launcher: ") and says in ours[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["checkpoint.resume=/etc"], "checkpoint.resume: /etc is incomplete (no valid manifest.json)"),
+    (["run_dir={t}/file"], "run_dir: cannot write {t}/file: File exists"),
+    (["run_dir={t}/run", "logging.tensorboard=true"], "logging.tensorboard: cannot write {t}/run/tensorboard: "
+                                                       "File exists (errno 17)"),
+], ids=["resume-not-a-checkpoint", "run-dir-is-a-file", "tensorboard-folder-is-a-file"])
+def test_a_mistake_only_rank_0_meets_stops_every_rank_with_one_line(tmp_path, args, says):
+    """Rank 0 alone writes and decides the resume; the others learn of its mistake in the same collective,
+    instead of dying with gloo's traceback while rank 0 exits 2."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tensorboard").write_text("")
+    args = [a.replace("{t}", str(tmp_path)) for a in args]
+    started = time.time()
+    done = ddp2(f"run_dir={tmp_path / 'run'}", "logging.tensorboard=false", *args)
+    assert_one_line(done, says.replace("{t}", str(tmp_path)))
+    assert time.time() - started < 60
+
+
+def test_the_exit_code_of_one_rank_s_mistake_is_always_2(tmp_path):
+    """It raced between 1 (the rank that died in a collective) and 2: now every rank agrees, every time."""
+    for _ in range(3):
+        assert_one_line(ddp2(f"run_dir={tmp_path}", "logging.tensorboard=false", "checkpoint.resume=/etc"),
+                        "checkpoint.resume: /etc is incomplete")
+
+
+def test_no_space_or_permission_under_ddp_with_two_processes(tiny_disk):
+    full, readonly = tiny_disk
+    done = ddp2(f"run_dir={full}", "logging.tensorboard=false", "model.hidden=256", "trainer.max_steps=20",
+                "checkpoint.every=10")  # rank 0's save fails; rank 1 learns of it in the save's agreement
+    assert_one_line(done, f"cannot write {full}/checkpoints: No space left on device (errno 28)")
+    assert not list(full.glob("checkpoints/.step_*"))
+    assert_one_line(ddp2(f"run_dir={readonly}", "logging.tensorboard=false"),
+                    f"run_dir: cannot write {readonly}: Read-only file system")
+
+
+def leave_free(folder, size: int) -> None:
+    """Fill the file system of `folder` but `size` bytes."""
+    import os
+
+    stat = os.statvfs(folder)
+    (folder / "filler").write_bytes(b"x" * (stat.f_bavail * stat.f_frsize - size))
+
+
+def test_a_full_disk_while_tensorboard_writes(tiny_disk, capsys):
+    """Its writer thread meets the full disk; the next log step says so in one line, naming the folder."""
+    full, _ = tiny_disk
+    leave_free(full, 16384)  # the recipe and TensorBoard's first pages; the scalars fill the rest
+    code = main([Q, *SMALL, f"run_dir={full}/run", "logging.tensorboard=true", "trainer.max_steps=400",
+                 "trainer.log_every=1"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and err == [f"launcher: logging.tensorboard: cannot write {full}/run/tensorboard: No space left "
+                                 f"on device (errno 28). HINT: free some space, point run_dir=... at a writable "
+                                 f"folder, or set logging.tensorboard=false"], err
+
+
+def test_a_full_disk_while_tensorboard_writes_under_ddp_stops_both_ranks(tiny_disk):
+    """Rank 0's logger fails between two agreements: it marks the run's store and exits; rank 1, whose
+    collective then fails, finds the mark and stops with one line. The same outcome, three times."""
+    full, _ = tiny_disk
+    for _ in range(3):
+        subprocess.run(["rm", "-rf", str(full / "run"), str(full / "filler")], check=True)
+        leave_free(full, 16384)
+        done = ddp2(*SMALL, f"run_dir={full}/run", "logging.tensorboard=true", "trainer.max_steps=400",
+                    "trainer.log_every=1")
+        assert done.returncode == 2, done.stderr[-3000:]
+        ours = [l for l in done.stderr.splitlines() if "launcher:" in l]
+        assert ours[0] == (f"launcher: logging.tensorboard: cannot write {full}/run/tensorboard: No space left on "
+                           f"device (errno 28). HINT: free some space, point run_dir=... at a writable folder, or "
+                           f"set logging.tensorboard=false"), done.stderr[-3000:]
+        assert ours[1:] in ([], ["[rank 1] launcher: stopped: rank 0 reported a mistake"]), done.stderr[-3000:]
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_torchrun_s_own_report_carries_our_line(tmp_path):
+    """Plain torchrun: its ChildFailedError report shows our line (from the worker's error file) where it
+    would say "To enable traceback see ..."; torchrun itself still exits 1 with its own traceback."""
+    for args, says in ((["checkpoint.resume=/etc"], "checkpoint.resume: /etc is incomplete"),
+                       (["trainer.max_step=5"], "trainer.max_step: unknown key")):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "-m", "launcher", Q, f"run_dir={tmp_path}", "logging.tensorboard=false", *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        err = done.stderr
+        assert done.returncode == 1, err[-3000:]  # torchrun's code for any failed worker
+        ours = [l for l in err.splitlines() if l.startswith("launcher:") or l.startswith("[rank")]
+        assert len(ours) == 1 and says in ours[0], err[-3000:]  # said once, by rank 0; no worker traceback
+        root = [l for l in err[err.index("Root Cause"):].splitlines() if "traceback :" in l]
+        assert root[0].startswith("  traceback : launcher: ") and says in root[0], err[-3000:]
+        assert "To enable traceback" not in err, err[-3000:]
+
+
+ENV_CASES = [
+    ("rank-alone", {"RANK": "1"}, [], "[rank 1] launcher: environment: RANK=1 is set but WORLD_SIZE is not"),
+    ("world-size-alone", {"WORLD_SIZE": "2"}, [], "launcher: environment: WORLD_SIZE=2 is set but RANK is not"),
+    ("no-master", {"RANK": "1", "WORLD_SIZE": "2"}, [],
+     "[rank 1] launcher: environment: WORLD_SIZE=2 says several processes, but MASTER_ADDR and MASTER_PORT are not set"),
+    ("recipe-on-rank-1-by-hand", {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     ["trainer.max_step=5"], "[rank 1] launcher: override 'trainer.max_step=5': trainer.max_step: unknown key"),
+    ("accumulation-not-a-number", {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "abc"}, ["strategy=accelerate"],
+     "launcher: environment variable ACCELERATE_GRADIENT_ACCUMULATION_STEPS='abc' is not a positive integer"),
+    ("accumulation-zero", {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "0"}, ["strategy=accelerate"],
+     "launcher: environment variable ACCELERATE_GRADIENT_ACCUMULATION_STEPS='0' is not a positive integer"),
+    ("accelerate-cpu-not-a-flag", {"ACCELERATE_USE_CPU": "maybe"}, ["strategy=accelerate"],
+     "launcher: environment variable ACCELERATE_USE_CPU='maybe' is not a truth value"),
+    ("a-flag-accelerate-refuses", {"ACCELERATE_DEBUG_MODE": "x"}, ["strategy=accelerate"],
+     "launcher: accelerate refused its environment (invalid truth value x); check ACCELERATE_DEBUG_MODE='x'"),
+]
+
+
+@pytest.mark.parametrize("env, args, says", [c[1:] for c in ENV_CASES], ids=[c[0] for c in ENV_CASES])
+def test_environment_set_by_hand_wrong_or_partial(tmp_path, env, args, says):
+    """Variables torchrun (or accelerate launch) sets, set by hand: one line naming the variable, exit 2;
+    a rank other than 0 says it too, prefixed, since no rank 0 is there to say it for it."""
+    if "strategy=accelerate" in args:
+        pytest.importorskip("accelerate")
+    done = launch(Q, f"run_dir={tmp_path}", *args, env=env)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(says), done.stderr[-3000:]
+
+
+def test_an_occupied_master_port_names_it(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = launch(Q, "strategy=ddp", "devices=cpu", f"run_dir={tmp_path}",
+                      env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"launcher: environment: MASTER_PORT={port} is in use on this machine, so rank 0 cannot wait there for the "
+        f"others; pick a free port for every rank, or start with torchrun --standalone, which finds one"), done.stderr

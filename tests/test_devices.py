@@ -8,7 +8,9 @@ from launcher.errors import UserError
 from launcher.scheduler import Placement, place
 from tests.conftest import launch
 
-TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+# What torchrun sets for a worker (among others).
+TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
 @pytest.mark.parametrize("env, devices, gpus, expected", [
@@ -35,6 +37,17 @@ def test_placement_table(env, devices, gpus, expected):
     ({**TORCHRUN, "LOCAL_RANK": "2"}, "auto", 2, "local rank 2 has no GPU: this process sees 2"),
     ({**TORCHRUN, "RANK": "x"}, "cpu", 0, "environment variable RANK='x' is not a non-negative integer"),
     ({**TORCHRUN, "RANK": "4"}, "cpu", 0, "RANK=4 must be below WORLD_SIZE=4"),
+    # Set by hand, wrong or partial: one line naming the variable, never a silent single-process run.
+    ({"RANK": "1"}, "cpu", 0, "environment: RANK=1 is set but WORLD_SIZE is not; torchrun sets both"),
+    ({"WORLD_SIZE": "2"}, "cpu", 0, "environment: WORLD_SIZE=2 is set but RANK is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "cpu", 0, "WORLD_SIZE=2 says several processes, but MASTER_ADDR and "
+                                                 "MASTER_PORT are not set"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "cpu", 0, "but MASTER_PORT is not set"),
+    ({**TORCHRUN, "MASTER_PORT": "http"}, "cpu", 0, "MASTER_PORT='http' is not a port number (1 to 65535)"),
+    ({**TORCHRUN, "MASTER_PORT": "70000"}, "cpu", 0, "MASTER_PORT='70000' is not a port number"),
+    ({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "maybe"}, "auto", 0,
+     "ACCELERATE_USE_CPU='maybe' is not a truth value; valid: y, yes, t, true, on, 1 or n, no, f, false, off, 0"),
+    ({"ACCELERATE_USE_CPU": "2"}, "cpu", 0, "ACCELERATE_USE_CPU='2' is not a truth value"),
 ])
 def test_placement_errors_name_the_variable(env, devices, gpus, message):
     with pytest.raises(UserError) as info:
@@ -69,6 +82,10 @@ SLURM = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
     ({"ACCELERATE_MIXED_PRECISION": "no"}, "auto", 0, Placement(launched_by="accelerate")),
     ({**TORCHRUN, "ACCELERATE_MIXED_PRECISION": "bf16"}, "cpu", 0, Placement(3, 1, 4, 2, 1, "cpu", None, "accelerate")),
     ({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "True"}, "auto", 2, Placement(launched_by="accelerate")),
+    ({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "on"}, "auto", 2, Placement(launched_by="accelerate")),
+    ({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False"}, "auto", 1,
+     Placement(device="cuda:0", gpu="0", launched_by="accelerate")),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, "cpu", 0, Placement(launched_by="torchrun")),  # one process needs no rendezvous
 ])
 def test_placement_under_slurm_and_accelerate(env, devices, gpus, expected):
     assert place(env, devices, gpus)[0] == expected
@@ -113,3 +130,30 @@ def test_without_accelerate_installed_exit_2_with_the_install_command(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == ("launcher: strategy: accelerate needs the accelerate package: "
                                    "pip install 'launcher[accelerate]' (or pip install accelerate)")
+
+
+@pytest.mark.parametrize("nproc, gpus, device, cpus, expected", [
+    (None, 4, "cuda:0", 2, 4),  # one process per visible GPU
+    (2, 4, "cuda:0", 1, 2),  # on GPUs the cores do not limit
+    (2, 0, "cpu", 2, 2),
+    (1, 0, "cpu", 1, 1),
+])
+def test_process_count(nproc, gpus, device, cpus, expected):
+    from launcher.spawn import process_count
+
+    assert process_count(nproc, gpus, device, cpus) == expected
+
+
+@pytest.mark.parametrize("nproc, gpus, device, cpus, message", [
+    (None, 0, "cpu", 2, "nproc_per_node: strategy=ddp on the CPU starts torchrun for you and needs a process count"),
+    (100, 0, "cpu", 2, "nproc_per_node: 100 processes on the CPU, but this process may use 2 CPU core(s) "
+                       "(os.sched_getaffinity); each process needs a core of its own: use nproc_per_node=2 or fewer"),
+    (3, 2, "cuda:0", 64, "nproc_per_node: 3 processes, but this process sees 2 GPU(s) and DDP trains one process "
+                         "per GPU; use nproc_per_node=2 or fewer"),
+])
+def test_process_count_refuses_more_than_the_machine_holds(nproc, gpus, device, cpus, message):
+    from launcher.spawn import process_count
+
+    with pytest.raises(UserError) as info:
+        process_count(nproc, gpus, device, cpus)
+    assert message in str(info.value)

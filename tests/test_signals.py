@@ -12,10 +12,10 @@ SLOW = ["model={_target_: tests.components.Slow, seconds: 0.01}", "trainer.max_s
         "checkpoint.every=null"]
 
 
-def start(run_dir, *extra):
+def start(run_dir, *extra, env=None):
     return subprocess.Popen([sys.executable, "-m", "launcher", "recipes/quickstart.yaml", *SMALL, *SLOW,
                              f"run_dir={run_dir}", *extra], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def signal_after_first_log(proc, sig) -> str:
@@ -73,6 +73,24 @@ def test_sigterm_under_torchrun_two_ranks_agree_save_and_resume_exactly(tmp_path
     assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "stopped" / "model.pt")
 
 
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_the_launcher_that_started_torchrun_exits_as_the_plain_path(tmp_path, sig, code):
+    """`python -m launcher ... strategy=ddp` runs torchrun in its own process: torchrun passes the signal on,
+    the workers save once and stop, and the launcher exits 128+N without torchrun's SignalException."""
+    spawn = ["strategy=ddp", "nproc_per_node=2"]
+    proc = start(tmp_path / "stopped", *spawn)
+    output = signal_after_first_log(proc, sig)
+    assert proc.returncode == code and "Traceback" not in output, output
+    saved = sorted((tmp_path / "stopped" / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and 10 <= int(saved[0].name[5:]) < 300, output
+    assert f"stopped by {sig.name} after step {saved[0].name[5:]}: saved" in output
+    resumed, whole = (launch("recipes/quickstart.yaml", *SMALL, *SLOW, *spawn, f"run_dir={tmp_path / run_dir}",
+                             timeout=180) for run_dir in ("stopped", "whole"))
+    assert resumed.returncode == 0 and f"resumed from {saved[0]}" in resumed.stdout, resumed.stderr[-2000:]
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "stopped" / "model.pt")
+
+
 @pytest.mark.parametrize("env, job", [
     ({"SLURM_JOB_ID": "41"}, "41"),
     ({"SLURM_JOB_ID": "57", "SLURM_ARRAY_JOB_ID": "50", "SLURM_ARRAY_TASK_ID": "7"}, "50_7"),  # the array task
@@ -90,3 +108,18 @@ def test_requeue_names_the_job_or_the_array_task(tmp_path, monkeypatch, env, job
     assert requeue({}) is None  # outside Slurm: nothing to requeue
     with pytest.raises(RequeueFailed, match="presently disabled. HINT: submit with --requeue"):
         requeue({"SLURM_JOB_ID": "refuse"})
+
+
+def test_slurm_refusing_the_requeue_exits_4_with_the_checkpoint_saved(tmp_path):
+    import os
+
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "Requested operation is presently disabled" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "SLURM_JOB_ID": "41", "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    proc = start(tmp_path / "run", env=env)
+    output = signal_after_first_log(proc, signal.SIGTERM)
+    assert proc.returncode == 4 and "Traceback" not in output, output  # EXIT_REQUEUE
+    assert "launcher: scontrol requeue 41 failed: Requested operation is presently disabled" in output
+    assert len(list((tmp_path / "run" / "checkpoints").glob("step_*"))) == 1

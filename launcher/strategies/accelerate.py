@@ -17,10 +17,11 @@ from typing import Any, Callable, ContextManager, List, Tuple
 import torch
 from torch import nn
 
-from launcher.errors import UserError
+from launcher.errors import UserError, first_line
 from launcher.strategies.base import Strategy, host_max
 
 PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+ACCUMULATION = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 
 
 class Accelerate(Strategy):
@@ -32,8 +33,19 @@ class Accelerate(Strategy):
         except ImportError:
             raise UserError("strategy: accelerate needs the accelerate package: "
                             "pip install 'launcher[accelerate]' (or pip install accelerate)") from None
-        self.accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=1,
-                                       cpu=self.device.type == "cpu")
+        steps = os.environ.get(ACCUMULATION)
+        if steps is not None and not (steps.isdigit() and int(steps) >= 1):
+            raise UserError(f"environment variable {ACCUMULATION}={steps!r} is not a positive integer "
+                            f"(accelerate launch --gradient_accumulation_steps N sets it)")
+        try:
+            self.accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=1,
+                                           cpu=self.device.type == "cpu")
+        except ValueError as e:
+            # Accelerate parses its ACCELERATE_* variables here (flags, choices), without naming the one it refuses.
+            named = sorted(f"{k}={v!r}" for k, v in os.environ.items() if k.startswith("ACCELERATE_"))
+            if not named:
+                raise
+            raise UserError(f"accelerate refused its environment ({first_line(e)}); check {', '.join(named)}") from None
         if self.placement.world_size > 1:  # host-side agreements go through gloo: no device sync
             self.host_group = torch.distributed.new_group(backend="gloo")
 
@@ -49,8 +61,8 @@ class Accelerate(Strategy):
                 precision = PRECISION[launched]
             else:
                 notes.append(f"the recipe's precision {precision} wins over accelerate launch's mixed_precision no (its default)")
-        steps = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-        if steps is not None and steps.isdigit() and int(steps) >= 1 and int(steps) != grad_accum:
+        steps = os.environ.get(ACCUMULATION)  # checked in setup
+        if steps is not None and int(steps) != grad_accum:
             notes.append(f"accelerate sets gradient_accumulation_steps {steps}: it wins over the recipe's "
                          f"trainer.grad_accum_steps {grad_accum}")
             grad_accum = int(steps)

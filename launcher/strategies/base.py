@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, List, Tuple
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
 
+from launcher.errors import UserError
 from launcher.scheduler import Placement
+
+T = TypeVar("T")
+MISTAKE_KEY = "launcher/mistake"  # in the run's c10d store: the rank that stopped for a user mistake
+STORE_SECONDS = 5.0
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -71,6 +76,45 @@ class Strategy:
     def barrier(self) -> None:
         pass
 
+    def agree(self, fn: Callable[[], T]) -> T:
+        """This rank's `fn()`, once every rank has run its own; if any rank met a UserError, every rank
+        raises one (rank 0's lists every rank's problems, others' prefixed with their rank). Collective.
+
+        For the work that rank 0 alone does (its folder, its disk): the others would otherwise wait in
+        the next collective for a rank that has gone."""
+        try:
+            result, problems = fn(), []
+        except UserError as e:
+            result, problems = None, e.problems
+        everyone = self.all_gather_object(problems)
+        if not any(everyone):
+            return result
+        said, seen = list(everyone[0]), set(everyone[0])
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            said += [f"[rank {rank}] {p}" for p in theirs if p not in seen]  # a problem once, by its first rank
+            seen.update(theirs)
+        raise UserError(*said, agreed=True)
+
+    @contextlib.contextmanager
+    def mistakes_shared(self) -> Iterator[None]:
+        """Around the run: a UserError that only this rank meets between agreements (rank 0's logger on a
+        full disk) is marked in the run's store before this rank exits, and a rank whose collective then
+        fails because that rank has gone stops with one line instead of a traceback."""
+        if self.placement.world_size == 1:
+            yield
+            return
+        try:
+            yield
+        except UserError as e:
+            if not e.agreed:
+                _mark(self.placement.rank)
+            raise
+        except RuntimeError:  # gloo and nccl (DistError is one) when a peer has gone
+            who = _marked()
+            if who is None:
+                raise
+            raise UserError(f"stopped: rank {who} reported a mistake", every_rank=True) from None
+
     def teardown(self) -> None:
         pass
 
@@ -88,3 +132,45 @@ def host_max(values: List[int], group) -> Callable[[], List[int]]:
         return flags.tolist()  # a CPU tensor: no device sync
 
     return wait
+
+
+def _within(seconds: float, fn: Callable[[], T]) -> Optional[T]:
+    """fn() on a thread of its own, or None if it fails or takes longer: a store whose host is lost
+    without closing its sockets would hold the caller for the store's timeout (minutes), and a rank
+    that is leaving must not wait on it."""
+    import threading
+
+    out: List[Optional[T]] = [None]
+
+    def call() -> None:
+        try:
+            out[0] = fn()
+        except Exception:  # no store to tell or ask (its host has gone): the caller goes on without it
+            pass
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return out[0]
+
+
+def _store():
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store() if dist.is_initialized() else None
+
+
+def _mark(rank: int) -> None:
+    # Under torchrun the store outlives the ranks: its agent hosts it.
+    store = _store()
+    if store is not None:
+        _within(STORE_SECONDS, lambda: store.set(MISTAKE_KEY, str(rank)))
+
+
+def _marked() -> Optional[str]:
+    """The rank that marked a mistake in the run's store, or None (none did, or the store is unreachable)."""
+    store = _store()
+    if store is None:
+        return None
+    return _within(STORE_SECONDS, lambda: store.get(MISTAKE_KEY).decode() if store.check([MISTAKE_KEY]) else None)

@@ -35,7 +35,14 @@ class DDP(Strategy):
         # Keys of an earlier attempt can outlive it in torchrun's store: after an elastic restart a
         # rank would then dial a dead peer's address. Each attempt gets its own namespace.
         rank, world = self.placement.rank, self.placement.world_size
-        store, _, _ = next(dist.rendezvous(f"env://?rank={rank}&world_size={world}", timeout=TIMEOUT))
+        try:
+            store, _, _ = next(dist.rendezvous(f"env://?rank={rank}&world_size={world}", timeout=TIMEOUT))
+        except dist.DistNetworkError as e:  # rank 0 hosts the store there (unless torchrun's agent does)
+            if "EADDRINUSE" not in str(e):
+                raise
+            raise UserError(f"environment: MASTER_PORT={os.environ.get('MASTER_PORT')} is in use on this machine, "
+                            f"so rank 0 cannot wait there for the others; pick a free port for every rank, or "
+                            f"start with torchrun --standalone, which finds one") from None
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
                                 rank=rank, world_size=world, timeout=TIMEOUT, device_id=self.device if cuda else None)
