@@ -167,7 +167,7 @@ CASES = [
      "model: tests.components.Exits raised SystemExit(0) while being built; a component must not exit the process"),
     ("exits-in-forward", [Q, "model={_target_: tests.components.Exits, when: forward}"],
      "in forward raised SystemExit(0) during training; a component must not exit the process"),
-    ("more-processes-than-cores", [Q, "strategy=ddp", "nproc_per_node=4096"],
+    ("more-processes-than-cores", [Q, "strategy=ddp", "nproc_per_node=4096", "devices=cpu"],
      "nproc_per_node: 4096 processes on the CPU, but this process may use"),
 ]
 
