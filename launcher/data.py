@@ -177,7 +177,7 @@ def _length(dataset: Dataset, key: str) -> int:
         raise UserError(f"{key}: {type(dataset).__name__} has no len(); the launcher needs a map-style Dataset")
     try:
         n = len(dataset)
-    except (TypeError, ValueError, OverflowError) as e:  # __len__ gave a float, a negative or a huge number
+    except (TypeError, ValueError, OverflowError, IndexError) as e:  # a float, a negative, a huge number; no tensors
         raise UserError(f"{key}: len() of {type(dataset).__name__} fails: {first_line(e)}; __len__ must return "
                         f"the number of items, an int from 0 to {sys.maxsize}") from None
     if n == 0:

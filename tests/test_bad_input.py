@@ -151,6 +151,8 @@ CASES = [
      "loss: the torch.int64 it returns does not depend"),
     ("loss-not-callable", [Q, "loss={_target_: builtins.dict}"],
      "loss: builtins.dict built a dict, which cannot be called"),
+    ("len-of-no-tensors", [Q, "data.train={_target_: torch.utils.data.TensorDataset}"],
+     "data.train: len() of TensorDataset fails: tuple index out of range"),
     ("len-negative", [Q, "data.train={_target_: tests.components.Sized, length: -1}"],
      "data.train: len() of Sized fails: __len__() should return >= 0"),
     ("len-a-float", [Q, "data.train={_target_: tests.components.Sized, length: 2.5}"],
