@@ -84,11 +84,12 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
 
     seeding.seed_everything(recipe.seed)
     model = _build(recipe.model, "model").to(device)
-    state = None
+    state = old_recipe = None
     if resume is not None:  # its CRC-32s were checked when rank 0 chose it
         checkpoint.load_model_state(model, resume / "model.pt", map_location=device, verified=True)
         state = checkpoint.load_state(resume / "state.pt", map_location=device)
-        _refuse_changed_parts(checkpoint.saved_recipe(state), loaded.config, resume)
+        old_recipe = checkpoint.saved_recipe(state)
+        _refuse_changed_parts(old_recipe, loaded.config, resume)
     elif init_from:
         where = checkpoint.load_model_state(model, Path(init_from), map_location=device)
         console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
@@ -107,7 +108,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     if state is not None:
         position = _restore(state, resume, optimizer, schedule, precision, placement.rank, device)
         console.info(f"resumed from {resume} (step {position.step}, epoch {position.epoch})")
-        changed = differences(checkpoint.saved_recipe(state), loaded.config)
+        changed = differences(old_recipe, loaded.config)
         if changed:
             console.info(f"the recipe differs from the checkpoint's in {', '.join(changed)}; the optimizer and "
                          f"LR schedule continue from their saved state (checkpoint.resume=never starts over)")
