@@ -170,13 +170,17 @@ def verify(folder: Path) -> Optional[str]:
     or None. Checkpoints written before checksums were recorded pass on their sizes alone."""
     manifest = json.loads((folder / "manifest.json").read_text())
     for name, entry in manifest["files"].items():
-        want = _entry(entry).get("crc32")
-        if want is None:
-            continue
-        got = crc32(folder / name)
-        if got != want:
-            return f"{name}: CRC-32 {got}, the manifest says {want}"
+        problem = _crc_problem(folder / name, entry)
+        if problem:
+            return problem
     return None
+
+
+def _crc_problem(path: Path, entry: Any) -> Optional[str]:
+    """How the file's CRC-32 differs from its manifest entry's, or None (also for an entry without one)."""
+    want = _entry(entry).get("crc32")
+    got = crc32(path) if want is not None else want
+    return None if got == want else f"{path.name}: CRC-32 {got}, the manifest says {want}"
 
 
 def crc32(path: Path) -> str:
@@ -345,8 +349,7 @@ def _check_against_manifest(path: Path) -> None:
             entry = json.loads(manifest.read_text())["files"].get(path.name)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return
-        want = _entry(entry).get("crc32") if entry is not None else None
-        if want is not None and crc32(path) != want:
+        if entry is not None and _crc_problem(path, entry):
             raise UserError(f"{path}: damaged: its CRC-32 differs from the one {manifest} recorded; use another "
                             f"checkpoint's file")
 
