@@ -10,13 +10,15 @@ else (a tuple or dict of batched tensors) is the batch itself, with no per-item 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
+from launcher.collate import default
 from launcher.errors import UserError, first_line
 
 
@@ -69,7 +71,7 @@ class TrainData:
     """The training loader for one rank, and an endless stream of micro-batches on the device."""
 
     def __init__(self, dataset: Dataset, batch_size: int, grad_accum: int, replicas: int, rank: int,
-                 shuffle: bool, seed: int, num_workers: int, device: torch.device):
+                 shuffle: bool, seed: int, num_workers: int, device: torch.device, collate_fn: Callable = None):
         n = _length(dataset, "data.train")
         if batch_size % replicas:
             raise UserError(f"data.batch_size: {batch_size} does not divide among {replicas} processes; "
@@ -81,7 +83,8 @@ class TrainData:
         self.batches_per_epoch = self.steps_per_epoch * grad_accum
         per_rank = batch_size // replicas
         self.sampler = EpochSampler(dataset, replicas, rank, shuffle, seed, per_rank, self.batches_per_epoch)
-        self.loader = _loader(dataset, per_rank, self.sampler, num_workers, device, seed, drop_last=True)
+        self.collate = collate_fn or default
+        self.loader = _loader(dataset, per_rank, self.sampler, num_workers, device, seed, self.collate, drop_last=True)
         self.device = device
 
     def stream(self, position: Position) -> Iterator[Any]:
@@ -123,13 +126,13 @@ def _copied_ahead(batches: Iterator[tuple], device: torch.device) -> Iterator[tu
 
 
 def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank: int, num_workers: int,
-                device: torch.device, seed: int):
+                device: torch.device, seed: int, collate_fn: Callable = None):
     """A re-iterable of validation batches on the device, or None without a validation set."""
     if dataset is None:
         return None
     n = _length(dataset, "data.val")
     loader = _loader(dataset, max(batch_size // replicas, 1), ShardSampler(n, replicas, rank),
-                     num_workers, device, seed, drop_last=False)
+                     num_workers, device, seed, collate_fn or default, drop_last=False)
 
     class Batches:
         def __iter__(self):
@@ -155,17 +158,12 @@ class TensorBatches(Dataset):
         return tuple(t[index] for t in self.tensors)
 
 
-def collate(data: Any) -> Any:
-    """A list of items is stacked into a batch; a batch fetched whole is already one."""
-    return default_collate(data) if isinstance(data, list) else data
-
-
-def _loader(dataset, batch_size, sampler, num_workers, device, seed, drop_last) -> DataLoader:
+def _loader(dataset, batch_size, sampler, num_workers, device, seed, collate_fn, drop_last) -> DataLoader:
     if type(dataset) is TensorDataset:
         dataset = TensorBatches(dataset)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=drop_last,
-        collate_fn=collate,
+        collate_fn=collate_fn,
         pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
         # Its own generator: worker seeds never draw from (and so never shift) the global RNG.
         generator=torch.Generator().manual_seed(seed),
@@ -186,76 +184,30 @@ def _length(dataset: Dataset, key: str) -> int:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move a batch (tensors in tuples, lists, dicts) to the device; asynchronous from pinned memory on CUDA."""
+    """Move a batch's tensors to the device; asynchronous from pinned memory on CUDA."""
     if device.type == "cpu":
         return batch
     return _each_tensor(batch, lambda t: t.to(device, non_blocking=True))
 
 
 def _each_tensor(batch: Any, fn) -> Any:
-    """`batch` with `fn` applied to each tensor in it (in tuples, lists, dicts); anything else kept."""
+    """`batch` with `fn` applied to each tensor in it, through tuples, named tuples, lists, mappings and
+    dataclasses, however nested; any other leaf (a string, an id) is kept as it is."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(_each_tensor(b, fn) for b in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(_each_tensor(b, fn) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _each_tensor(v, fn) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        moved = {k: _each_tensor(v, fn) for k, v in batch.items()}
+        if type(batch) is dict:
+            return moved
+        try:  # keep the mapping's type (an OrderedDict, HF's BatchEncoding) where it can be rebuilt
+            return type(batch)(moved)
+        except Exception:
+            return moved
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: _each_tensor(getattr(batch, f.name), fn)
+                                             for f in dataclasses.fields(batch) if f.init})
     return batch
-
-
-def check_first_batch(dataset: Dataset, size: int, model, loss_fn, metrics: dict, autocast,
-                      device: torch.device) -> None:
-    """The first `size` items (a batch), fetched as training fetches them, through the model, loss and
-    metrics before training, so that data that does not fit the model is one clear line now rather
-    than a traceback at the first step. In eval mode and with no backward pass: no RNG is drawn and no
-    state changes."""
-    item = dataset[0]
-    if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise UserError(f"data.train: items must be (input, target) pairs; item 0 is a {type(item).__name__}"
-                        + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
-    try:
-        indices = list(range(min(size, len(dataset))))
-        fetch = getattr(dataset, "__getitems__", None)
-        x, y = to_device(collate(fetch(indices) if fetch else [dataset[i] for i in indices]), device)
-    except (TypeError, RuntimeError) as e:
-        raise UserError(f"data.train: items do not batch together: {first_line(e)}") from None
-    was_training = model.training
-    model.eval()
-    try:
-        # With gradients (and no backward): the loss must depend on the parameters it trains.
-        with autocast():
-            output = model(x)
-            loss = loss_fn(output, y)
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        raise UserError(f"data.train does not fit the model, loss or metrics: the first batch gives "
-                        f"{type(e).__name__}: {first_line(e)}") from None
-    finally:
-        model.train(was_training)
-    problem = _loss_problem(loss)
-    if problem:
-        raise UserError(f"loss: {problem}")
-    n = len(indices)
-    with torch.no_grad(), autocast():
-        for name, fn in metrics.items():
-            try:
-                values = fn(output.detach(), y)
-            except (RuntimeError, ValueError, TypeError, IndexError) as e:
-                raise UserError(f"data.train does not fit the model, loss or metrics: metrics.{name} on the "
-                                f"first batch gives {type(e).__name__}: {first_line(e)}") from None
-            if not (isinstance(values, torch.Tensor) and values.dim() >= 1 and values.shape[0] == n):
-                got = f"shape {tuple(values.shape)}" if isinstance(values, torch.Tensor) else f"a {type(values).__name__}"
-                raise UserError(f"metrics.{name}: must return one value per item, a tensor of shape ({n}, ...) "
-                                f"for this batch of {n}; got {got}")
-
-
-def _loss_problem(loss: Any) -> Optional[str]:
-    """What is wrong with the first batch's loss for a backward pass, or None."""
-    if not isinstance(loss, torch.Tensor):
-        return f"must return a scalar tensor (the mean over the batch), got a {type(loss).__name__}"
-    if loss.dim() != 0:
-        return (f"must return a scalar tensor (the mean over the batch), got shape {tuple(loss.shape)} "
-                f"(reduction='none'? take its mean)")
-    if not loss.is_floating_point() or not loss.requires_grad:
-        return (f"the {loss.dtype} it returns does not depend on the model's parameters, so it has no gradient "
-                f"(argmax, .item(), .detach() or torch.tensor(...) inside the loss?)")
-    return None

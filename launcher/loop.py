@@ -12,6 +12,7 @@ from launcher.data import Position, TrainData
 from launcher.errors import UserError, first_line
 from launcher.loggers import Console, NullLogger
 from launcher.metrics import TrainMeter, evaluate
+from launcher.step import result
 from launcher.precision import Precision
 from launcher.recipe.schema import TrainerConfig
 from launcher.stopping import StopFlag, Stopped
@@ -23,7 +24,7 @@ class Parts:
     model: nn.Module  # as wrapped by the strategy
     optimizer: torch.optim.Optimizer
     schedule: Optional[Any]
-    loss_fn: Callable
+    step: Callable  # step(model, batch) -> loss | {loss, num_items, output, target}
     metrics: Dict[str, Callable]
     precision: Precision
     strategy: Strategy
@@ -54,6 +55,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     # twice the page faults, 5% of a compute-bound DDP step).
     free_after_step = p.strategy.device.type == "cuda"
     batches = p.data.stream(pos)
+    weights = Weights(accum, p.strategy, params)
     p.console.start(total, pos.step)
     p.meter.start(pos.step)
     last: Dict[str, float] = {}
@@ -64,17 +66,17 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         # Log steps are the only places the host reads device values: a checkpoint or an
         # evaluation is one too, so the interval is flushed there (and checked for NaN first).
         syncing = _due(step, cfg.log_every) or evaluating or saving
+        weights.start()
         for micro in range(accum):
-            x, y = next(batches)
-            with p.strategy.no_sync(p.model, skip=micro + 1 < accum), p.precision.autocast():
-                output = p.model(x)
-                loss = p.loss_fn(output, y)
-                if accum > 1:
-                    loss = loss / accum
+            batch = next(batches)
+            syncs = micro + 1 == accum  # the micro-batch whose backward synchronises the gradients
+            with p.strategy.no_sync(p.model, skip=not syncs), p.precision.autocast():
+                out = result(p.step(p.model, batch))
+            loss, count = weights.loss(out, syncs)
             if micro == 0 and not free_after_step:
                 p.optimizer.zero_grad(set_to_none=True)
             p.precision.backward(loss)
-            p.meter.add(loss, output, y)
+            p.meter.add(out.loss * count if count is not None else loss, count, out)
         p.precision.unscale(p.optimizer)
         norm = None
         if cfg.clip_grad_norm:
@@ -100,7 +102,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
             if _due(step, cfg.log_every) or step == total:
                 p.console.progress(step, total, pos.epoch, values)
         if evaluating:
-            results = evaluate(p.model, p.val, p.loss_fn, p.metrics, p.precision.autocast,
+            results = evaluate(p.model, p.val, p.step, p.metrics, p.precision.autocast,
                                p.strategy.all_reduce_sum, p.strategy.device)
             p.logger.scalars(results, step)
             p.console.info(f"eval at step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
@@ -114,6 +116,53 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     p.console.close()
     batches.close()
     return last
+
+
+class Weights:
+    """How each micro-batch's loss enters the gradient of one optimizer step.
+
+    Without item counts, each micro-batch's mean loss counts alike (divided by the accumulation steps).
+    With them, every item of the step counts alike, whichever micro-batch and rank holds it: the step's
+    gradient is that of (sum of the items' losses) / (items on every rank). The total is known only
+    after the last forward, so the earlier micro-batches are weighted by their count over the first
+    one's (magnitudes stay those of a mean), and before the last backward, which synchronises the
+    gradients, the accumulated ones are rescaled to the total. One all-reduce of a count per
+    optimizer step, on the device: no host read.
+    """
+
+    def __init__(self, accum: int, strategy: Strategy, params: list):
+        self.accum, self.strategy, self.params = accum, strategy, params
+        self.counted: Optional[bool] = None
+        self.first = self.total = None
+
+    def start(self) -> None:
+        """A new optimizer step."""
+        self.first = self.total = None
+
+    def loss(self, out, last: bool):
+        """(the loss to backward, this micro-batch's item count or None)."""
+        counted = out.num_items is not None
+        if self.counted is None:
+            self.counted = counted
+        elif counted != self.counted:
+            raise UserError("step: returns num_items for some batches and not for others; count the items of "
+                            "every batch, or of none")
+        if not counted:
+            return (out.loss / self.accum if self.accum > 1 else out.loss), None
+        count = torch.as_tensor(out.num_items, device=out.loss.device).float()
+        if self.first is None:
+            self.first, self.total = count.clamp(min=1), count
+        else:
+            self.total = self.total + count
+        if not last:
+            return out.loss * (count / self.first), count
+        world = self.strategy.placement.world_size
+        total = self.strategy.all_reduce_sum(self.total.clone()).clamp(min=1)
+        if self.accum > 1:  # the earlier micro-batches' gradients, weighted by 1/first: to world/total
+            grads = [q.grad for q in self.params if q.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, world * self.first / total)
+        return out.loss * (count * world / total), count
 
 
 def _step_schedule(schedule: Any, step: int) -> None:

@@ -1,39 +1,65 @@
 """Training metrics kept on the device, read on the host once per log interval.
 
-Between two reads nothing here touches a tensor's value on the host: each micro-batch
-appends its detached loss and metric sums to lists, and `read()` stacks them, makes one
+Between two reads nothing here touches a tensor's value on the host: each micro-batch appends its
+detached loss (and item count) and its metric values to lists, and `read()` stacks them, makes one
 reduction across ranks and one device-to-host copy.
+
+A metric is `metric(output, target) -> per-item values` (first dimension: the batch), with the output
+and target the step gives; the mean is over its values, leaving out NaN ones (how a metric says an
+item, such as a padding token, is not counted).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
 from launcher.errors import TrainingDiverged
+from launcher.step import IGNORE_INDEX, Result, items_in, result
 from launcher.throughput import Throughput
 
 
 class Accuracy:
-    """Per-item correctness of the arg-max prediction, for logits (..., classes) and integer targets (...)."""
+    """Per-item correctness of the arg-max prediction, for logits (..., classes), or a model output that
+    holds them (`.logits`, `["logits"]`, as HF's ModelOutput), against integer targets (...). A target
+    equal to `ignore_index` is not counted; `next_token: true` scores position t's prediction against
+    target t+1, as a causal language model's loss does."""
 
-    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return (output.argmax(dim=-1) == target).float()
+    def __init__(self, ignore_index: int = IGNORE_INDEX, next_token: bool = False):
+        self.ignore_index = ignore_index
+        self.next_token = next_token
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(output)
+        if self.next_token:
+            logits, target = logits[..., :-1, :], target[..., 1:]
+        correct = (logits.argmax(dim=-1) == target).float()
+        return correct.masked_fill(target == self.ignore_index, float("nan"))
 
 
-MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in a model's output: the output itself, `output.logits` or `output["logits"]`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        return output["logits"]
+    return output.logits
+
+
+MetricFn = Callable[[Any, Any], torch.Tensor]
 
 
 class TrainMeter:
-    """Per-step losses and metric sums over one log interval, on the device.
+    """Per-step losses and metric values over one log interval, on the device.
 
-    Losses are kept per optimizer step (not only summed) so that a NaN or inf is
-    reported with the step it first appeared at, without a per-step host read. Each
-    micro-batch only appends its detached loss (and metric sums) to a list: no tensor
-    operation per step; the interval's values are stacked and reduced when read.
+    Losses are kept per optimizer step (not only summed) so that a NaN or inf is reported with the
+    step it first appeared at, without a per-step host read. Each micro-batch only appends tensors to
+    lists: no tensor operation per step; the interval's values are stacked and reduced when read.
+    With a step that counts its items, a step's loss is the sum of its micro-batches' summed losses
+    over the sum of their counts, on every rank.
     """
 
     def __init__(self, metrics: Dict[str, MetricFn], device: torch.device, throughput: Throughput):
@@ -41,22 +67,23 @@ class TrainMeter:
         self.throughput = throughput
         self.device = device
         self.losses: List[torch.Tensor] = []  # this interval's micro-batch losses, on the device
-        self.sums: List[List[torch.Tensor]] = [[] for _ in metrics]  # per metric, per micro-batch sums
-        self.counts: List[int] = [0] * len(metrics)  # element counts are shapes: known on the host
+        self.counts: List[torch.Tensor] = []  # and their item counts, when the step gives them
+        self.values: List[List[torch.Tensor]] = [[] for _ in metrics]  # per metric, per micro-batch values
         self.first_step = 0  # the last step before this interval: its k-th loss is step first_step + k + 1
         self.steps = 0  # steps recorded since the last read
         self.grad_norm: Optional[torch.Tensor] = None
         self.clock = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> None:
-        """One micro-batch: `loss` is already divided by the accumulation steps."""
+    def add(self, loss: torch.Tensor, count: Optional[torch.Tensor], out: Result) -> None:
+        """One micro-batch: `loss` is its summed loss when `count` is given, else its mean already
+        divided by the accumulation steps."""
         self.losses.append(loss.detach())
+        if count is not None:
+            self.counts.append(count)
         if self.metrics:
             with torch.no_grad():
                 for i, fn in enumerate(self.metrics.values()):
-                    values = fn(output.detach(), target)
-                    self.sums[i].append(values.sum())
-                    self.counts[i] += values.numel()
+                    self.values[i].append(fn(out.output, out.target))
 
     def start(self, step: int) -> None:
         """Training starts (or resumes) after `step`: the first interval's clock starts now."""
@@ -72,19 +99,22 @@ class TrainMeter:
         n = self.steps
         empty = torch.zeros(0, device=self.device)
         per_step = torch.stack(self.losses).float().view(n, -1).sum(1) if n else empty  # micro-batches summed
-        sums = [torch.stack(s).float().sum().reshape(1) if s else empty.new_zeros(1) for s in self.sums]
+        counts = torch.stack(self.counts).float().view(n, -1).sum(1) if n and self.counts else empty
+        metric_sums = [_sum_and_count(v, self.device) for v in self.values]
         grad = self.grad_norm.reshape(1).float() if self.grad_norm is not None else empty
-        packed = all_reduce_mean(torch.cat([per_step, *sums, grad]))
+        packed = all_reduce_mean(torch.cat([per_step, counts, *metric_sums, grad]))
         values = packed.tolist()  # device -> host: the only read between log steps
         seconds = time.perf_counter() - self.clock
-        losses, sums = values[:n], values[n:n + len(self.sums)]
+        losses, at = values[:n], n
+        if self.counts:  # summed losses over item counts (the same ratio as of the sums across ranks)
+            losses, at = [s / c if c else s for s, c in zip(losses, values[n:2 * n])], 2 * n
         for k, value in enumerate(losses):
             if not math.isfinite(value):
                 raise TrainingDiverged(f"the training loss is {value} at step {self.first_step + k + 1}")
         out = {"train/loss": sum(losses) / max(n, 1), "train/lr": lr}
         for i, name in enumerate(self.metrics):
-            # Every rank sees the same number of items, so the mean of the per-rank means is the global mean.
-            out[f"train/{name}"] = sums[i] / max(self.counts[i], 1)
+            total, count = values[at + 2 * i], values[at + 2 * i + 1]
+            out[f"train/{name}"] = total / count if count else float("nan")
         if self.grad_norm is not None:
             out["train/grad_norm"] = values[-1]
         out.update(self.throughput.values(n, seconds))
@@ -92,36 +122,38 @@ class TrainMeter:
         return out
 
     def _reset(self, first_step: int) -> None:
-        self.losses = []
-        self.sums = [[] for _ in self.metrics]
-        self.counts = [0] * len(self.metrics)
+        self.losses, self.counts = [], []
+        self.values = [[] for _ in self.metrics]
         self.first_step, self.steps, self.grad_norm = first_step, 0, None
         self.clock = time.perf_counter()
 
 
+def _sum_and_count(values: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[sum, count] of the values that are not NaN."""
+    if not values:
+        return torch.zeros(2, device=device)
+    flat = torch.cat([v.reshape(-1) for v in values]).float()
+    return torch.stack([flat.nansum(), (~flat.isnan()).sum().float()])
+
+
 @torch.no_grad()
-def evaluate(model, batches, loss_fn, metrics: Dict[str, MetricFn], autocast,
+def evaluate(model, batches, step, metrics: Dict[str, MetricFn], autocast,
              all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Dict[str, float]:
     """Loss and metrics over a whole validation set, weighted by items; one host read at the end."""
     was_training = model.training
     model.eval()
-    sums = torch.zeros(1 + len(metrics), device=device)
-    counts = [0] * (1 + len(metrics))
-    for x, y in batches:
+    sums = torch.zeros(2 + 2 * len(metrics), device=device)  # [loss sum, items, (metric sum, count) ...]
+    for batch in batches:
         with autocast():
-            out = model(x)
-            loss = loss_fn(out, y)
-        sums[0].add_(loss.detach().float() * y.shape[0])
-        counts[0] += y.shape[0]
+            out = result(step(model, batch))
+        n = out.num_items if out.num_items is not None else items_in(batch)
+        sums[0].add_(out.loss.detach().float() * n)
+        sums[1].add_(n)
         for i, fn in enumerate(metrics.values(), start=1):
-            values = fn(out, y)
-            sums[i].add_(values.sum())
-            counts[i] += values.numel()
+            sums[2 * i:2 * i + 2].add_(_sum_and_count([fn(out.output, out.target)], device))
     model.train(was_training)
-    packed = torch.cat([sums, torch.tensor(counts, dtype=sums.dtype, device=device)])
-    totals = all_reduce_sum(packed).tolist()  # host sync: once per evaluation, at its end
-    n = len(counts)
-    result = {"val/loss": totals[0] / max(totals[n], 1)}
+    totals = all_reduce_sum(sums).tolist()  # host sync: once per evaluation, at its end
+    result_ = {"val/loss": totals[0] / totals[1] if totals[1] else float("nan")}
     for i, name in enumerate(metrics, start=1):
-        result[f"val/{name}"] = totals[i] / max(totals[n + i], 1)
-    return result
+        result_[f"val/{name}"] = totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else float("nan")
+    return result_

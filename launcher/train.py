@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -9,13 +10,16 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from launcher import checkpoint, data, loggers, scheduler, seeding, spawn, strategies, throughput
+from launcher import checkpoint, data, first_batch, loggers, scheduler, seeding, spawn, strategies, throughput
+from launcher import step as steps
 from launcher.checkpoint import Checkpointer
+from launcher.collate import Collate
 from launcher.errors import UserError, first_line
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
 from launcher.precision import Precision
 from launcher.recipe import Loaded, instantiate
+from launcher.recipe.instantiate import locate
 from launcher.recipe.built import check as check_built
 from launcher.recipe.flat import differences, hparams
 from launcher.run_dir import RunFolder
@@ -99,10 +103,12 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     precision = Precision(recipe.precision, device)
     metrics = {name: _build(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
     cfg = recipe.data
+    collate = Collate(_build(cfg.collate, "data.collate")) if cfg.collate else None
     train_data = data.TrainData(_build(cfg.train, "data.train"), cfg.batch_size, recipe.trainer.grad_accum_steps,
-                                placement.world_size, placement.rank, cfg.shuffle, recipe.seed, cfg.num_workers, device)
+                                placement.world_size, placement.rank, cfg.shuffle, recipe.seed, cfg.num_workers, device,
+                                collate)
     val = data.val_batches(_build(cfg.val, "data.val") if cfg.val else None, cfg.batch_size,
-                           placement.world_size, placement.rank, cfg.num_workers, device, recipe.seed)
+                           placement.world_size, placement.rank, cfg.num_workers, device, recipe.seed, collate)
 
     position = data.Position()
     if state is not None:
@@ -140,12 +146,13 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     meter = TrainMeter(metrics, device, rates)
     logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
-    loss_fn = _build(recipe.loss, "loss")
-    data.check_first_batch(train_data.loader.dataset, cfg.batch_size // placement.world_size, model, loss_fn,
-                           metrics, precision.autocast, device)
+    step = _build_step(recipe.step, recipe.loss)
+    for note in first_batch.check(train_data.loader.dataset, cfg.batch_size // placement.world_size,
+                                  train_data.collate, model, step, metrics, precision.autocast, device):
+        console.info(note)
     if recipe.trainer.compile:  # after the eager check. The wrapper is compiled, so DDP's buckets still
         wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys
-    parts = Parts(wrapped, optimizer, schedule, loss_fn=loss_fn, metrics=metrics,
+    parts = Parts(wrapped, optimizer, schedule, step=step, metrics=metrics,
                   precision=precision, strategy=strategy, data=train_data, val=val, meter=meter,
                   logger=logger, console=console, save=save, stop=StopFlag(placement.world_size),
                   save_on_stop=recipe.checkpoint.on_signal)
@@ -243,6 +250,24 @@ def _describe(placement: scheduler.Placement) -> Dict[str, Any]:
         props = torch.cuda.get_device_properties(torch.device(placement.device))
         row["physical GPU"] = f"{placement.gpu} {props.name} {getattr(props, 'uuid', '')}".strip()
     return row
+
+
+def _build_step(spec: Optional[Dict[str, Any]], loss: Optional[Dict[str, Any]]):
+    """The recipe's step, given the recipe's loss when it takes one; without a step, the shipped one
+    that fits: the supervised step with a loss, the model's own loss without."""
+    if spec is None:
+        return steps.select(None, _build(loss, "loss") if loss is not None else None)
+    if loss is not None and "loss" not in spec:
+        target = locate(spec["_target_"])
+        try:
+            takes = "loss" in inspect.signature(target).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if not takes:
+            raise UserError(f"loss: unused: step {spec['_target_']} takes no loss argument; remove loss:, or give "
+                            f"the step the arguments it takes")
+        spec = {**spec, "loss": loss}
+    return _build(spec, "step")
 
 
 def _build(spec: Dict[str, Any], key: str, *args: Any) -> Any:

@@ -81,7 +81,7 @@ CASES = [
     ("empty-dataset", [Q, "data.train.n=0"], "data.train: the dataset is empty"),
     ("batch-too-large", [Q, "data.batch_size=100000"], "items are fewer than one optimizer step takes"),
     ("items-not-pairs", [Q, "data.train={_target_: tests.components.Singles}"],
-     "items must be (input, target) pairs"),
+     "the recipe's loss takes (input, target) pairs"),
     ("items-wrong-shape", [Q, "model.in_dim=16"], "data.train does not fit the model, loss or metrics"),
     ("more-classes-than-outputs", [Q, "data.train.classes=12"], "IndexError: Target 1"),
     ("another-model", [Q, "checkpoint.init_from={t}/other.pt"], "does not fit this model: '0.weight' is (64, 32)"),

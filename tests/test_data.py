@@ -3,7 +3,7 @@
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
-from launcher import data
+from launcher import collate, data
 from recipes.components.chars import CharText
 from recipes.components.synthetic import Blobs
 
@@ -74,6 +74,6 @@ def test_a_getitems_that_returns_a_list_is_collated():
 
 def test_collate_passes_a_whole_batch_through():
     batch = (torch.zeros(4, 2), torch.ones(4))
-    assert data.collate(batch) is batch
-    x, y = data.collate([(torch.zeros(2), 1), (torch.ones(2), 2)])
+    assert collate.default(batch) is batch
+    x, y = collate.default([(torch.zeros(2), 1), (torch.ones(2), 2)])
     assert x.shape == (2, 2) and y.tolist() == [1, 2]

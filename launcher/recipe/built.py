@@ -2,7 +2,7 @@
 
 A `_target_` can name any callable, so an object of the wrong kind (a list for the optimizer, a schedule
 that needs a metric) would otherwise fail with a traceback at the first step, far from its recipe key.
-What the first batch reveals (the loss's and metrics' outputs) is checked in `data.check_first_batch`.
+What the first batch reveals (the step's and metrics' outputs) is checked in `launcher.first_batch`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from launcher.errors import UserError
 SCHEDULES_HELP = ("the launcher calls step() once per optimizer step with no argument, as LambdaLR, StepLR, "
                   "CosineAnnealingLR, OneCycleLR, LinearLR and SequentialLR expect; ReduceLROnPlateau needs a "
                   "metric and is not supported")
+
+
+CALLED = {"loss": "loss(output, target) -> a scalar", "step": "step(model, batch) -> a loss",
+          "data.collate": "collate(items) -> a batch"}
 
 
 def check(key: str, target: str, built: Any) -> None:
@@ -35,10 +39,10 @@ def check(key: str, target: str, built: Any) -> None:
                         f"torch.optim.AdamW (the launcher passes the parameters)")
     elif key == "lr_schedule":
         _check_schedule(target, built, what)
-    elif (key == "loss" or key.startswith("metrics.")) and not callable(built):
-        called = "loss(output, target) -> a scalar" if key == "loss" else "metric(output, target) -> per-item values"
+    elif key in CALLED and not callable(built) or key.startswith("metrics.") and not callable(built):
+        called = CALLED.get(key, "metric(output, target) -> per-item values")
         raise UserError(f"{key}: {target} built {what}, which cannot be called as {called}")
-    elif key.startswith("data.") and not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
+    elif key in ("data.train", "data.val") and not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
         raise UserError(f"{key}: {target} built {what}, not a map-style Dataset (__getitem__ and __len__)")
 
 

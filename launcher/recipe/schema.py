@@ -33,9 +33,11 @@ class DataConfig:
     num_workers: int = 0
     shuffle: bool = True
     tokens_per_sample: Optional[int] = None  # turns samples/s into tokens/s in the logs
+    collate: Optional[Target] = None  # collate(list of items) -> batch, e.g. padding; null: torch's default_collate
 
     def problems(self) -> List[tuple[str, str]]:
         out = _target_problems("data.train", self.train) + _target_problems("data.val", self.val)
+        out += _target_problems("data.collate", self.collate)
         out += _at_least("data.batch_size", self.batch_size, 1)
         out += _at_least("data.num_workers", self.num_workers, 0)
         if self.num_workers > MAX_WORKERS:
@@ -135,7 +137,8 @@ class Recipe:
     precision: str = "fp32"
     nproc_per_node: Optional[int] = None  # strategy=ddp outside torchrun: workers to start (default: one per GPU)
     model: Target = MISSING
-    loss: Target = MISSING
+    loss: Optional[Target] = None  # loss(output, target); null: the model computes its own loss
+    step: Optional[Target] = None  # step(model, batch) -> loss | {loss, num_items, output, target}; null: the default
     optimizer: Target = MISSING  # the launcher passes the parameters
     lr_schedule: Optional[Target] = None  # the launcher passes the optimizer; stepped per optimizer step
     metrics: Dict[str, Target] = field(default_factory=dict)  # name -> callable(output, target) -> per-item values
@@ -161,7 +164,7 @@ class Recipe:
             out.append(("name", f"got {short(self.name)}; use up to 255 letters, digits, '.', '_' or '-' (it names "
                                 f"the run folder)"))
         out += _at_least("nproc_per_node", self.nproc_per_node, 1)
-        for key in ("model", "loss", "optimizer", "lr_schedule"):
+        for key in ("model", "loss", "step", "optimizer", "lr_schedule"):
             out += _target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += _target_problems(f"metrics.{metric}", spec)

@@ -1,0 +1,67 @@
+"""Collating items into a batch: torch's default, the recipe's `data.collate`, and padding.
+
+A dataset with `__getitems__` may hand out a whole batch at once: anything but a list is already a
+batch and passes through untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Mapping, Optional
+
+import torch
+from torch.utils.data import default_collate
+
+
+def default(data: Any) -> Any:
+    """A list of items stacked into a batch (torch's default_collate, and field by field for dataclass
+    items); a batch fetched whole is already one."""
+    if not isinstance(data, list):
+        return data
+    first = data[0] if data else None
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(first, **{f.name: default([getattr(item, f.name) for item in data])
+                                             for f in dataclasses.fields(first) if f.init})
+    return default_collate(data)
+
+
+class Collate:
+    """The recipe's `data.collate`, called on lists of items only."""
+
+    def __init__(self, fn: Callable[[list], Any]):
+        self.fn = fn
+
+    def __call__(self, data: Any) -> Any:
+        return self.fn(data) if isinstance(data, list) else data
+
+
+class Pad:
+    """Mapping items whose tensors differ in length along their first dimension, padded at the end to
+    the longest in the batch and stacked: `values` gives the padding per key (say `labels: -100`, so
+    that padding is not a target), `value` the rest (`attention_mask` gets 0, which marks padding).
+    Other fields (strings, ids) are collated as torch's default_collate does."""
+
+    def __init__(self, values: Optional[Dict[str, Any]] = None, value: Any = 0, multiple_of: int = 1):
+        self.values = dict(values or {})
+        self.value = value
+        self.multiple_of = multiple_of
+
+    def __call__(self, items: list) -> Dict[str, Any]:
+        if not items or not isinstance(items[0], Mapping):
+            raise TypeError(f"Pad collates mapping items (dicts of tensors), got {type(items[0]).__name__ if items else 'no items'}")
+        batch = {}
+        for key in items[0]:
+            column = [item[key] for item in items]
+            if isinstance(column[0], torch.Tensor) and column[0].dim() >= 1:
+                batch[key] = self._padded(column, self.values.get(key, self.value))
+            else:
+                batch[key] = default_collate(column)
+        return batch
+
+    def _padded(self, column: list, value: Any) -> torch.Tensor:
+        longest = max(t.shape[0] for t in column)
+        longest = -(-longest // self.multiple_of) * self.multiple_of
+        out = column[0].new_full((len(column), longest, *column[0].shape[1:]), value)
+        for row, t in zip(out, column):
+            row[:t.shape[0]] = t
+        return out

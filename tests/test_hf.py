@@ -1,0 +1,123 @@
+"""A real HuggingFace model (GPT-2 built from a small config) trained from recipes/hf_causal_lm.yaml, with
+no adapter code: variable-length token batches padded by the collate, the model's own loss, and
+token-weighted accumulation: one process, accumulation, DDP and Accelerate give the same weights."""
+
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, launch, state_dict
+from tests.test_strategies import ACCELERATE, free_port, run
+
+transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+
+RECIPE = REPO / "recipes" / "hf_causal_lm.yaml"
+# Six steps of 16 passages of 16 to 96 tokens, 8 of them an unscored prompt: micro-batches differ in
+# how many tokens they score. AdamW's eps is 1e-5, not 1e-8: GPT-2's attention key bias has a gradient
+# that is zero but for rounding, and eps 1e-8 divides that noise by its own size (1e-10 differences
+# became 1e-6 ones in 34 of its 384 values; SGD, or eps 1e-5, leaves none).
+SHORT = ["trainer.max_steps=6", "trainer.log_every=3", "trainer.eval_every=null", "checkpoint.every=null",
+         "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null", "optimizer.eps=1e-5"]
+
+
+def train_here(run_dir, *overrides, val=False):
+    from launcher.recipe import load
+    from launcher.train import train
+
+    short = [o for o in SHORT if o != "data.val=null" or not val]
+    return train(load(RECIPE, [*short, f"run_dir={run_dir}", *overrides]))
+
+
+def assert_close_weights(a, b, exact=False):
+    sa, sb = state_dict(a), state_dict(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        if exact:
+            assert torch.equal(sa[key], sb[key]), key
+        else:
+            torch.testing.assert_close(sb[key], sa[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf_single")
+    train_here(folder, "data.batch_size=16")
+    return folder / "model.pt"
+
+
+def test_accumulation_weighs_every_token_alike(reference, tmp_path):
+    train_here(tmp_path / "accum", "data.batch_size=4", "trainer.grad_accum_steps=4")
+    assert_close_weights(reference, tmp_path / "accum" / "model.pt")
+
+
+def test_a_mean_of_micro_batch_means_would_differ(reference, tmp_path, monkeypatch):
+    # What HF Trainer did until late 2024: each micro-batch's mean counts alike. So the test above can fail.
+    from launcher.step import ModelLoss
+
+    counted = ModelLoss.__call__
+
+    def uncounted(self, model, batch):  # the model's own mean, and no count
+        out = counted(self, model, batch)
+        out.pop("num_items", None)
+        return out
+
+    monkeypatch.setattr(ModelLoss, "__call__", uncounted)
+    train_here(tmp_path, "data.batch_size=4", "trainer.grad_accum_steps=4")
+    with pytest.raises(AssertionError):
+        assert_close_weights(reference, tmp_path / "model.pt")
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_with_accumulation(reference, tmp_path):
+    run([sys.executable, "-m", "launcher", str(RECIPE), *SHORT, f"run_dir={tmp_path}", "strategy=ddp",
+         "nproc_per_node=2", "data.batch_size=8", "trainer.grad_accum_steps=2"], timeout=300)
+    assert_close_weights(reference, tmp_path / "model.pt")
+
+
+@pytest.mark.slow
+def test_accelerate_two_processes(reference, tmp_path):
+    run([*ACCELERATE, "--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
+         "--dynamo_backend=no", f"--main_process_port={free_port()}", "-m", "launcher", str(RECIPE), *SHORT,
+         f"run_dir={tmp_path}", "data.batch_size=16"], timeout=300)
+    assert_close_weights(reference, tmp_path / "model.pt")
+
+
+def test_model_pt_loads_strictly_into_gpt2(reference):
+    config = transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(config)
+    model.load_state_dict(state_dict(reference), strict=True)
+
+
+def test_resume_is_exact(reference, tmp_path):
+    train_here(tmp_path, "data.batch_size=16", "trainer.max_steps=3", "checkpoint.every=3")
+    train_here(tmp_path, "data.batch_size=16")  # resume=auto continues from step 3
+    assert_close_weights(reference, tmp_path / "model.pt", exact=True)
+
+
+def test_the_loss_falls_and_metrics_read_the_model_output(tmp_path):
+    results = train_here(tmp_path, "trainer.max_steps=30", "trainer.log_every=10", "data.val.n=64", val=True)
+    assert results["val/loss"] < 4.0 < 5.5  # log(256) = 5.55 at the start: a uniform guess over bytes
+    assert 0.05 < results["val/accuracy"] <= 1 and 0.05 < results["train/accuracy"] <= 1
+
+
+def test_a_string_field_stays_out_of_the_model(tmp_path):
+    done = launch(str(RECIPE), *SHORT, f"run_dir={tmp_path}", "trainer.max_steps=2", "data.train.with_id=true",
+                  timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step: model(**batch) leaves out id (not arguments of GPT2LMHeadModel.forward)" in done.stdout
+
+
+def test_a_metric_that_cannot_read_a_model_output_is_one_line(tmp_path):
+    done = launch(str(RECIPE), *SHORT, f"run_dir={tmp_path}", "metrics.top1._target_=tests.components_step.top1",
+                  "metrics.top1._partial_=true", timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launcher: metrics.top1: cannot read the step's output "
+                                                   "(a CausalLMOutputWithCrossAttentions)"), done.stderr
+
+
+def test_a_loss_on_dict_batches_says_what_to_change(tmp_path):
+    done = launch(str(RECIPE), *SHORT, f"run_dir={tmp_path}", "loss._target_=torch.nn.CrossEntropyLoss", timeout=300)
+    assert done.returncode == 2
+    assert "the recipe's loss takes (input, target) pairs, and a batch is a dict; without loss:" in done.stderr
