@@ -3,6 +3,7 @@
 A `_target_` can name any callable, so an object of the wrong kind (a list for the optimizer, a schedule
 that needs a metric) would otherwise fail with a traceback at the first step, far from its recipe key.
 What the first batch reveals (the loss's and metrics' outputs) is checked in `data.check_first_batch`.
+A `_partial_: true` component is a functools.partial, callable like the function it wraps.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import torch
 
 from launcher.errors import UserError
 
+# What the launcher calls each of these built components as.
+CALLED = {"loss": "loss(output, target) -> a scalar",
+          "step": "step(model, batch) -> a loss, or a mapping with loss",
+          "data.collate": "collate(items) -> a batch"}
 SCHEDULES_HELP = ("the launcher calls step() once per optimizer step with no argument, as LambdaLR, StepLR, "
                   "CosineAnnealingLR, OneCycleLR, LinearLR and SequentialLR expect; ReduceLROnPlateau needs a "
                   "metric and is not supported")
@@ -35,10 +40,16 @@ def check(key: str, target: str, built: Any) -> None:
                         f"torch.optim.AdamW (the launcher passes the parameters)")
     elif key == "lr_schedule":
         _check_schedule(target, built, what)
-    elif (key == "loss" or key.startswith("metrics.")) and not callable(built):
-        called = "loss(output, target) -> a scalar" if key == "loss" else "metric(output, target) -> per-item values"
-        raise UserError(f"{key}: {target} built {what}, which cannot be called as {called}")
-    elif key.startswith("data.") and not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
+    elif key in CALLED or key.startswith("metrics."):
+        if not callable(built):
+            called = CALLED.get(key, "metric(output, target) -> per-item values")
+            raise UserError(f"{key}: {target} built {what}, which cannot be called as {called}")
+    elif key.startswith("data."):
+        _check_dataset(key, target, built, what)
+
+
+def _check_dataset(key: str, target: str, built: Any, what: str) -> None:
+    if not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
         raise UserError(f"{key}: {target} built {what}, not a map-style Dataset (__getitem__ and __len__)")
 
 
