@@ -49,6 +49,10 @@ def check(key: str, target: str, built: Any) -> None:
 
 
 def _check_dataset(key: str, target: str, built: Any, what: str) -> None:
+    # An IterableDataset may define __len__ too, and then looks map-style; the sampler would index it.
+    if isinstance(built, torch.utils.data.IterableDataset):
+        raise UserError(f"{key}: {target} built {what}, an IterableDataset (a stream); the launcher reads "
+                        f"map-style datasets (__getitem__ and __len__) until streaming is supported")
     if not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
         raise UserError(f"{key}: {target} built {what}, not a map-style Dataset (__getitem__ and __len__)")
 
