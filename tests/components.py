@@ -156,3 +156,25 @@ class Exits(MLP):
         if self.training and self.when == "forward":
             sys.exit(0)
         return super().forward(x)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """A stream of (input, target) pairs: no length, no indexing."""
+
+    def __init__(self, n: int = 256):
+        self.n = n
+
+    def __iter__(self):
+        return ((torch.zeros(32), 0) for _ in range(self.n))
+
+
+class SizedStream(Stream):
+    """A stream that also says its length: it looks map-style (Dataset's __getitem__ and a __len__)."""
+
+    def __len__(self):
+        return self.n
+
+
+def mean_error(output, target, scale: float = 1.0):
+    """A plain function as a metric (`_partial_: true`): per-item misclassification, times `scale`."""
+    return (output.argmax(-1) != target).float() * scale

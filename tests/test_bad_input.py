@@ -171,6 +171,22 @@ CASES = [
      "in forward raised SystemExit(0) during training; a component must not exit the process"),
     ("more-processes-than-cores", [Q, "strategy=ddp", "nproc_per_node=4096", "devices=cpu"],
      "nproc_per_node: 4096 processes on the CPU, but this process may use"),
+    # Streams: an IterableDataset with a __len__ looks map-style but cannot be indexed
+    ("iterable-dataset-with-len", [Q, "data.train={_target_: tests.components.SizedStream}"],
+     "data.train: tests.components.SizedStream built a SizedStream, an IterableDataset (a stream); the launcher "
+     "reads map-style datasets (__getitem__ and __len__) until streaming is supported"),
+    ("iterable-val", [Q, "data.val={_target_: tests.components.Stream}"],
+     "data.val: tests.components.Stream built a Stream, an IterableDataset (a stream)"),
+    # _partial_, and overrides onto sections that are null
+    ("partial-not-a-bool", [Q, "loss._partial_=yes please"], "loss._partial_: must be true or false, got 'yes please'"),
+    ("partial-misspelt-argument", [Q, "loss={_target_: torch.nn.functional.cross_entropy, _partial_: true, "
+                                      "label_smothing: 0.1}"],
+     "loss._target_: 'torch.nn.functional.cross_entropy' got an unexpected keyword argument 'label_smothing'"),
+    ("function-without-partial", [Q, "loss._target_=torch.nn.functional.cross_entropy"],
+     "missing a required argument: 'input'; its signature is (input"),
+    ("override-onto-null-without-target", [Q, "lr_schedule.step_size=10"],
+     "override 'lr_schedule.step_size=10': lr_schedule: needs a _target_ naming an importable callable"),
+    ("override-into-a-number", [Q, "seed.x=1"], "seed.x: seed is an integer, not a mapping; set it whole, as seed=..."),
 ]
 
 

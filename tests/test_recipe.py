@@ -274,3 +274,134 @@ def test_the_edges_of_the_ranges_load(tmp_path):
 def test_odd_overrides_are_one_short_line(tmp_path, override, says):
     lines = problems(write(tmp_path, GOOD), override)
     assert len(lines) == 1 and says in lines[0] and len(lines[0]) < 500, lines
+
+
+def test_partial_builds_a_functools_partial():
+    import functools
+
+    from tests.components import mean_error
+
+    built = instantiate({"_target_": "tests.components.mean_error", "_partial_": True, "scale": 2.0})
+    assert isinstance(built, functools.partial) and built.func is mean_error
+    assert built.args == () and built.keywords == {"scale": 2.0}  # _partial_ is not an argument
+    assert instantiate({"_target_": "builtins.dict", "_partial_": True, "a": 1})(b=2) == {"a": 1, "b": 2}
+    with_args = instantiate({"_target_": "builtins.dict", "_partial_": True}, [("x", 0)])  # the launcher's positionals
+    assert with_args.args == ([("x", 0)],) and with_args() == {"x": 0}
+    nested = instantiate({"_target_": "builtins.dict", "_partial_": True,
+                          "inner": {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 3}})
+    assert nested.keywords["inner"].weight.shape == (3, 2)  # nested specs are built first
+    assert instantiate({"_target_": "builtins.dict", "_partial_": False, "a": 1}) == {"a": 1}
+
+
+PARTIALS = """\
+loss: {_target_: torch.nn.functional.cross_entropy, _partial_: true, label_smoothing: 0.1}
+step: {_target_: tests.components.mean_error, _partial_: true}
+metrics:
+  error: {_target_: tests.components.mean_error, _partial_: true, scale: 2.0}
+data:
+  train: {_target_: recipes.components.synthetic.Blobs, n: 256}
+  collate: {_target_: torch.utils.data.default_collate, _partial_: true}
+"""
+
+
+def test_partial_functions_with_required_parameters_load(tmp_path):
+    """A function's required parameters (output, target, batch...) are the launcher's to pass at call time."""
+    text = GOOD.replace("loss: {_target_: torch.nn.CrossEntropyLoss}\n", "").replace(
+        "data:\n  train: {_target_: recipes.components.synthetic.Blobs, n: 256}\n", PARTIALS)
+    recipe = load(write(tmp_path, text)).recipe
+    assert recipe.loss["_partial_"] is True and recipe.step["_target_"] == "tests.components.mean_error"
+    assert recipe.data.collate == {"_target_": "torch.utils.data.default_collate", "_partial_": True}
+    assert instantiate(recipe.metrics["error"]).keywords == {"scale": 2.0}
+
+
+def test_partial_arguments_are_still_checked(tmp_path):
+    path = write(tmp_path, GOOD.replace("data:\n", "metrics:\n  error: {_target_: tests.components.mean_error, "
+                                                  "_partial_: true, scael: 2}\ndata:\n"))
+    lines = problems(path, "loss={_target_: torch.nn.functional.cross_entropy, _partial_: true, weigth: 1}")
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("override 'loss={_target_: torch.nn.functional.cross_entropy, _partial_: true, "
+                               "weigth: 1}': loss._target_: 'torch.nn.functional.cross_entropy' got an unexpected "
+                               "keyword argument 'weigth'; its signature is (input"), lines
+    assert lines[1] == (f"{path}:5: metrics.error._target_: 'tests.components.mean_error' got an unexpected keyword "
+                        f"argument 'scael'; its signature is (output, target, scale: float = 1.0)")
+
+
+@pytest.mark.parametrize("override, says", [
+    ("loss._partial_=maybe", "loss._partial_: must be true or false, got 'maybe'"),
+    ("loss._partial_=1", "loss._partial_: must be true or false, got 1"),
+    ("model.act={_partial_: true}", "model.act._partial_: only means something beside a _target_"),
+    ("model.act={_target_: torch.nn.GELU, _partial_: 'no'}", "model.act._partial_: must be true or false, got 'no'"),
+], ids=["word", "number", "no-target", "nested"])
+def test_partial_is_true_or_false(tmp_path, override, says):
+    lines = problems(write(tmp_path, GOOD), override)
+    assert len(lines) == 1 and lines[0].startswith(f"override '{override}': {says}"), lines
+
+
+def test_a_function_without_partial_is_told_to_add_it(tmp_path):
+    lines = problems(write(tmp_path, GOOD), "loss._target_=torch.nn.functional.cross_entropy",
+                     "data.collate._target_=torch.utils.data.default_collate", "model._target_=torch.nn.Linear")
+    assert len(lines) == 3, lines
+    assert "missing a required argument: 'in_features'" in lines[0] and "_partial_" not in lines[0]  # it is built
+    lines = lines[1:]
+    assert lines[0].startswith("override 'loss._target_=torch.nn.functional.cross_entropy': loss._target_: "
+                               "'torch.nn.functional.cross_entropy' missing a required argument: 'input'")
+    assert lines[0].endswith("; add _partial_: true to have the launcher call it with them")
+    assert lines[1].startswith("override 'data.collate._target_=torch.utils.data.default_collate': data.collate.")
+    assert lines[1].endswith("; add _partial_: true to have the launcher call it with them")
+
+
+NULLS = {"loss": "loss: null", "lr_schedule": "lr_schedule: null", "data.val": "  val: null", "step": "step: null"}
+
+
+@pytest.mark.parametrize("key, override, built", [
+    ("loss", "loss._target_=torch.nn.CrossEntropyLoss", {"_target_": "torch.nn.CrossEntropyLoss"}),
+    ("lr_schedule", "lr_schedule={_target_: torch.optim.lr_scheduler.StepLR, step_size: 10}",
+     {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 10}),
+    ("data.val", "data.val._target_=recipes.components.synthetic.Blobs",
+     {"_target_": "recipes.components.synthetic.Blobs", "n": 64}),
+    ("step", "step._target_=tests.components.mean_error", {"_target_": "tests.components.mean_error",
+                                                           "_partial_": True}),
+], ids=list(NULLS))
+def test_an_override_onto_a_null_section_creates_it(tmp_path, key, override, built):
+    """As Hydra's `+loss._target_=...` would: the mapping is created, key by key."""
+    text = GOOD.replace("loss: {_target_: torch.nn.CrossEntropyLoss}", "loss: null").replace(
+        "trainer:", "  val: null\ntrainer:") + "lr_schedule: null\nstep: null\n"
+    rest = {"data.val": ["data.val.n=64"], "step": ["step._partial_=true"]}.get(key, [])
+    recipe = load(write(tmp_path, text), [override, *rest]).recipe
+    assert eval(f"recipe.{key}") == built
+    assert load(write(tmp_path, text)).recipe.loss is None  # null stays null without an override
+
+
+def test_an_override_onto_a_null_or_missing_section_says_what_it_lacks(tmp_path):
+    path = write(tmp_path, GOOD.replace("model: {_target_: recipes.components.mlp.MLP}\n", "")
+                 + "lr_schedule: null\n")
+    assert load(path, ["model._target_=torch.nn.Linear", "model.in_features=2", "model.out_features=3"]
+                ).recipe.model == {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 3}
+    assert problems(path, "model.hidden=3", "lr_schedule.step_size=10") == [
+        "override 'model.hidden=3': model: needs a _target_ naming an importable callable, "
+        "e.g. {_target_: torch.nn.CrossEntropyLoss}",
+        "override 'lr_schedule.step_size=10': lr_schedule: needs a _target_ naming an importable callable, "
+        "e.g. {_target_: torch.nn.CrossEntropyLoss}",
+    ]
+    path = write(tmp_path, GOOD)
+    assert problems(path, "seed.x=1", "nproc_per_node.x=2") == [  # not mappings: nothing is created
+        "override 'seed.x=1': seed.x: seed is an integer, not a mapping; set it whole, as seed=...",
+        "override 'nproc_per_node.x=2': nproc_per_node.x: nproc_per_node is an integer or null, not a mapping; "
+        "set it whole, as nproc_per_node=...",
+    ]
+
+
+def test_an_override_onto_a_null_loss_from_the_command_line(tmp_path):
+    path = tmp_path / "quickstart.yaml"
+    path.write_text(QUICKSTART.read_text().replace("loss: {_target_: torch.nn.CrossEntropyLoss}", "loss: null"))
+    done = launch(str(path), "loss._target_=torch.nn.CrossEntropyLoss", "loss.label_smoothing=0.1", "--print-config")
+    assert done.returncode == 0, done.stderr
+    assert "loss:\n  _target_: torch.nn.CrossEntropyLoss\n  label_smoothing: 0.1\n" in done.stdout
+
+
+def test_partial_loss_and_metric_train(tmp_path):
+    from tests.conftest import train
+
+    results = train(tmp_path, "loss={_target_: torch.nn.functional.cross_entropy, _partial_: true}",
+                    "metrics.error={_target_: tests.components.mean_error, _partial_: true, scale: 100.0}")
+    assert results["val/error"] < 50 and results["val/accuracy"] > 0.5, results

@@ -3,6 +3,7 @@
 A `_target_` can name any callable, so an object of the wrong kind (a list for the optimizer, a schedule
 that needs a metric) would otherwise fail with a traceback at the first step, far from its recipe key.
 What the first batch reveals (the step's and metrics' outputs) is checked in `launcher.first_batch`.
+A `_partial_: true` component is a functools.partial, callable like the function it wraps.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import torch
 
 from launcher.errors import UserError
 
+# What the launcher calls each of these built components as.
+CALLED = {"loss": "loss(output, target) -> a scalar",
+          "step": "step(model, batch) -> a loss, or a mapping with loss",
+          "data.collate": "collate(items) -> a batch"}
 SCHEDULES_HELP = ("the launcher calls step() once per optimizer step with no argument, as LambdaLR, StepLR, "
                   "CosineAnnealingLR, OneCycleLR, LinearLR and SequentialLR expect; ReduceLROnPlateau needs a "
                   "metric and is not supported")
-
-
-CALLED = {"loss": "loss(output, target) -> a scalar", "step": "step(model, batch) -> a loss",
-          "data.collate": "collate(items) -> a batch"}
 
 
 def check(key: str, target: str, built: Any) -> None:
@@ -39,10 +40,20 @@ def check(key: str, target: str, built: Any) -> None:
                         f"torch.optim.AdamW (the launcher passes the parameters)")
     elif key == "lr_schedule":
         _check_schedule(target, built, what)
-    elif key in CALLED and not callable(built) or key.startswith("metrics.") and not callable(built):
-        called = CALLED.get(key, "metric(output, target) -> per-item values")
-        raise UserError(f"{key}: {target} built {what}, which cannot be called as {called}")
-    elif key in ("data.train", "data.val") and not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
+    elif key in CALLED or key.startswith("metrics."):
+        if not callable(built):
+            called = CALLED.get(key, "metric(output, target) -> per-item values")
+            raise UserError(f"{key}: {target} built {what}, which cannot be called as {called}")
+    elif key.startswith("data."):
+        _check_dataset(key, target, built, what)
+
+
+def _check_dataset(key: str, target: str, built: Any, what: str) -> None:
+    # An IterableDataset may define __len__ too, and then looks map-style; the sampler would index it.
+    if isinstance(built, torch.utils.data.IterableDataset):
+        raise UserError(f"{key}: {target} built {what}, an IterableDataset (a stream); the launcher reads "
+                        f"map-style datasets (__getitem__ and __len__) until streaming is supported")
+    if not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
         raise UserError(f"{key}: {target} built {what}, not a map-style Dataset (__getitem__ and __len__)")
 
 

@@ -1,10 +1,15 @@
-"""`_target_` instantiation in Hydra's convention: a dotted path to a callable, the other keys its keyword arguments."""
+"""`_target_` instantiation in Hydra's convention: a dotted path to a callable, the other keys its keyword
+arguments. With `_partial_: true` the target is not called: it becomes `functools.partial(target, *args,
+**kwargs)`, for a function (a loss, metric, step or collate) that the launcher calls later with the rest."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import Any, Callable
+
+META = ("_target_", "_partial_")  # keys that say how to build, never passed to the target
 
 
 class TargetError(Exception):
@@ -41,27 +46,49 @@ def locate(path: str) -> Callable[..., Any]:
     return obj
 
 
+class MissingArguments(TargetError):
+    """The target would accept its arguments, but needs more than the recipe and the launcher give it."""
+
+
+def is_partial(spec: dict) -> bool:
+    """`spec`'s `_partial_` flag. Raises TargetError unless it is true, false or absent."""
+    flag = spec.get("_partial_", False)
+    if not isinstance(flag, bool):
+        raise TargetError(f"_partial_ must be true or false, got {flag!r}")
+    return flag
+
+
 def check_arguments(spec: dict, n_positional: int = 0) -> None:
-    """Raise TargetError if the target would not accept `spec`'s keyword arguments (plus n positional ones)."""
+    """Raise TargetError if the target would not accept `spec`'s keyword arguments (plus n positional ones).
+    A partial spec may leave required parameters to its caller: only what it gives is checked."""
     fn = locate(spec["_target_"])
+    partial = is_partial(spec)
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have no signature: they are checked when called
         return
-    kwargs = {k: v for k, v in spec.items() if k != "_target_"}
+    args, kwargs = [None] * n_positional, {k: v for k, v in spec.items() if k not in META}
     try:
-        signature.bind(*([None] * n_positional), **kwargs)
+        signature.bind_partial(*args, **kwargs) if partial else signature.bind(*args, **kwargs)
     except TypeError as e:
-        raise TargetError(f"'{spec['_target_']}' {e}; its signature is {signature}") from None
+        try:
+            signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            raise TargetError(f"'{spec['_target_']}' {e}; its signature is {signature}") from None
+        raise MissingArguments(f"'{spec['_target_']}' {e}; its signature is {signature}") from None
 
 
 def instantiate(spec: Any, *args: Any) -> Any:
-    """Build `spec`: nested mappings with a `_target_` are built first, then the target is called."""
+    """Build `spec`: nested mappings with a `_target_` are built first, then the target is called with
+    `args` and its keyword arguments, or with `_partial_: true` bound to them in a functools.partial."""
     if isinstance(spec, dict):
-        built = {k: instantiate(v) for k, v in spec.items() if k != "_target_"}
+        built = {k: instantiate(v) for k, v in spec.items() if k not in META}
         if "_target_" not in spec:
             return built
-        return locate(spec["_target_"])(*args, **built)
+        target = locate(spec["_target_"])
+        if is_partial(spec):
+            return functools.partial(target, *args, **built)
+        return target(*args, **built)
     if isinstance(spec, list):
         return [instantiate(v) for v in spec]
     return spec

@@ -23,11 +23,12 @@ from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryV
 
 from launcher.errors import UserError, first_line, short
 from launcher.recipe import yamlfile
-from launcher.recipe.instantiate import TargetError, check_arguments
-from launcher.recipe.schema import Recipe
+from launcher.recipe.instantiate import MissingArguments, TargetError, check_arguments
+from launcher.recipe.schema import TARGETS, Recipe
 
 # How many positional arguments the launcher passes to each target it builds.
 _POSITIONAL = {"optimizer": 1, "lr_schedule": 1}
+_CALLED = ("loss", "step", "data.collate")  # with metrics.*: what they build, the launcher calls on batches
 
 
 @dataclass
@@ -60,7 +61,11 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
         _apply_at(cfg, *parsed, lambda _k, shown=shown: f"override '{shown}'", origin, problems)
 
     def where(key: str) -> str:
-        # The most specific key that was set by the user names the place to look.
+        # The most specific key that was set by the user names the place to look: the key, the first
+        # of its own keys that was set (a mapping an override created), or the closest section.
+        inside = [k for k in origin if k.startswith(key + ".")]
+        if key not in origin and inside:
+            return origin[inside[0]]
         probe = key
         while probe:
             if probe in origin:
@@ -152,12 +157,34 @@ def _apply_at(cfg: DictConfig, dotted: str, value: Any, where, origin, problems,
                 continue
         break
     try:
+        if full != dotted and _is_mapping(kind) and _open(cfg, full):
+            origin[full] = where(dotted)  # the mapping is this override's now
         OmegaConf.update(cfg, dotted, value, merge=False)
     except OmegaConfBaseException:
+        if full != dotted and not _is_mapping(kind) and kind is not Any:
+            problems.append(f"{where(dotted)}: {dotted}: {full} is {_describe(kind)}, not a mapping; set it "
+                            f"whole, as {full}=...")
+            return
         shown = _describe(kind) if full == dotted else "a value its component accepts"
         problems.append(f"{where(dotted)}: {dotted}: expected {shown}, got {short(value)}")
         return
     origin[dotted] = where(dotted)
+
+
+def _open(cfg: DictConfig, key: str) -> bool:
+    """Make the component mapping `key` an empty one when it is null or missing, so that `key.arg=value`
+    creates it (as Hydra's `+key.arg=value` does) instead of failing inside OmegaConf. True if it did."""
+    parent_key, _, last = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg  # a schema section: never null
+    if OmegaConf.is_missing(parent, last) or (not OmegaConf.is_interpolation(parent, last) and parent[last] is None):
+        OmegaConf.update(cfg, key, {}, merge=False)
+        return True
+    return False
+
+
+def _is_mapping(kind: Any) -> bool:
+    """Whether a schema field's type is a mapping (Dict[...] or Optional[Dict[...]])."""
+    return any(typing.get_origin(k) is dict for k in (kind, *typing.get_args(kind)))
 
 
 def _describe(kind: Any) -> str:
@@ -200,18 +227,27 @@ def _resolve_all(cfg: Any, prefix: str, where, reported: set) -> List[str]:
 
 
 def _check_targets(recipe: Recipe, where) -> List[str]:
-    """Every `_target_` imports, is callable, and accepts its keyword arguments."""
-    specs = [(k, getattr(recipe, k)) for k in ("model", "loss", "optimizer", "lr_schedule")]
-    specs += [("data.train", recipe.data.train), ("data.val", recipe.data.val)]
+    """Every `_target_` imports, is callable, and accepts its keyword arguments (a `_partial_` one: those
+    it is given, the launcher passing the rest when it calls it)."""
+    specs = [(k, getattr(recipe, k)) for k in TARGETS]
+    specs += [("data.train", recipe.data.train), ("data.val", recipe.data.val), ("data.collate", recipe.data.collate)]
     specs += [(f"metrics.{name}", spec) for name, spec in recipe.metrics.items()]
     problems = []
     for key, spec in specs:
         for sub_key, sub in _targets_in(spec, key):
             try:
                 check_arguments(sub, _POSITIONAL.get(sub_key, 0))
+            except MissingArguments as e:
+                # A plain function named where the launcher calls a callable: it wants the call's arguments.
+                hint = "; add _partial_: true to have the launcher call it with them" if _called(sub_key) else ""
+                problems.append(f"{where(sub_key + '._target_')}: {sub_key}._target_: {e}{hint}")
             except TargetError as e:
                 problems.append(f"{where(sub_key + '._target_')}: {sub_key}._target_: {e}")
     return problems
+
+
+def _called(key: str) -> bool:
+    return key in _CALLED or (key.startswith("metrics.") and key.count(".") == 1)
 
 
 def _targets_in(spec: Any, key: str):

@@ -22,7 +22,8 @@ INT64 = (-2**63, 2**63 - 1)  # torch takes integers (seeds, sizes, counts) in 64
 MAX_WORKERS = 256  # loader processes per rank: more is a typo, and would fork until the system refuses
 DEVICES_HELP = "auto, cpu, cuda, cuda:N, auto:N (N free GPUs) or a list of physical GPU ids such as [0, 3]"
 
-Target = Dict[str, Any]  # {_target_: dotted.path, **kwargs}
+Target = Dict[str, Any]  # {_target_: dotted.path, _partial_: false, **kwargs}
+TARGETS = ("model", "loss", "step", "optimizer", "lr_schedule")  # the Recipe's top-level components
 
 
 @dataclass
@@ -164,7 +165,7 @@ class Recipe:
             out.append(("name", f"got {short(self.name)}; use up to 255 letters, digits, '.', '_' or '-' (it names "
                                 f"the run folder)"))
         out += _at_least("nproc_per_node", self.nproc_per_node, 1)
-        for key in ("model", "loss", "step", "optimizer", "lr_schedule"):
+        for key in TARGETS:
             out += _target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += _target_problems(f"metrics.{metric}", spec)
@@ -206,4 +207,24 @@ def _target_problems(key: str, spec: Optional[Target]) -> List[tuple[str, str]]:
         return []
     if not isinstance(spec, dict) or not isinstance(spec.get("_target_"), str):
         return [(key, "needs a _target_ naming an importable callable, e.g. {_target_: torch.nn.CrossEntropyLoss}")]
-    return []
+    return _partial_problems(key, spec)
+
+
+def _partial_problems(key: str, spec: Any) -> List[tuple[str, str]]:
+    """`_partial_`, here or in a nested spec, is true or false, beside a `_target_`."""
+    out = []
+    if isinstance(spec, dict):
+        if "_partial_" in spec:
+            flag = spec["_partial_"]
+            if not isinstance(flag, bool):
+                out.append((f"{key}._partial_", f"must be true or false, got {short(flag)}"))
+            elif "_target_" not in spec:
+                out.append((f"{key}._partial_", "only means something beside a _target_ (it makes the target "
+                                                "a functools.partial instead of calling it)"))
+        for k, v in spec.items():
+            if k not in ("_target_", "_partial_"):
+                out += _partial_problems(f"{key}.{k}", v)
+    elif isinstance(spec, list):
+        for i, v in enumerate(spec):
+            out += _partial_problems(f"{key}.{i}", v)
+    return out
