@@ -49,7 +49,7 @@ def run(loaded: Loaded, overrides: list) -> int:
 
 def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     placement, notes, _ = placed or _place(loaded)
-    strategy = strategies.create(loaded.recipe.strategy, placement)
+    strategy = strategies.create(loaded.recipe.strategy, placement, loaded.recipe.ddp)
     strategy.setup()
     folder = RunFolder(Path(loaded.recipe.run_dir))
     try:
@@ -176,6 +176,11 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
                 if said:
                     console.info(said)
             raise
+        except RuntimeError as e:  # a wrapper's own error that a recipe key fixes (DDP's unused parameters)
+            explained = strategy.explain(e)
+            if explained is None:
+                raise
+            raise UserError(explained) from None
         finally:
             parts.stop.restore()
     logger.close()

@@ -243,6 +243,10 @@ INT64 = 2**63
     ("trainer.clip_grad_norm=inf", "trainer.clip_grad_norm: must be a positive number or null, got inf"),
     ("trainer.clip_grad_norm=-.inf", "trainer.clip_grad_norm: must be a positive number or null, got -inf"),
     ("logging.peak_tflops=.inf", "logging.peak_tflops: must be a positive number of TFLOP/s or null, got inf"),
+    ("ddp.bucket_cap_mb=0", "ddp.bucket_cap_mb: must be a positive number of MiB below 2^43 or null, got 0.0"),
+    ("ddp.bucket_cap_mb=-.inf", "ddp.bucket_cap_mb: must be a positive number of MiB below 2^43 or null, got -inf"),
+    ("ddp.bucket_cap_mb=.nan", "ddp.bucket_cap_mb: must be a positive number of MiB below 2^43 or null, got nan"),
+    (f"ddp.bucket_cap_mb={2**43}", "ddp.bucket_cap_mb: must be a positive number of MiB below 2^43"),  # its bytes: 2^63
     ("name=" + "a" * 256, "name: got 'aaaaaaaaa"),
     ("name=.", "name: got '.'"),
     ("slurm.setup=5", "slurm.setup: expected a list such as [a, b], got 5"),
@@ -254,7 +258,8 @@ def test_values_out_of_the_range_of_what_consumes_them(tmp_path, override, says)
 
 def test_the_edges_of_the_ranges_load(tmp_path):
     for override in (f"seed={INT64 - 1}", f"seed={-INT64}", f"trainer.max_steps={INT64 - 1}", "data.num_workers=256",
-                     "trainer.clip_grad_norm=1e308", "name=" + "a" * 255):
+                     "trainer.clip_grad_norm=1e308", "name=" + "a" * 255, "ddp.bucket_cap_mb=1e-3",
+                     f"ddp.bucket_cap_mb={2**43 - 1}"):
         load(write(tmp_path, GOOD), [override])
 
 

@@ -48,6 +48,23 @@ class DataConfig:
 
 
 @dataclass
+class DDPConfig:
+    """DistributedDataParallel's options, for strategy ddp and accelerate's DDP; one process ignores them."""
+
+    find_unused_parameters: bool = False  # parameters that get no gradient in some step (an unused head)
+    static_graph: bool = False  # the same parameters are used in every step: DDP can skip its per-step search
+    gradient_as_bucket_view: bool = False  # gradients are views into the all-reduce buckets: less memory
+    bucket_cap_mb: Optional[float] = None  # null: torch's default (25 MiB)
+    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (SyncBatchNorm, CUDA only)
+
+    def problems(self) -> List[tuple[str, str]]:
+        cap = self.bucket_cap_mb
+        if cap is not None and not (_positive(cap) and cap < 2**43):  # DDP takes the cap in bytes, in 64 bits
+            return [("ddp.bucket_cap_mb", f"must be a positive number of MiB below 2^43 or null, got {cap}")]
+        return []
+
+
+@dataclass
 class TrainerConfig:
     max_steps: Optional[int] = None
     max_epochs: Optional[int] = None
@@ -144,6 +161,7 @@ class Recipe:
     lr_schedule: Optional[Target] = None  # the launcher passes the optimizer; stepped per optimizer step
     metrics: Dict[str, Target] = field(default_factory=dict)  # name -> callable(output, target) -> per-item values
     data: DataConfig = field(default_factory=DataConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -151,8 +169,8 @@ class Recipe:
 
     def problems(self) -> List[tuple[str, str]]:
         """Every value-level problem as (key, message); empty when the recipe is valid."""
-        sections = {"": self, "data.": self.data, "trainer.": self.trainer, "checkpoint.": self.checkpoint,
-                    "logging.": self.logging, "slurm.": self.slurm}
+        sections = {"": self, "data.": self.data, "ddp.": self.ddp, "trainer.": self.trainer,
+                    "checkpoint.": self.checkpoint, "logging.": self.logging, "slurm.": self.slurm}
         huge = [p for prefix, section in sections.items() for p in _int64_problems(prefix, section)]
         out = []
         if self.strategy not in STRATEGIES:
@@ -169,7 +187,7 @@ class Recipe:
             out += _target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += _target_problems(f"metrics.{metric}", spec)
-        for section in (self.data, self.trainer, self.checkpoint, self.logging, self.slurm):
+        for section in (self.data, self.ddp, self.trainer, self.checkpoint, self.logging, self.slurm):
             out += section.problems()
         # A value past 64 bits is reported once, not again by the range checks of its own key.
         return huge + [p for p in out if p[0] not in {key for key, _ in huge}]

@@ -4,22 +4,24 @@ Nothing outside this folder asks which strategy runs."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from launcher.errors import UserError
+from launcher.recipe.schema import DDPConfig
 from launcher.scheduler import Placement
 from launcher.strategies.base import Strategy, unwrap
 from launcher.strategies.ddp import DDP
 from launcher.strategies.dp import DP
 from launcher.strategies.single import Single
 
-def _accelerate(placement: Placement) -> Strategy:
+def _accelerate(placement: Placement, ddp: Optional[DDPConfig] = None) -> Strategy:
     from launcher.strategies.accelerate import Accelerate  # imports accelerate only when chosen
 
-    return Accelerate(placement)
+    return Accelerate(placement, ddp)
 
 
-REGISTRY: Dict[str, Callable[[Placement], Strategy]] = {"single": Single, "dp": DP, "ddp": DDP, "accelerate": _accelerate}
+REGISTRY: Dict[str, Callable[[Placement, Optional[DDPConfig]], Strategy]] = {
+    "single": Single, "dp": DP, "ddp": DDP, "accelerate": _accelerate}
 ONE_PROCESS = ("single", "dp")
 
 
@@ -37,12 +39,13 @@ def must_spawn(name: str, placement: Placement) -> bool:
     return name == "ddp" and placement.launched_by == "plain"
 
 
-def create(name: str, placement: Placement) -> Strategy:
+def create(name: str, placement: Placement, ddp: Optional[DDPConfig] = None) -> Strategy:
+    """The strategy for this placement, holding the recipe's `ddp` section (its options for DDP)."""
     name = resolve(name, placement)
     if name in ONE_PROCESS and placement.world_size > 1:
         raise UserError(f"strategy: {name} runs one process, but this is one of WORLD_SIZE={placement.world_size} "
                         f"started by {placement.launched_by}; use strategy=ddp (or auto)")
-    return REGISTRY[name](placement)
+    return REGISTRY[name](placement, ddp)
 
 
 __all__ = ["Strategy", "create", "unwrap"]

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, ContextManager, List, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from launcher.errors import UserError, first_line
 from launcher.strategies.base import Strategy, host_max
+from launcher.strategies.ddp import (options, refuse_static_graph_with_accumulation, refuse_sync_batchnorm_off_cuda,
+                                     unused_parameters, with_sync_batchnorm)
 
 PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 ACCUMULATION = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
@@ -26,10 +28,13 @@ ACCUMULATION = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 
 class Accelerate(Strategy):
     name = "accelerate"
+    module: Optional[nn.Module] = None  # the model prepared, once wrapped: explain() names its parameters
 
     def setup(self) -> None:
+        refuse_sync_batchnorm_off_cuda(self.ddp, self.device)
         try:
             from accelerate import Accelerator
+            from accelerate.utils import DistributedDataParallelKwargs
         except ImportError:
             raise UserError("strategy: accelerate needs the accelerate package: "
                             "pip install 'launcher[accelerate]' (or pip install accelerate)") from None
@@ -38,8 +43,11 @@ class Accelerate(Strategy):
             raise UserError(f"environment variable {ACCUMULATION}={steps!r} is not a positive integer "
                             f"(accelerate launch --gradient_accumulation_steps N sets it)")
         try:
+            # Accelerate's DDP takes the recipe's ddp section; it passes on only what differs from its
+            # defaults, which are torch's (its bucket_cap_mb, 25, is torch's too).
             self.accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=1,
-                                           cpu=self.device.type == "cpu")
+                                           cpu=self.device.type == "cpu",
+                                           kwargs_handlers=[DistributedDataParallelKwargs(**options(self.ddp))])
         except ValueError as e:
             # Accelerate parses its ACCELERATE_* variables here (flags, choices), without naming the one it refuses.
             named = sorted(f"{k}={v!r}" for k, v in os.environ.items() if k.startswith("ACCELERATE_"))
@@ -66,10 +74,15 @@ class Accelerate(Strategy):
             notes.append(f"accelerate sets gradient_accumulation_steps {steps}: it wins over the recipe's "
                          f"trainer.grad_accum_steps {grad_accum}")
             grad_accum = int(steps)
+        refuse_static_graph_with_accumulation(self.ddp, grad_accum)
         return precision, grad_accum, notes
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return self.accelerator.prepare_model(model)
+        self.module = with_sync_batchnorm(model, self.ddp)
+        return self.accelerator.prepare_model(self.module)
+
+    def explain(self, error: BaseException) -> Optional[str]:
+        return unused_parameters(error, self.module, self.ddp)
 
     def no_sync(self, model: nn.Module, skip: bool) -> ContextManager:
         return self.accelerator.no_sync(model) if skip else contextlib.nullcontext()

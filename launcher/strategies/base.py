@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from launcher.errors import UserError
+from launcher.recipe.schema import DDPConfig
 from launcher.scheduler import Placement
 
 T = TypeVar("T")
@@ -32,9 +33,10 @@ class Strategy:
 
     name = "base"
 
-    def __init__(self, placement: Placement):
+    def __init__(self, placement: Placement, ddp: Optional[DDPConfig] = None):
         self.placement = placement
         self.device = torch.device(placement.device)
+        self.ddp = ddp or DDPConfig()  # the recipe's ddp section: the strategies that wrap in DDP read it
 
     def setup(self) -> None:
         """Start whatever the strategy needs (a process group); called before anything is built."""
@@ -75,6 +77,11 @@ class Strategy:
 
     def barrier(self) -> None:
         pass
+
+    def explain(self, error: BaseException) -> Optional[str]:
+        """One line for the user when `error`, raised while training, is a mistake of the recipe that this
+        strategy knows the fix for (a key to set); None for anything else, which keeps its traceback."""
+        return None
 
     def agree(self, fn: Callable[[], T]) -> T:
         """This rank's `fn()`, once every rank has run its own; if any rank met a UserError, every rank

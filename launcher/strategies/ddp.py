@@ -1,5 +1,6 @@
 """DistributedDataParallel: one process per device, started by torchrun (or by the launcher through
-torch.distributed.run). nccl on CUDA, gloo on the CPU."""
+torch.distributed.run). nccl on CUDA, gloo on the CPU. The recipe's `ddp` section holds DDP's options;
+the accelerate strategy hands them to its own DDP through the helpers at the end of this file."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import contextlib
 import datetime
 import gc
 import os
-from typing import Any, Callable, ContextManager, List
+import re
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from launcher.errors import UserError
+from launcher.recipe.schema import DDPConfig
 from launcher.strategies.base import Strategy, host_max
 
 # A rank that waits longer than this for the others has lost them: fail instead of hanging.
@@ -22,6 +25,7 @@ TIMEOUT = datetime.timedelta(minutes=10)
 
 class DDP(Strategy):
     name = "ddp"
+    module: Optional[nn.Module] = None  # the model DDP wraps, once wrapped: explain() names its parameters
 
     def setup(self) -> None:
         if self.placement.launched_by == "plain":
@@ -30,6 +34,7 @@ class DDP(Strategy):
         if self.placement.launched_by == "slurm" and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
             raise UserError("strategy: ddp in Slurm tasks started by srun needs MASTER_ADDR and MASTER_PORT "
                             "(the first node and a free port); the slurm/ templates set them, or use torchrun")
+        refuse_sync_batchnorm_off_cuda(self.ddp, self.device)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
@@ -50,9 +55,17 @@ class DDP(Strategy):
         # Host-side agreements (stop on a signal) go through gloo, so they never synchronise a GPU.
         self.host_group = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
 
+    def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
+        refuse_static_graph_with_accumulation(self.ddp, grad_accum)
+        return precision, grad_accum, []
+
     def wrap(self, model: nn.Module) -> nn.Module:
+        self.module = with_sync_batchnorm(model, self.ddp)
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return nn.parallel.DistributedDataParallel(self.module, device_ids=ids, **options(self.ddp))
+
+    def explain(self, error: BaseException) -> Optional[str]:
+        return unused_parameters(error, self.module, self.ddp)
 
     def no_sync(self, model: nn.Module, skip: bool) -> ContextManager:
         return model.no_sync() if skip else contextlib.nullcontext()
@@ -84,3 +97,67 @@ class DDP(Strategy):
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def options(ddp: DDPConfig) -> Dict[str, Any]:
+    """The recipe's ddp section as DistributedDataParallel's keyword arguments."""
+    out = {"find_unused_parameters": ddp.find_unused_parameters, "static_graph": ddp.static_graph,
+           "gradient_as_bucket_view": ddp.gradient_as_bucket_view}
+    if ddp.bucket_cap_mb is not None:  # else torch's default
+        out["bucket_cap_mb"] = ddp.bucket_cap_mb
+    return out
+
+
+def refuse_sync_batchnorm_off_cuda(ddp: DDPConfig, device: torch.device) -> None:
+    """Before the process group starts: SyncBatchNorm raises a ValueError at the first forward on the CPU."""
+    if ddp.sync_batchnorm and device.type != "cuda":
+        raise UserError(f"ddp.sync_batchnorm: needs CUDA devices (SyncBatchNorm has no CPU kernel); this run is on "
+                        f"{device.type}: set ddp.sync_batchnorm=false to train here")
+
+
+def refuse_static_graph_with_accumulation(ddp: DDPConfig, grad_accum: int) -> None:
+    """torch 2.13's DDP with a static graph fails at the first backward run under no_sync, which every
+    accumulation micro-step but the last is (an INTERNAL ASSERT: pytorch/pytorch#143580; the fix under
+    review, #187732, found gradients left unreduced behind it too). Lift this when torch is fixed:
+    tests/test_ddp_options.py watches for it."""
+    if ddp.static_graph and grad_accum > 1:
+        raise UserError(f"ddp.static_graph: torch's DDP fails with a static graph when gradients accumulate "
+                        f"(trainer.grad_accum_steps={grad_accum} skips their sync; pytorch/pytorch#143580); set "
+                        f"ddp.static_graph=false or trainer.grad_accum_steps=1")
+
+
+def with_sync_batchnorm(model: nn.Module, ddp: DDPConfig) -> nn.Module:
+    """The model, its BatchNorm layers made SyncBatchNorm when the recipe asks. They keep their parameters and
+    buffers (the same tensors) and their state_dict keys, so checkpoints load into the plain model."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if ddp.sync_batchnorm else model
+
+
+def unused_parameters(error: BaseException, module: Optional[nn.Module], ddp: DDPConfig) -> Optional[str]:
+    """DDP's error for parameters that received no gradient (some 10 lines, naming parameter indices) as one
+    line naming them and the recipe key that lets DDP skip them; None for any other error."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or ddp.find_unused_parameters or "find_unused_parameters" not in text:
+        return None
+    names = _unused_names(text, module)
+    which = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    which = which or "some of the model's parameters"
+    return (f"ddp.find_unused_parameters: {which} received no gradient in a step, "
+            f"and DDP waits for every parameter's; set ddp.find_unused_parameters=true (or make every parameter "
+            f"reach the loss, or freeze the unused ones with requires_grad=False)")
+
+
+def _unused_names(text: str, module: Optional[nn.Module]) -> List[str]:
+    """The names of the parameters DDP's message gives by index."""
+    found = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)", text)
+    if found is None or module is None:
+        return []
+    # DDP's indices count the parameters that require grad, module by module, each once (its
+    # _build_params_for_reducer)
+    names, seen = [], set()
+    for prefix, sub in module.named_modules():
+        for name, p in sub.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                names.append(f"{prefix}.{name}" if prefix else name)
+    indices = [int(i) for i in found.group(1).split()]
+    return [names[i] for i in indices if i < len(names)]
