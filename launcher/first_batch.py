@@ -41,9 +41,15 @@ def check(dataset, size: int, collate: Callable, model, step, metrics: Dict[str,
     try:
         with autocast():  # with gradients (and no backward): the loss must depend on the parameters
             returned = step(model, batch)
+    except TypeError as e:
+        if key != "model":
+            raise _not_fitting(e, key) from None
+        call = "model(**batch)" if isinstance(batch, Mapping) else "model(*batch)" if isinstance(batch, (tuple, list)) else "model(batch)"
+        raise UserError(f"loss: required: without loss: the model gets the batch as {call} and must return its loss, "
+                        f"but that gives TypeError: {first_line(e)}; add loss: {{_target_: ...}} (called as "
+                        f"loss(model(input), target) on (input, target) batches), or a step:") from None
     except CAUGHT as e:
-        raise UserError(f"data.train does not fit the model, {'loss' if key == 'loss' else 'step'} or metrics: the "
-                        f"first batch gives {type(e).__name__}: {first_line(e)}") from None
+        raise _not_fitting(e, key) from None
     finally:
         model.train(was_training)
     out = _result(returned, step, key)
@@ -57,6 +63,11 @@ def check(dataset, size: int, collate: Callable, model, step, metrics: Dict[str,
     left_out = getattr(step, "left_out", [])
     return [f"step: model(**batch) leaves out {', '.join(left_out)} (not arguments of "
             f"{type(model).__name__}.forward)"] if left_out else []
+
+
+def _not_fitting(e: Exception, key: str) -> UserError:
+    return UserError(f"data.train does not fit the model, {'loss' if key == 'loss' else 'step'} or metrics: the "
+                     f"first batch gives {type(e).__name__}: {first_line(e)}")
 
 
 def _result(returned: Any, step, key: str):
@@ -76,8 +87,8 @@ def _check_metrics(metrics: Dict[str, Callable], out, n: int, autocast) -> None:
     with torch.no_grad(), autocast():
         for name, fn in metrics.items():
             if out.output is None:
-                raise UserError(f"metrics.{name}: the step returns only a loss; a step used with metrics returns a "
-                                f"mapping with loss, output and target")
+                raise UserError(f"metrics.{name}: the step gives no output for the metrics; a step used with metrics "
+                                f"returns a mapping with loss, output and target (metric(output, target))")
             try:
                 values = fn(_detached(out.output), out.target)
             except CAUGHT_METRIC as e:
