@@ -122,3 +122,17 @@ def test_a_loss_on_dict_batches_says_what_to_change(tmp_path):
     done = launch(str(RECIPE), *SHORT, f"run_dir={tmp_path}", "loss._target_=torch.nn.CrossEntropyLoss", timeout=300)
     assert done.returncode == 2
     assert "the recipe's loss takes (input, target) pairs, and a batch is a dict; without loss:" in done.stderr
+
+
+def test_the_readmes_own_step_trains_the_hf_recipe(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    code = readme.split("```python\n# my/steps.py\n", 1)[1].split("```", 1)[0]
+    recipe = readme.split("```yaml\nstep: {_target_: my.steps.masked_lm", 1)[1].split("```", 1)[0]
+    (tmp_path / "my").mkdir()
+    (tmp_path / "my" / "steps.py").write_text(code)
+    assert "loss: {_target_: torch.nn.CrossEntropyLoss}" in recipe
+    done = launch(str(RECIPE), *SHORT, f"run_dir={tmp_path / 'run'}", "step._target_=my.steps.masked_lm",
+                  "step._partial_=true", "loss._target_=torch.nn.CrossEntropyLoss", "metrics={}", timeout=300,
+                  env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done: step 6" in done.stdout
