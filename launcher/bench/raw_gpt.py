@@ -29,7 +29,7 @@ import argparse
 import torch
 
 from launcher.bench.workload import StepClock
-from launcher.data import collate
+from launcher.collate import default as collate
 from recipes.components.chars import CharText
 from recipes.components.gpt import GPT, SequenceCrossEntropy
 
