@@ -16,7 +16,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 from launcher import checkpoint
 from launcher.errors import UserError

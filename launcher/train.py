@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -10,17 +9,13 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from launcher import checkpoint, data, first_batch, loggers, scheduler, seeding, spawn, strategies, throughput
-from launcher import step as steps
+from launcher import build, checkpoint, data, first_batch, loggers, scheduler, seeding, spawn, strategies, throughput
 from launcher.checkpoint import Checkpointer
-from launcher.collate import Collate
 from launcher.errors import UserError, first_line
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
 from launcher.precision import Precision
-from launcher.recipe import Loaded, instantiate
-from launcher.recipe.instantiate import locate
-from launcher.recipe.built import check as check_built
+from launcher.recipe import Loaded
 from launcher.recipe.flat import differences, hparams
 from launcher.run_dir import RunFolder
 from launcher.stopping import StopFlag, Stopped, requeue
@@ -87,7 +82,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main)
 
     seeding.seed_everything(recipe.seed)
-    model = _build(recipe.model, "model").to(device)
+    model = build.component(recipe.model, "model").to(device)
     state = old_recipe = None
     if resume is not None:  # its CRC-32s were checked when rank 0 chose it
         checkpoint.load_model_state(model, resume / "model.pt", map_location=device, verified=True)
@@ -98,17 +93,12 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
         where = checkpoint.load_model_state(model, Path(init_from), map_location=device)
         console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
     wrapped = strategy.wrap(model)
-    optimizer = _build(recipe.optimizer, "optimizer", [q for q in model.parameters() if q.requires_grad])
-    schedule = _build(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
+    optimizer = build.component(recipe.optimizer, "optimizer", [q for q in model.parameters() if q.requires_grad])
+    schedule = build.component(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
     precision = Precision(recipe.precision, device)
-    metrics = {name: _build(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
+    metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
     cfg = recipe.data
-    collate = Collate(_build(cfg.collate, "data.collate")) if cfg.collate else None
-    train_data = data.TrainData(_build(cfg.train, "data.train"), cfg.batch_size, recipe.trainer.grad_accum_steps,
-                                placement.world_size, placement.rank, cfg.shuffle, recipe.seed, cfg.num_workers, device,
-                                collate)
-    val = data.val_batches(_build(cfg.val, "data.val") if cfg.val else None, cfg.batch_size,
-                           placement.world_size, placement.rank, cfg.num_workers, device, recipe.seed, collate)
+    train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, placement, recipe.seed, device)
 
     position = data.Position()
     if state is not None:
@@ -146,7 +136,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     meter = TrainMeter(metrics, device, rates)
     logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
-    step = _build_step(recipe.step, recipe.loss)
+    step = build.step(recipe.step, recipe.loss)
     for note in first_batch.check(train_data.loader.dataset, cfg.batch_size // placement.world_size,
                                   train_data.collate, model, step, metrics, precision.autocast, device):
         console.info(note)
@@ -255,43 +245,3 @@ def _describe(placement: scheduler.Placement) -> Dict[str, Any]:
         props = torch.cuda.get_device_properties(torch.device(placement.device))
         row["physical GPU"] = f"{placement.gpu} {props.name} {getattr(props, 'uuid', '')}".strip()
     return row
-
-
-def _build_step(spec: Optional[Dict[str, Any]], loss: Optional[Dict[str, Any]]):
-    """The recipe's step, given the recipe's loss when it takes one; without a step, the shipped one
-    that fits: the supervised step with a loss, the model's own loss without."""
-    if spec is None:
-        return steps.select(None, _build(loss, "loss") if loss is not None else None)
-    if loss is not None and "loss" not in spec:
-        target = locate(spec["_target_"])
-        try:
-            takes = "loss" in inspect.signature(target).parameters
-        except (TypeError, ValueError):
-            takes = False
-        if not takes:
-            raise UserError(f"loss: unused: step {spec['_target_']} takes no loss argument; remove loss:, or give "
-                            f"the step the arguments it takes")
-        spec = {**spec, "loss": loss}
-    return _build(spec, "step")
-
-
-def _build(spec: Dict[str, Any], key: str, *args: Any) -> Any:
-    """Build a recipe component and check it is what its section needs. A constructor that rejects the
-    recipe's arguments (a negative size, a value out of its range) is the recipe's mistake: one line naming
-    the key, not a traceback."""
-    try:
-        built = instantiate(spec, *args)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise UserError(f"{key}: {spec['_target_']} failed with the recipe's arguments: "
-                        f"{type(e).__name__}: {first_line(e)}") from None
-    except SystemExit as e:  # sys.exit() in a constructor would end the run with its code and no model
-        raise UserError(f"{key}: {spec['_target_']} raised SystemExit({e.code!r}) while being built; a component "
-                        f"must not exit the process (raise an exception instead)") from None
-    except Exception as e:
-        # Anything else (KeyError, AttributeError, an assert, an import inside it) is taken for a bug in
-        # the component: its traceback is what its author needs, with the recipe key it was built for.
-        if hasattr(e, "add_note"):  # Python 3.11+
-            e.add_note(f"launcher: raised while building {key} ({spec['_target_']}) from the recipe")
-        raise
-    check_built(key, spec["_target_"], built)
-    return built

@@ -1,12 +1,10 @@
 """Checkpoints: DESIGN's run folder, unwrapped keys, atomic writes, retention, tolerant and safe loading."""
 
 import json
-import os
 import pickle
 import shutil
 import subprocess
 import sys
-import time
 import zlib
 
 import pytest

@@ -1,0 +1,69 @@
+"""Building the run's parts from their recipe sections: each component by `_target_`, checked as soon as
+it is built; the step; the data."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, Optional
+
+import torch
+
+from launcher import data
+from launcher import step as steps
+from launcher.collate import Collate
+from launcher.errors import UserError, first_line
+from launcher.recipe import instantiate
+from launcher.recipe.built import check as check_built
+from launcher.recipe.instantiate import locate
+from launcher.recipe.schema import DataConfig
+from launcher.scheduler import Placement
+
+
+def step(spec: Optional[Dict[str, Any]], loss: Optional[Dict[str, Any]]):
+    """The recipe's step, given the recipe's loss when it takes one; without a step, the shipped one
+    that fits: the supervised step with a loss, the model's own loss without."""
+    if spec is None:
+        return steps.select(None, component(loss, "loss") if loss is not None else None)
+    if loss is not None and "loss" not in spec:
+        target = locate(spec["_target_"])
+        try:
+            takes = "loss" in inspect.signature(target).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if not takes:
+            raise UserError(f"loss: unused: step {spec['_target_']} takes no loss argument; remove loss:, or give "
+                            f"the step the arguments it takes")
+        spec = {**spec, "loss": loss}
+    return component(spec, "step")
+
+
+def component(spec: Dict[str, Any], key: str, *args: Any) -> Any:
+    """Build a recipe component and check it is what its section needs. A constructor that rejects the
+    recipe's arguments (a negative size, a value out of its range) is the recipe's mistake: one line naming
+    the key, not a traceback."""
+    try:
+        built = instantiate(spec, *args)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise UserError(f"{key}: {spec['_target_']} failed with the recipe's arguments: "
+                        f"{type(e).__name__}: {first_line(e)}") from None
+    except SystemExit as e:  # sys.exit() in a constructor would end the run with its code and no model
+        raise UserError(f"{key}: {spec['_target_']} raised SystemExit({e.code!r}) while being built; a component "
+                        f"must not exit the process (raise an exception instead)") from None
+    except Exception as e:
+        # Anything else (KeyError, AttributeError, an assert, an import inside it) is taken for a bug in
+        # the component: its traceback is what its author needs, with the recipe key it was built for.
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(f"launcher: raised while building {key} ({spec['_target_']}) from the recipe")
+        raise
+    check_built(key, spec["_target_"], built)
+    return built
+
+
+def data_for(cfg: DataConfig, grad_accum: int, placement: Placement, seed: int, device: torch.device):
+    """The training stream of this rank, and its validation batches (or None)."""
+    collate = Collate(component(cfg.collate, "data.collate")) if cfg.collate else None
+    train = data.TrainData(component(cfg.train, "data.train"), cfg.batch_size, grad_accum, placement.world_size,
+                           placement.rank, cfg.shuffle, seed, cfg.num_workers, device, collate)
+    val = data.val_batches(component(cfg.val, "data.val") if cfg.val else None, cfg.batch_size,
+                           placement.world_size, placement.rank, cfg.num_workers, device, seed, collate)
+    return train, val
