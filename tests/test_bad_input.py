@@ -272,6 +272,7 @@ def test_no_space_or_permission_while_saving(tiny_disk, capsys):
                                  f"point run_dir=... at a writable folder"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, says", [
     (["trainer.max_step=5"], "trainer.max_step: unknown key"),
     (["data.batch_size=33"], "data.batch_size: 33 does not divide among 2 processes; use a multiple of 2"),
@@ -377,6 +378,7 @@ def test_a_full_disk_while_tensorboard_writes_under_ddp_stops_both_ranks(tiny_di
         assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_torchrun_s_own_report_carries_our_line(tmp_path):
     """Plain torchrun: its ChildFailedError report shows our line (from the worker's error file) where it
     would say "To enable traceback see ..."; torchrun itself still exits 1 with its own traceback."""

@@ -9,6 +9,8 @@ import pytest
 from tests.conftest import REPO, assert_same_weights
 from tests.test_strategies import RECIPE, TORCHRUN, run
 
+pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
+
 COMMON = [*RECIPE, "checkpoint.every=10"]
 
 

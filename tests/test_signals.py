@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import REPO, SMALL, assert_same_weights, launch
 
+pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
+
 SLOW = ["model={_target_: tests.components.Slow, seconds: 0.01}", "trainer.max_steps=300", "trainer.log_every=10",
         "checkpoint.every=null"]
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 def test_two_node_job_completes(slurm_cluster, tmp_path):  # noqa: F811

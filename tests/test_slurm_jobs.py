@@ -14,7 +14,7 @@ from tests.conftest import REPO, assert_same_weights
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
 from tests.test_strategies import RECIPE, assert_equivalent
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 def submit(cluster, run_dir: Path, *args: str) -> int:

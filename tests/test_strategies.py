@@ -9,6 +9,8 @@ import torch
 
 from tests.conftest import REPO, assert_same_weights, state_dict
 
+pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
+
 # No dropout, no batch statistics; 32 steps per epoch, so 40 steps cross an epoch boundary with shuffling.
 RECIPE = ["recipes/quickstart.yaml", "data.train.n=1024", "data.val.n=256", "data.batch_size=32",
           "trainer.max_steps=40", "trainer.log_every=10", "logging.tensorboard=false"]
