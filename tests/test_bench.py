@@ -1,6 +1,7 @@
 """The benchmark runs every configuration and prints its table (the figures themselves are for the
 README, not asserted: machines here are shared and noisy)."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from tests.conftest import REPO
 @pytest.mark.slow
 def test_benchmark_prints_every_row():
     done = subprocess.run([sys.executable, "-m", "launcher.bench", "--steps", "120", "--reps", "1",
-                           "--scaling-steps", "12"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           "--scaling-steps", "12", "--hf-steps", "60"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     for name in ("1 process", "DDP x2 (gloo)"):
@@ -21,11 +23,18 @@ def test_benchmark_prints_every_row():
         assert len(row) == 1 and "us" in row[0] and "MiB" in row[0], out
         ratio, per_item = map(float, re.search(r"us +(\d+\.\d+) \(\S+\) +(\d+\.\d+) ", row[0]).groups())
         assert 0.2 < ratio < 5 and 0.2 < per_item < 5, row  # sanity bounds on what was measured, not targets
+    if importlib.util.find_spec("transformers"):
+        row = [l for l in out.splitlines() if l.startswith("HF GPT-2 1 proc")]
+        assert len(row) == 1 and "MiB" in row[0], out
+        ratio = float(re.search(r"us +(\d+\.\d+) \(\S+\) +- ", row[0]).group(1))
+        assert 0.2 < ratio < 5, row  # a sanity bound on what was measured, not a target
+    else:
+        assert "HF row skipped: transformers is not installed" in out, out
     assert re.search(r"^ours / raw +\d\.\d{3}$", out, re.M), out
     for loop in ("raw", "ours"):
         efficiency = float(re.search(rf"^{loop} .* (\d\.\d{{3}})$", out, re.M).group(1))
         assert 0.1 < efficiency < 1.5
-    if "accelerate" in sys.modules or __import__("importlib").util.find_spec("accelerate"):
+    if importlib.util.find_spec("accelerate"):
         assert "peer accelerate:" in out
 
 

@@ -1,4 +1,5 @@
-"""python -m launcher.bench [--steps 2000] [--reps 5] [--no-ddp] [--no-peers] [--no-scaling]
+"""python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--no-ddp] [--no-peers] [--no-hf]
+                          [--no-scaling]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -13,6 +14,11 @@ first step, and peak RSS of rank 0. Accelerate and Lightning (launcher/bench/pee
 when installed. Then scaling: a compute-bound size of the workload from 1 to 2 DDP processes, as
 efficiency (samples/s with 2 / twice samples/s with 1), for both loops, both fetching item by item.
 
+The HF row: recipes/hf_causal_lm.yaml (a transformers GPT2LMHeadModel on padded variable-length
+passages, the model's own loss) through the launcher against the loop an HF user writes by hand
+(launcher/bench/raw_hf.py: the same model, batches and optimizer, read from the same recipe), one
+process, one thread; run when transformers is installed.
+
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 """
 
@@ -25,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,16 +82,29 @@ def median(runs: list, key: str) -> float:
     return statistics.median(run[key] for run in runs)
 
 
+HEADER = (f"{'':16} {'step raw':>9} {'ours':>7}  {'ratio (range)':<19} {'per-item':>8}  "
+          f"{'1st step raw':>12} {'ours':>5} {'+':>6}  {'RSS raw':>8} {'ours':>7} {'+':>6}")
+
+
+def row(name: str, res: dict, per_item: str) -> str:
+    """One line of the table: raw and ours side by side, and ours / raw."""
+    r, lo, hi = ratio(res, "ours")
+    step = {k: median(res[k], "median_step_us") for k in ("raw", "ours")}
+    first = {k: median(res[k], "first_step_s") for k in ("raw", "ours")}
+    rss = {k: median(res[k], "peak_rss_mib") for k in ("raw", "ours")}
+    return (f"{name:16} {step['raw']:7.0f}us {step['ours']:5.0f}us  {r:5.3f} ({lo:.3f}-{hi:.3f})  {per_item:>8}  "
+            f"{first['raw']:11.2f}s {first['ours']:4.2f}s {first['ours'] - first['raw']:+5.2f}s  "
+            f"{rss['raw']:5.0f}MiB {rss['ours']:4.0f}MiB {rss['ours'] - rss['raw']:+4.0f}MiB")
+
+
 def workload(args) -> list[str]:
     steps = str(args.steps)
-    recipe = ["recipes/bench.yaml", f"trainer.max_steps={steps}", "run_dir=/tmp/launcher-bench"]
+    recipe = ["recipes/bench.yaml", f"trainer.max_steps={steps}", f"run_dir={args.run_dir}/bench"]
     installed = {"accelerate": ("accelerate",), "lightning": ("lightning", "pytorch_lightning")}
     peers = [p for p, names in installed.items() if args.peers and any(importlib.util.find_spec(n) for n in names)]
     configs = [("1 process", [])] + ([("DDP x2 (gloo)", TORCHRUN)] if args.ddp else [])
     lines = [f"reference workload, {steps} steps, {args.reps} alternating repetitions "
-             f"(python -m launcher.bench --steps {steps} --reps {args.reps})",
-             f"{'':14} {'step raw':>9} {'ours':>7}  {'ratio (range)':<19} {'per-item':>8}  "
-             f"{'1st step raw':>12} {'ours':>5} {'+':>6}  {'RSS raw':>8} {'ours':>7} {'+':>6}"]
+             f"(python -m launcher.bench --steps {steps} --reps {args.reps})", HEADER]
     for name, launch in configs:
         sides = {"raw": ([*(launch or [PY]), "-m", "launcher.bench.raw", steps], {}),
                  "ours": ([*(launch or [PY]), "-m", "launcher.bench.child", *recipe], {}),
@@ -92,25 +112,39 @@ def workload(args) -> list[str]:
         for peer in peers:
             sides[peer] = ([*(launch or [PY]), "-m", f"launcher.bench.peer_{peer}", steps], {})
         res = alternate(sides, args.reps)
-        (r, lo, hi), per_item = ratio(res, "ours"), ratio(res, "per-item")[0]
-        first = {k: median(res[k], "first_step_s") for k in ("raw", "ours")}
-        rss = {k: median(res[k], "peak_rss_mib") for k in ("raw", "ours")}
-        lines.append(f"{name:14} {median(res['raw'], 'median_step_us'):7.0f}us {median(res['ours'], 'median_step_us'):5.0f}us"
-                     f"  {r:5.3f} ({lo:.3f}-{hi:.3f})  {per_item:8.3f}  {first['raw']:11.2f}s {first['ours']:4.2f}s "
-                     f"{first['ours'] - first['raw']:+5.2f}s  {rss['raw']:5.0f}MiB {rss['ours']:4.0f}MiB "
-                     f"{rss['ours'] - rss['raw']:+4.0f}MiB")
+        lines.append(row(name, res, f"{ratio(res, 'per-item')[0]:.3f}"))
         for peer in peers:
             if peer in res:
                 p, plo, phi = ratio(res, peer)
-                lines.append(f"{'':14} peer {peer}: {median(res[peer], 'median_step_us'):.0f}us per step, "
+                lines.append(f"{'':16} peer {peer}: {median(res[peer], 'median_step_us'):.0f}us per step, "
                              f"ratio to raw {p:.3f} ({plo:.3f}-{phi:.3f})")
     return lines
+
+
+def hf(args) -> list[str]:
+    """The HF model through the launcher against the loop an HF user writes by hand."""
+    if importlib.util.find_spec("transformers") is None:
+        return ["HF row skipped: transformers is not installed (pip install transformers, or --no-hf)"]
+    steps = str(args.hf_steps)
+    # A benchmark run: no evaluation, checkpoint, TensorBoard, progress bar or metric; the loss read
+    # every 100 steps, as the hand-written loop reads it.
+    recipe = ["recipes/hf_causal_lm.yaml", f"trainer.max_steps={steps}", "trainer.log_every=100",
+              "trainer.eval_every=null", "data.val=null", "metrics={}", "checkpoint.every=null",
+              "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false",
+              "devices=cpu", f"run_dir={args.run_dir}/hf"]
+    sides = {"raw": ([PY, "-m", "launcher.bench.raw_hf", steps], {}),
+             "ours": ([PY, "-m", "launcher.bench.child", *recipe], {})}
+    res = alternate(sides, args.reps)
+    return [f"HF model (recipes/hf_causal_lm.yaml: GPT2LMHeadModel on padded passages) against a hand-written "
+            f"HF loop (launcher/bench/raw_hf.py), {steps} steps, {args.reps} alternating repetitions "
+            f"(python -m launcher.bench --hf-steps {steps} --reps {args.reps})", HEADER,
+            row("HF GPT-2 1 proc", res, "-")]
 
 
 def scaling(args) -> list[str]:
     steps, batch, width = str(args.scaling_steps), str(SCALING["batch"]), str(SCALING["width"])
     recipe = ["recipes/bench.yaml", f"trainer.max_steps={steps}", f"data.batch_size={batch}",
-              f"model.width={width}", "run_dir=/tmp/launcher-bench"]
+              f"model.width={width}", f"run_dir={args.run_dir}/scaling"]
     sides = {"raw": ([PY, "-m", "launcher.bench.raw", steps, batch, width], {}),
              "raw x2": ([*TORCHRUN, "-m", "launcher.bench.raw", steps, batch, width], {}),
              "ours": ([PY, "-m", "launcher.bench.child", *recipe], {"BENCH_FETCH": "per-item"}),
@@ -122,10 +156,10 @@ def scaling(args) -> list[str]:
         eff[name] = statistics.median(one["median_step_us"] / (2 * two["median_step_us"]) for one, two in pairs)
     return [f"scaling, compute-bound (MLP width {width}, global batch {batch}, {steps} steps, {args.reps} repetitions): "
             f"DDP 1 -> 2 processes; both fetch item by item, so that they do the same work",
-            f"{'':14} {'1 process':>10} {'2 processes':>12} {'efficiency':>11}"] + [
-            f"{name:14} {median(res[name], 'median_step_us') / 1e3:8.1f}ms {median(res[name + ' x2'], 'median_step_us') / 1e3:10.1f}ms "
+            f"{'':16} {'1 process':>10} {'2 processes':>12} {'efficiency':>11}"] + [
+            f"{name:16} {median(res[name], 'median_step_us') / 1e3:8.1f}ms {median(res[name + ' x2'], 'median_step_us') / 1e3:10.1f}ms "
             f"{eff[name]:11.3f}" for name in ("raw", "ours")] + [
-            f"{'ours / raw':14} {'':23} {eff['ours'] / eff['raw']:11.3f}"]
+            f"{'ours / raw':16} {'':23} {eff['ours'] / eff['raw']:11.3f}"]
 
 
 def main() -> int:
@@ -133,13 +167,19 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--scaling-steps", type=int, default=100)
+    parser.add_argument("--hf-steps", type=int, default=200)
     parser.add_argument("--no-ddp", dest="ddp", action="store_false")
     parser.add_argument("--no-peers", dest="peers", action="store_false")
+    parser.add_argument("--no-hf", dest="hf", action="store_false")
     parser.add_argument("--no-scaling", dest="scaling", action="store_false")
     args = parser.parse_args()
-    print("\n".join(workload(args)), flush=True)
-    if args.scaling:
-        print("\n".join(scaling(args)))
+    # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
+    with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
+        print("\n".join(workload(args)), flush=True)
+        if args.hf:
+            print("\n".join(hf(args)), flush=True)
+        if args.scaling:
+            print("\n".join(scaling(args)))
     if aborted_at_exit:
         print(f"({len(aborted_at_exit)} runs aborted in gloo at exit, after printing their figures: "
               f"{'; '.join(aborted_at_exit)})")
