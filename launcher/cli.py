@@ -72,7 +72,9 @@ def _report(e: UserError) -> None:
     # Under a real torchrun every rank meets the same recipe problem; an agreed one every rank learnt of.
     rank0_says_it = not e.every_rank and (e.agreed or "TORCHELASTIC_RUN_ID" in os.environ)
     if rank != "0" and rank0_says_it:
-        _for_torchrun(["launcher: rank 0 reports the mistake"])
+        # Dated later than rank 0's: torchrun names the earliest error file as the root cause, and both
+        # are written within the same second or two (an equal or earlier date here won 2 full runs in 2).
+        _for_torchrun(["launcher: rank 0 reports the mistake"], later=60)
         # torchrun stops every rank as soon as one exits: give rank 0, busy with the same work,
         # the moment it needs to say it.
         time.sleep(3)
@@ -97,14 +99,14 @@ def _print(message: str, prefixed: bool) -> None:
     print(f"{prefix}launcher: {message}", file=sys.stderr, flush=True)
 
 
-def _for_torchrun(lines: List[str]) -> None:
+def _for_torchrun(lines: List[str], later: int = 0) -> None:
     """torchrun's failure report shows a worker's error file, else "To enable traceback see: ...": give it
     our lines, in the format of torch's own ErrorHandler, so the report names the mistake."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     text = "\n".join(lines)
-    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()) + later)}}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
