@@ -23,7 +23,7 @@ def step(spec: Optional[Dict[str, Any]], loss: Optional[Dict[str, Any]]):
     """The recipe's step, given the recipe's loss when it takes one; without a step, the shipped one
     that fits: the supervised step with a loss, the model's own loss without."""
     if spec is None:
-        return steps.select(None, component(loss, "loss") if loss is not None else None)
+        return steps.select(component(loss, "loss") if loss is not None else None)
     if loss is not None and "loss" not in spec:
         target = locate(spec["_target_"])
         try:

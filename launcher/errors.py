@@ -44,5 +44,11 @@ def short(value: object) -> str:
     return cut.repr(value)
 
 
+def a_kind(value: object) -> str:
+    """'a list', 'an int': the type of what was given, for a message."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 class TrainingDiverged(Exception):
     """The loss became NaN or infinite; the run stops without saving over good checkpoints."""

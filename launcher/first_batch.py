@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 
 from launcher.data import to_device
-from launcher.errors import UserError, first_line
+from launcher.errors import UserError, a_kind, first_line
 from launcher.step import ModelLoss, Supervised, items_in, result
 
 CAUGHT = (RuntimeError, ValueError, TypeError, IndexError)
@@ -126,7 +126,4 @@ def _is_count(value: Any) -> bool:
 def _described(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
-    if value is None:
-        return "None"
-    name = type(value).__name__
-    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+    return "None" if value is None else a_kind(value)

@@ -153,7 +153,7 @@ def evaluate(model, batches, step, metrics: Dict[str, MetricFn], autocast,
             sums[2 * i:2 * i + 2].add_(_sum_and_count([fn(out.output, out.target)], device))
     model.train(was_training)
     totals = all_reduce_sum(sums).tolist()  # host sync: once per evaluation, at its end
-    result_ = {"val/loss": totals[0] / totals[1] if totals[1] else float("nan")}
+    scores = {"val/loss": totals[0] / totals[1] if totals[1] else float("nan")}
     for i, name in enumerate(metrics, start=1):
-        result_[f"val/{name}"] = totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else float("nan")
-    return result_
+        scores[f"val/{name}"] = totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else float("nan")
+    return scores

@@ -141,10 +141,8 @@ def result(value: Any) -> Result:
     return Result(value, None, None, None)
 
 
-def select(step: Optional[Callable], loss: Optional[Callable]) -> Callable:
-    """The recipe's step; without one, the supervised step when there is a loss, else the model's own loss."""
-    if step is not None:
-        return step
+def select(loss: Optional[Callable]) -> Callable:
+    """The step for a recipe without one: the supervised step when there is a loss, else the model's own loss."""
     return Supervised(loss) if loss is not None else ModelLoss()
 
 

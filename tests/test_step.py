@@ -50,7 +50,7 @@ def test_a_step_that_counts_some_batches_only_is_one_line(tmp_path, monkeypatch)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         return {"loss": loss, "num_items": torch.tensor(len(y))} if len(calls) % 3 else {"loss": loss}
 
-    monkeypatch.setattr(step, "select", lambda s, loss: sometimes)
+    monkeypatch.setattr(step, "select", lambda loss: sometimes)
     from launcher.errors import UserError
 
     with pytest.raises(UserError, match="step: returns num_items for some batches and not for others"):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from launcher.errors import UserError
+from launcher.errors import UserError, a_kind
 
 # What the launcher calls each of these built components as.
 CALLED = {"loss": "loss(output, target) -> a scalar",
@@ -26,8 +26,7 @@ SCHEDULES_HELP = ("the launcher calls step() once per optimizer step with no arg
 
 def check(key: str, target: str, built: Any) -> None:
     """Raise UserError, naming `key`, when what `target` built is not what that section needs."""
-    name = type(built).__name__
-    what = f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+    what = a_kind(built)
     if key == "model":
         if not isinstance(built, torch.nn.Module):
             raise UserError(f"model: {target} built {what}, not a torch.nn.Module")
