@@ -59,7 +59,7 @@ def test_value_checks_name_the_key_and_the_valid_values(tmp_path):
     text = "\n".join(lines)
     assert len(lines) == 4, text
     assert "precision: got 'fp8'; valid: fp32, bf16, fp16" in text
-    assert "strategy: got 'magic'; valid: auto, single, dp, ddp, accelerate" in text
+    assert "strategy: got 'magic'; valid: auto, single, dp, ddp, fsdp, accelerate" in text
     assert "devices: got 'gpu7'" in text
     assert "trainer.max_steps: must be 1 or more, got 0" in text
     assert all(l.startswith("override '") for l in lines), text

@@ -16,7 +16,9 @@ from omegaconf import MISSING
 
 from launcher.errors import short
 
-STRATEGIES = ("auto", "single", "dp", "ddp", "accelerate")
+STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp", "accelerate")
+CONSOLIDATE = ("final", "every", "never")
+REDUCE_DTYPES = ("fp32", "bf16")
 PRECISIONS = ("fp32", "bf16", "fp16")
 INT64 = (-2**63, 2**63 - 1)  # torch takes integers (seeds, sizes, counts) in 64 bits; OmegaConf's are unbounded
 MAX_WORKERS = 256  # loader processes per rank: more is a typo, and would fork until the system refuses
@@ -65,6 +67,25 @@ class DDPConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """FSDP2's options (torch.distributed.fsdp.fully_shard), for strategy fsdp."""
+
+    units: Optional[List[str]] = None  # class names sharded on their own, e.g. [Block]; null: the model's own
+    # (_no_split_modules, as HF models name them), else the classes of the layers held in a ModuleList
+    reshard_after_forward: bool = True  # free the gathered parameters after forward (less memory, one more gather)
+    reduce_dtype: str = "fp32"  # gradients reduce-scattered in fp32 (default) or bf16; parameters follow precision
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only)
+
+    def problems(self) -> List[tuple[str, str]]:
+        out = []
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            out.append(("fsdp.reduce_dtype", f"got {short(self.reduce_dtype)}; valid: {', '.join(REDUCE_DTYPES)}"))
+        if self.units is not None and (not self.units or not all(isinstance(u, str) and u for u in self.units)):
+            out.append(("fsdp.units", f"must be a non-empty list of class names or null, got {short(self.units)}"))
+        return out
+
+
+@dataclass
 class TrainerConfig:
     max_steps: Optional[int] = None
     max_epochs: Optional[int] = None
@@ -73,6 +94,7 @@ class TrainerConfig:
     log_every: int = 50
     eval_every: Optional[int] = None
     compile: bool = False  # torch.compile the (wrapped) model; checkpoints keep the plain model's keys
+    activation_checkpointing: Optional[List[str]] = None  # class names whose activations are recomputed in backward
 
     def problems(self) -> List[tuple[str, str]]:
         out = []
@@ -95,9 +117,14 @@ class CheckpointConfig:
     resume: str = "auto"  # auto | never | <path of a checkpoint folder>
     init_from: Optional[str] = None  # a model state_dict file; wrapper prefixes accepted
     on_signal: bool = True  # SIGTERM, Ctrl-C, Slurm's SIGUSR1: save at the next step boundary, then stop
+    consolidate: str = "final"  # sharded runs: gather model.pt at the end (final), at every save (every), or never
+    async_save: bool = False  # sharded runs: write a checkpoint's shards while training goes on
 
     def problems(self) -> List[tuple[str, str]]:
-        return _at_least("checkpoint.every", self.every, 1) + _at_least("checkpoint.keep", self.keep, 1)
+        out = _at_least("checkpoint.every", self.every, 1) + _at_least("checkpoint.keep", self.keep, 1)
+        if self.consolidate not in CONSOLIDATE:
+            out.append(("checkpoint.consolidate", f"got {short(self.consolidate)}; valid: {', '.join(CONSOLIDATE)}"))
+        return out
 
 
 @dataclass
@@ -162,6 +189,7 @@ class Recipe:
     metrics: Dict[str, Target] = field(default_factory=dict)  # name -> callable(output, target) -> per-item values
     data: DataConfig = field(default_factory=DataConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -169,7 +197,7 @@ class Recipe:
 
     def problems(self) -> List[tuple[str, str]]:
         """Every value-level problem as (key, message); empty when the recipe is valid."""
-        sections = {"": self, "data.": self.data, "ddp.": self.ddp, "trainer.": self.trainer,
+        sections = {"": self, "data.": self.data, "ddp.": self.ddp, "fsdp.": self.fsdp, "trainer.": self.trainer,
                     "checkpoint.": self.checkpoint, "logging.": self.logging, "slurm.": self.slurm}
         huge = [p for prefix, section in sections.items() for p in _int64_problems(prefix, section)]
         out = []
@@ -187,7 +215,7 @@ class Recipe:
             out += _target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += _target_problems(f"metrics.{metric}", spec)
-        for section in (self.data, self.ddp, self.trainer, self.checkpoint, self.logging, self.slurm):
+        for section in (self.data, self.ddp, self.fsdp, self.trainer, self.checkpoint, self.logging, self.slurm):
             out += section.problems()
         # A value past 64 bits is reported once, not again by the range checks of its own key.
         return huge + [p for p in out if p[0] not in {key for key, _ in huge}]
