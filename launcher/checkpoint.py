@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import io
 import json
 import os
 import pickle
@@ -27,14 +28,16 @@ import warnings
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 import torch
 import yaml
+from torch.distributed.checkpoint import CheckpointException
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from launcher.errors import UserError, first_line
 
+T = TypeVar("T")
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel / DDP, torch.compile
 _STEP = re.compile(r"step_(\d+)")
 
@@ -49,23 +52,48 @@ class Checkpointer:
         self.writer = writer
 
     def save(self, step: int, model_state: Dict[str, torch.Tensor], state: Dict[str, Any]) -> Optional[Path]:
+        """A full-state checkpoint (model.pt and state.pt), written by rank 0 alone."""
         if not self.writer:
             return None
-        partial = self.folder / f".step_{step}.partial"
+        partial = self.partial(step)
+
+        def write() -> Path:
+            self.prepare(partial)
+            files = {"model.pt": self.write_model(partial / "model.pt", model_state),
+                     "state.pt": _write(partial / "state.pt", lambda f: torch.save(state, f))}
+            return self.seal(step, partial, files)
+
+        return self.guarded(partial, write)
+
+    def partial(self, step: int) -> Path:
+        """Where the checkpoint of `step` is written before it is complete."""
+        return self.folder / f".step_{step}.partial"
+
+    def prepare(self, partial: Path) -> None:
+        shutil.rmtree(partial, ignore_errors=True)
         try:
-            return self._save(step, partial, model_state, state)
+            partial.mkdir(parents=True)
         except OSError as e:
-            shutil.rmtree(partial, ignore_errors=True)  # the complete checkpoints stay as they were
             raise cannot_write(self.folder, e) from None
 
-    def _save(self, step: int, partial: Path, model_state: Dict[str, torch.Tensor], state: Dict[str, Any]) -> Path:
+    def guarded(self, partial: Path, write: Callable[[], T]) -> T:
+        """write(), or, when the disk refuses (full, read-only), the partial folder removed and one line:
+        the complete checkpoints stay as they were."""
+        try:
+            return write()
+        except (OSError, CheckpointException) as e:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise cannot_write(self.folder, _os_error(e)) from None
+
+    @staticmethod
+    def write_model(path: Path, model_state: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+        return _write(path, lambda f: torch.save(model_state, f))
+
+    def seal(self, step: int, partial: Path, files: Dict[str, Any], **about: Any) -> Path:
+        """Rank 0, once every file of the checkpoint is written: the manifest last, then the rename that
+        makes it complete, `latest`, and the old ones removed."""
         final = self.folder / f"step_{step}"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        files = {}
-        for name, obj in (("model.pt", model_state), ("state.pt", state)):
-            files[name] = _write(partial / name, lambda f, obj=obj: torch.save(obj, f))
-        manifest = {"format": 2, "step": step, "files": files, "time": time.time()}
+        manifest = {"format": 3 if about.get("sharded") else 2, "step": step, **about, "files": files, "time": time.time()}
         _write(partial / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         _fsync_dir(partial)
         if final.exists():  # a re-save of the same step (say, after a resume): replace it whole
@@ -145,6 +173,19 @@ def choose(folder: Path, resume: str) -> tuple[Optional[Path], List[str]]:
         raise UserError(f"checkpoint.resume: {path} is damaged ({problem}); pick another folder, or "
                         f"resume=auto for the newest undamaged one")
     return path, []
+
+
+def _os_error(e: BaseException) -> OSError:
+    """The OSError behind DCP's CheckpointException (it gathers every rank's failures), or a stand-in."""
+    if isinstance(e, OSError):
+        return e
+    for failure in getattr(e, "failures", {}).values():
+        cause = failure if isinstance(failure, BaseException) else getattr(failure, "exc", None)
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            return cause
+    return OSError(first_line(e))
 
 
 def cannot_write(where: Path, e: OSError) -> UserError:
@@ -243,28 +284,35 @@ POSITION_FIELDS = ("step", "epoch", "batch")
 def load_state(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
     """A checkpoint's state.pt, checked field by field before anything uses it: a file of another
     structure is one line, never a KeyError or TypeError further on."""
-    state = load_file(path, map_location)
-    problem = _state_problem(state)
+    return state_problem_checked(load_file(path, map_location), path, optimizer=True)
+
+
+def state_problem_checked(state: Any, where: Any, optimizer: bool = False) -> Dict[str, Any]:
+    """The run state, once checked field by field (with the optimizer's, as state.pt holds it; a sharded
+    checkpoint keeps the optimizer's in its shards)."""
+    problem = _state_problem(state, optimizer)
     if problem:
-        raise UserError(f"{path}: not a run state of this launcher: {problem}")
+        raise UserError(f"{where}: not a run state of this launcher: {problem}")
     return state
 
 
-def _state_problem(state: Any) -> Optional[str]:
+def _state_problem(state: Any, optimizer: bool) -> Optional[str]:
     if not isinstance(state, dict):
         return f"a {type(state).__name__}, not a mapping"
-    missing = [k for k in STATE_FIELDS if k not in state and k != "world_size"]
-    extra = [k for k in state if k not in STATE_FIELDS]
+    fields = {k: v for k, v in STATE_FIELDS.items() if optimizer or k != "optimizer"}
+    missing = [k for k in fields if k not in state and k != "world_size"]
+    extra = [k for k in state if k not in fields]
     if missing or extra:
         return f"missing {', '.join(missing)}" if missing else f"unknown field {extra[0]!r}"
-    for key, kind in STATE_FIELDS.items():
+    for key, kind in fields.items():
         if key in state and (not isinstance(state[key], kind) or isinstance(state[key], bool)):
             return f"{key} is a {type(state[key]).__name__}"
     position = state["position"]
     if sorted(position) != sorted(POSITION_FIELDS) or not all(
             type(position[k]) is int and position[k] >= 0 for k in POSITION_FIELDS):
         return f"position must hold {', '.join(POSITION_FIELDS)} as counts, got {position!r:.80}"
-    if not isinstance(state["optimizer"].get("state"), dict) or not isinstance(state["optimizer"].get("param_groups"), list):
+    if optimizer and (not isinstance(state["optimizer"].get("state"), dict)
+                      or not isinstance(state["optimizer"].get("param_groups"), list)):
         return "optimizer is not an optimizer's state_dict (state, param_groups)"
     if not state["rng"] or not all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) for r in state["rng"]):
         return "rng must list each rank's generator states"
@@ -302,6 +350,15 @@ def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cp
     with a common prefix such as Lightning's `model.` removed when that makes them fit; the return
     value then says where they were found. A file in a checkpoint folder is first checked against the
     manifest's CRC-32 (unless `verified` says that was done)."""
+    state, where = fitting_state(model.state_dict(), path, map_location, verified)
+    model.load_state_dict(state, strict=True)
+    return where
+
+
+def fitting_state(expected: Dict[str, Any], path: Path, map_location: Any = "cpu",
+                  verified: bool = False) -> tuple[Dict[str, torch.Tensor], Optional[str]]:
+    """The weights of a state_dict file, found and checked against the model's `expected` keys and shapes
+    as load_model_state says, and where in the file they were."""
     if not verified:
         _check_against_manifest(path)
     state = load_file(path, map_location)
@@ -317,7 +374,6 @@ def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cp
                             f"of {', '.join(NESTINGS)} holds the weights")
         state, where = state[key], f"the weights under '{key}'"
     state = strip_prefixes(state)
-    expected = model.state_dict()
     if state.keys() != expected.keys():
         heads = {k.split(".", 1)[0] for k in state}
         if len(heads) == 1 and all("." in k for k in state):
@@ -337,8 +393,7 @@ def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cp
     extra = [k for k in state if k not in expected]
     if extra:
         raise UserError(f"{path}{inside}: does not fit this model: the file has '{extra[0]}', which the model lacks")
-    model.load_state_dict(state, strict=True)
-    return where
+    return state, where
 
 
 def _check_against_manifest(path: Path) -> None:
@@ -352,6 +407,26 @@ def _check_against_manifest(path: Path) -> None:
         if entry is not None and _crc_problem(path, entry):
             raise UserError(f"{path}: damaged: its CRC-32 differs from the one {manifest} recorded; use another "
                             f"checkpoint's file")
+
+
+def to_bytes(obj: Any) -> bytes:
+    """An object of tensors and plain containers as torch.save's bytes (read back by load_bytes)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def load_bytes(data: Any) -> Any:
+    """torch.load of bytes or a buffer with weights_only=True: a value that needs arbitrary unpickling is
+    refused, never run."""
+    buffer = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(buffer, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"a checkpoint value cannot be loaded with weights_only=True ({first_line(e)[:120]}); "
+                        f"it is not loaded") from None
 
 
 def to_cpu(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

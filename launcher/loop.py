@@ -36,6 +36,7 @@ class Parts:
     save: Callable[[Position, bool], None]  # a checkpoint (and, when final, model.pt); every rank calls it
     stop: StopFlag  # set by a signal; checked at step boundaries
     save_on_stop: bool = True
+    idle: Callable[[], None] = lambda: None  # at log steps: finish what runs in the background (a checkpoint's write)
 
 
 def total_steps(cfg: TrainerConfig, steps_per_epoch: int) -> int:
@@ -77,12 +78,9 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
                 p.optimizer.zero_grad(set_to_none=True)
             p.precision.backward(loss)
             p.meter.add(out.loss * count if count is not None else loss, count, out)
+        weights.finish()
         p.precision.unscale(p.optimizer)
-        norm = None
-        if cfg.clip_grad_norm:
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
-        elif syncing:
-            norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
+        norm = p.strategy.clip(params, cfg.clip_grad_norm) if cfg.clip_grad_norm or syncing else None
         lr = p.optimizer.param_groups[0]["lr"]
         p.precision.step(p.optimizer)
         if free_after_step:
@@ -99,6 +97,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
             values = p.meter.read(p.strategy.all_reduce_mean, float(lr))  # host sync: once per interval
             p.logger.scalars(values, step)
             last.update(values)
+            p.idle()
             if _due(step, cfg.log_every) or step == total:
                 p.console.progress(step, total, pos.epoch, values)
         if evaluating:
@@ -124,20 +123,22 @@ class Weights:
     Without item counts, each micro-batch's mean loss counts alike (divided by the accumulation steps).
     With them, every item of the step counts alike, whichever micro-batch and rank holds it: the step's
     gradient is that of (sum of the items' losses) / (items on every rank). The total is known only
-    after the last forward, so the earlier micro-batches are weighted by their count over the first
-    one's (magnitudes stay those of a mean), and before the last backward, which synchronises the
-    gradients, the accumulated ones are rescaled to the total. One all-reduce of a count per
-    optimizer step, on the device: no host read.
+    after the last forward, and a sharded strategy keeps the gradients of the micro-steps out of reach
+    until the last backward has reduced them, so: each micro-batch's summed loss is divided by the
+    first micro-batch's count averaged over the ranks (magnitudes stay those of a mean, alike on every
+    rank), and once the last backward has reduced the gradients they are rescaled to the total. With
+    one micro-batch the last backward is weighted to the total directly. One all-reduce of a count per
+    optimizer step (two with accumulation), on the device: no host read.
     """
 
     def __init__(self, accum: int, strategy: Strategy, params: list):
         self.accum, self.strategy, self.params = accum, strategy, params
         self.counted: Optional[bool] = None
-        self.first = self.total = None
+        self.first = self.total = self.rescale = None
 
     def start(self) -> None:
         """A new optimizer step."""
-        self.first = self.total = None
+        self.first = self.total = self.rescale = None
 
     def loss(self, out, last: bool):
         """(the loss to backward, this micro-batch's item count or None)."""
@@ -150,19 +151,24 @@ class Weights:
         if not counted:
             return (out.loss / self.accum if self.accum > 1 else out.loss), None
         count = torch.as_tensor(out.num_items, device=out.loss.device).float()
-        if self.first is None:
-            self.first, self.total = count.clamp(min=1), count
+        world = self.strategy.placement.world_size
+        if self.accum == 1:
+            total = self.strategy.all_reduce_sum(count.clone()).clamp(min=1)
+            return out.loss * (count * world / total), count
+        if self.first is None:  # the first micro-batch's count, summed over the ranks
+            self.first, self.total = self.strategy.all_reduce_sum(count.clone()).clamp(min=1), count
         else:
             self.total = self.total + count
-        if not last:
-            return out.loss * (count / self.first), count
-        world = self.strategy.placement.world_size
-        total = self.strategy.all_reduce_sum(self.total.clone()).clamp(min=1)
-        if self.accum > 1:  # the earlier micro-batches' gradients, weighted by 1/first: to world/total
+        if last:  # what the reduced gradients are multiplied by: (first's sum) / (every rank's total)
+            self.rescale = self.first / self.strategy.all_reduce_sum(self.total.clone()).clamp(min=1)
+        return out.loss * (count * world / self.first), count
+
+    def finish(self) -> None:
+        """After the last backward: the accumulated, reduced gradients scaled to the step's total."""
+        if self.rescale is not None:
             grads = [q.grad for q in self.params if q.grad is not None]
             if grads:
-                torch._foreach_mul_(grads, world * self.first / total)
-        return out.loss * (count * world / total), count
+                torch._foreach_mul_(grads, self.rescale)
 
 
 def _step_schedule(schedule: Any, step: int) -> None:

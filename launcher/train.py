@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from launcher import build, checkpoint, data, first_batch, loggers, scheduler, seeding, spawn, strategies, throughput
 from launcher.checkpoint import Checkpointer
-from launcher.errors import UserError, first_line
+from launcher.state import RunState, Training
+from launcher.errors import UserError
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
 from launcher.precision import Precision
@@ -44,7 +45,7 @@ def run(loaded: Loaded, overrides: list) -> int:
 
 def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     placement, notes, _ = placed or _place(loaded)
-    strategy = strategies.create(loaded.recipe.strategy, placement, loaded.recipe.ddp)
+    strategy = strategies.create(loaded.recipe.strategy, placement, loaded.recipe.ddp, loaded.recipe.fsdp)
     strategy.setup()
     folder = RunFolder(Path(loaded.recipe.run_dir))
     try:
@@ -64,8 +65,16 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
 
 
 def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, notes: list) -> Dict[str, float]:
-    recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
-    run_dir = folder.path
+    resume, init_from, logger, console = _open(loaded, strategy, folder, notes)
+    training, parts = _build(loaded, strategy, folder.path, logger, console, init_from)
+    if resume is not None:
+        _resume(training, resume, loaded, console)
+    return _fit(loaded, training, parts, folder.path)
+
+
+def _open(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, notes: list):
+    """The run folder, the loggers and the console; which checkpoint the run continues, if any."""
+    recipe, placement = loaded.recipe, strategy.placement
     # Rank 0 locks the folder, settles which checkpoint the run continues (moving another history
     # aside) and writes the recipe, before TensorBoard opens its folder; every rank resumes from it.
     # Rank 0 alone writes, and may meet a mistake (an unwritable folder, a full disk) the others do not
@@ -73,95 +82,96 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     opened = strategy.agree(lambda: folder.open(OmegaConf.to_yaml(loaded.config), recipe.checkpoint.resume,
                                                 recipe.checkpoint.init_from) if placement.is_main else None)
     resume, said, init_from = strategy.all_gather_object(opened)[0]
-    logger, console = strategy.agree(lambda: loggers.make(placement.is_main, run_dir, recipe.logging.tensorboard,
+    logger, console = strategy.agree(lambda: loggers.make(placement.is_main, folder.path, recipe.logging.tensorboard,
                                                           recipe.logging.progress_bar))
     for note in notes + said:
         console.info(note)
     rows = strategy.all_gather_object(_describe(placement))  # a collective: every rank takes part
     console.info(scheduler.table(rows))
-    checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main)
+    return resume, init_from, logger, console
 
+
+def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger, console, init_from):
+    """Every part of the run from its section of the recipe, the model wrapped by the strategy."""
+    recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
     seeding.seed_everything(recipe.seed)
     model = build.component(recipe.model, "model").to(device)
-    state = old_recipe = None
-    if resume is not None:  # its CRC-32s were checked when rank 0 chose it
-        checkpoint.load_model_state(model, resume / "model.pt", map_location=device, verified=True)
-        state = checkpoint.load_state(resume / "state.pt", map_location=device)
-        old_recipe = checkpoint.saved_recipe(state)
-        _refuse_changed_parts(old_recipe, loaded.config, resume)
-    elif init_from:
+    if init_from:
         where = checkpoint.load_model_state(model, Path(init_from), map_location=device)
         console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
+    cfg = recipe.data
+    train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, placement, recipe.seed, device)
+    precision = Precision(recipe.precision, device)
+    metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
+    step = build.step(recipe.step, recipe.loss)
+    # Before the strategy wraps the model: this process's own forward, with no collective in it.
+    for note in first_batch.check(train_data.loader.dataset, cfg.batch_size // placement.world_size,
+                                  train_data.collate, model, step, metrics, precision.autocast, device):
+        console.info(note)
     wrapped = strategy.wrap(model)
     optimizer = build.component(recipe.optimizer, "optimizer", [q for q in model.parameters() if q.requires_grad])
     schedule = build.component(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
-    precision = Precision(recipe.precision, device)
-    metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
-    cfg = recipe.data
-    train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, placement, recipe.seed, device)
-
-    position = data.Position()
-    if state is not None:
-        position = _restore(state, resume, optimizer, schedule, precision, placement.rank, device)
-        console.info(f"resumed from {resume} (step {position.step}, epoch {position.epoch})")
-        changed = differences(old_recipe, loaded.config)
-        if changed:
-            console.info(f"the recipe differs from the checkpoint's in {', '.join(changed)}; the optimizer and "
-                         f"LR schedule continue from their saved state (checkpoint.resume=never starts over)")
-
-    def save(pos: data.Position, final: bool) -> None:
-        rngs = strategy.all_gather_object(seeding.capture(device))  # a collective: every rank calls save
-        model_state = checkpoint.to_cpu(strategy.unwrap(wrapped).state_dict())
-        state = {"position": vars(pos).copy(), "optimizer": optimizer.state_dict(),
-                 "lr_schedule": schedule.state_dict() if schedule is not None else None,
-                 "scaler": precision.state_dict(), "rng": rngs, "world_size": placement.world_size,
-                 "recipe": OmegaConf.to_yaml(loaded.config)}
-
-        def write() -> None:
-            checkpointer.save(pos.step, model_state, state)
-            if final:
-                checkpointer.save_final(model_state)
-
-        strategy.agree(write)  # no rank goes on before the checkpoint is complete, or all stop with its mistake
-        # Kept after the agreement (a gather): without it, about one run in twelve under torchrun (gloo,
-        # torch 2.13) aborted at exit after its last save ("terminate called without an active
-        # exception"; 4 of 51 runs, 0 of 40 with it).
-        strategy.barrier()
+    run = RunState(data.Position(), schedule, precision, strategy, OmegaConf.to_yaml(loaded.config))
+    training = Training(strategy, wrapped, optimizer, run,
+                        Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main),
+                        recipe.checkpoint.consolidate, recipe.checkpoint.async_save)
 
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
     peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
     rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample,
                                   throughput.model_flops_per_sample(model, cfg.tokens_per_sample),
                                   peak * placement.world_size if peak else None, device)
-    meter = TrainMeter(metrics, device, rates)
     logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
     logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
-    step = build.step(recipe.step, recipe.loss)
-    for note in first_batch.check(train_data.loader.dataset, cfg.batch_size // placement.world_size,
-                                  train_data.collate, model, step, metrics, precision.autocast, device):
-        console.info(note)
     if recipe.trainer.compile:  # after the eager check. The wrapper is compiled, so DDP's buckets still
         wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys
     parts = Parts(wrapped, optimizer, schedule, step=step, metrics=metrics,
-                  precision=precision, strategy=strategy, data=train_data, val=val, meter=meter,
-                  logger=logger, console=console, save=save, stop=StopFlag(placement.world_size),
-                  save_on_stop=recipe.checkpoint.on_signal)
-    total = total_steps(recipe.trainer, train_data.steps_per_epoch)
+                  precision=precision, strategy=strategy, data=train_data, val=val,
+                  meter=TrainMeter(metrics, device, rates), logger=logger, console=console,
+                  save=lambda pos, final: training.save(final), stop=StopFlag(placement.world_size),
+                  save_on_stop=recipe.checkpoint.on_signal, idle=lambda: training.finish_pending(wait=False))
+    return training, parts
+
+
+def _resume(training: Training, resume: Path, loaded: Loaded, console) -> None:
+    """Continue from a checkpoint (its CRC-32s were checked when rank 0 chose it), written by any strategy
+    at any world size."""
+    saved = training.read_run_state(resume)
+    old_recipe = checkpoint.saved_recipe(saved)
+    _refuse_changed_parts(old_recipe, loaded.config, resume)
+    training.resume(resume)
+    position = training.run.position
+    world, now = saved.get("world_size"), training.strategy.placement.world_size
+    elsewhere = f"; written by {world} processes, resharded to {now}" if world and world != now else ""
+    console.info(f"resumed from {resume} (step {position.step}, epoch {position.epoch}){elsewhere}")
+    changed = differences(old_recipe, loaded.config)
+    if changed:
+        console.info(f"the recipe differs from the checkpoint's in {', '.join(changed)}; the optimizer and "
+                     f"LR schedule continue from their saved state (checkpoint.resume=never starts over)")
+
+
+def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dict[str, float]:
+    """Train to the end (or to a signal), then close the loggers and say where the model is."""
+    recipe, strategy, console, logger = loaded.recipe, training.strategy, parts.console, parts.logger
+    position = training.run.position
+    total = total_steps(recipe.trainer, parts.data.steps_per_epoch)
     if position.step >= total:
         console.info(f"{run_dir} already finished at step {position.step}; nothing to train")
-        save(position, final=True)
+        training.save(final=True)
         results: Dict[str, float] = {}
     else:
-        console.info(f"training {recipe.name}: {total} steps of {samples_per_step} samples, "
-                     f"{train_data.steps_per_epoch} steps per epoch, on {device} ({strategy.name})")
+        samples = recipe.data.batch_size * recipe.trainer.grad_accum_steps
+        console.info(f"training {recipe.name}: {total} steps of {samples} samples, "
+                     f"{parts.data.steps_per_epoch} steps per epoch, on {strategy.device} ({strategy.name})")
         parts.stop.install()
         try:
             results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
         except Stopped as stopped:
+            training.finish_pending()  # a checkpoint still being written is completed before the exit
             logger.close()
             saved = f"saved {run_dir / 'checkpoints' / f'step_{stopped.step}'}" if recipe.checkpoint.on_signal else "not saved"
             console.info(f"{stopped}: {saved}")
-            if placement.is_main and recipe.checkpoint.on_signal:
+            if strategy.placement.is_main and recipe.checkpoint.on_signal:
                 said = requeue()  # raises RequeueFailed when Slurm refuses
                 if said:
                     console.info(said)
@@ -175,24 +185,10 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
             parts.stop.restore()
     logger.close()
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
-    console.info(" | ".join(x for x in (f"done: step {position.step}", final, f"model: {run_dir / 'model.pt'}") if x))
+    model = f"model: {run_dir / 'model.pt'}" if recipe.checkpoint.consolidate != "never" or not strategy.sharded else \
+        "model: not gathered (checkpoint.consolidate=never; python -m launcher.export makes one from a checkpoint)"
+    console.info(" | ".join(x for x in (f"done: step {position.step}", final, model) if x))
     return results
-
-
-def _restore(state: Dict[str, Any], resume: Path, optimizer, schedule, precision: Precision, rank: int,
-             device: torch.device) -> data.Position:
-    """Put the saved run state back; a state that does not fit this run is one line, not a traceback."""
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-        if schedule is not None:
-            schedule.load_state_dict(state["lr_schedule"])
-        precision.load_state_dict(state["scaler"])
-        rngs = state["rng"]
-        seeding.restore(rngs[rank] if rank < len(rngs) else rngs[0], device)
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
-        raise UserError(f"checkpoint.resume: {resume / 'state.pt'} does not fit this run ({type(e).__name__}: "
-                        f"{first_line(e)[:160]}); start over with checkpoint.resume=never") from None
-    return data.Position(**state["position"])
 
 
 def _refuse_changed_parts(saved: Dict[str, Any], current, resume: Path) -> None:

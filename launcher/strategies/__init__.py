@@ -7,22 +7,24 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from launcher.errors import UserError
-from launcher.recipe.schema import DDPConfig
+from launcher.recipe.schema import DDPConfig, FSDPConfig
 from launcher.scheduler import Placement
 from launcher.strategies.base import Strategy, unwrap
 from launcher.strategies.ddp import DDP
 from launcher.strategies.dp import DP
+from launcher.strategies.fsdp import FSDP
 from launcher.strategies.single import Single
 
-def _accelerate(placement: Placement, ddp: Optional[DDPConfig] = None) -> Strategy:
+def _accelerate(placement: Placement, ddp: Optional[DDPConfig] = None, fsdp: Optional[FSDPConfig] = None) -> Strategy:
     from launcher.strategies.accelerate import Accelerate  # imports accelerate only when chosen
 
-    return Accelerate(placement, ddp)
+    return Accelerate(placement, ddp, fsdp)
 
 
-REGISTRY: Dict[str, Callable[[Placement, Optional[DDPConfig]], Strategy]] = {
-    "single": Single, "dp": DP, "ddp": DDP, "accelerate": _accelerate}
+REGISTRY: Dict[str, Callable[..., Strategy]] = {
+    "single": Single, "dp": DP, "ddp": DDP, "fsdp": FSDP, "accelerate": _accelerate}
 ONE_PROCESS = ("single", "dp")
+TORCHRUN = ("ddp", "fsdp")  # one process per device: asked for in a plain process, the launcher starts torchrun
 
 
 def resolve(name: str, placement: Placement) -> str:
@@ -35,17 +37,18 @@ def resolve(name: str, placement: Placement) -> str:
 
 
 def must_spawn(name: str, placement: Placement) -> bool:
-    """DDP asked for in a plain process: the launcher starts torchrun itself."""
-    return name == "ddp" and placement.launched_by == "plain"
+    """DDP or FSDP asked for in a plain process: the launcher starts torchrun itself."""
+    return name in TORCHRUN and placement.launched_by == "plain"
 
 
-def create(name: str, placement: Placement, ddp: Optional[DDPConfig] = None) -> Strategy:
-    """The strategy for this placement, holding the recipe's `ddp` section (its options for DDP)."""
+def create(name: str, placement: Placement, ddp: Optional[DDPConfig] = None,
+           fsdp: Optional[FSDPConfig] = None) -> Strategy:
+    """The strategy for this placement, holding the recipe's `ddp` and `fsdp` sections (their options)."""
     name = resolve(name, placement)
     if name in ONE_PROCESS and placement.world_size > 1:
         raise UserError(f"strategy: {name} runs one process, but this is one of WORLD_SIZE={placement.world_size} "
                         f"started by {placement.launched_by}; use strategy=ddp (or auto)")
-    return REGISTRY[name](placement, ddp)
+    return REGISTRY[name](placement, ddp, fsdp)
 
 
 __all__ = ["Strategy", "create", "unwrap"]

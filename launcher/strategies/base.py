@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
 
 from launcher.errors import UserError
-from launcher.recipe.schema import DDPConfig
+from launcher.recipe.schema import DDPConfig, FSDPConfig
 from launcher.scheduler import Placement
 
 T = TypeVar("T")
@@ -32,11 +32,13 @@ class Strategy:
     """One process's share of a run. The defaults are those of a single process."""
 
     name = "base"
+    sharded = False  # checkpoints: rank 0 writes full state files; a sharded strategy's ranks write shards (DCP)
 
-    def __init__(self, placement: Placement, ddp: Optional[DDPConfig] = None):
+    def __init__(self, placement: Placement, ddp: Optional[DDPConfig] = None, fsdp: Optional[FSDPConfig] = None):
         self.placement = placement
         self.device = torch.device(placement.device)
         self.ddp = ddp or DDPConfig()  # the recipe's ddp section: the strategies that wrap in DDP read it
+        self.fsdp = fsdp or FSDPConfig()  # the recipe's fsdp section: the sharded strategy reads it
 
     def setup(self) -> None:
         """Start whatever the strategy needs (a process group); called before anything is built."""
@@ -60,6 +62,40 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return unwrap(model)
 
+    def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """The plain model's full state_dict on the CPU, for model.pt: on rank 0 (others may get an empty
+        one). Collective for a sharded strategy: every rank calls it."""
+        from launcher.checkpoint import to_cpu
+
+        return to_cpu(self.unwrap(model).state_dict())
+
+    def state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """The model's and the optimizer's state as this strategy keeps them (full tensors, or each rank's
+        shards), keyed by the plain model's parameter names, so that any strategy can read them. Also the
+        destination a checkpoint is loaded into. Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(self.unwrap(model), optimizer, options=StateDictOptions(full_state_dict=not self.sharded))
+
+    def load_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: Dict[str, Any],
+                         optimizer_state: Dict[str, Any], full: bool) -> None:
+        """Put saved state back: `full` tensors (a full-format checkpoint: every rank holds all of them), or
+        state shaped by `state_dicts` (read from shards, which resharded it to this world). Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.unwrap(model), optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=StateDictOptions(full_state_dict=full or not self.sharded, strict=True))
+
+    def clip(self, params: List[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
+        """The gradients' total norm over every rank's share (clipped to max_norm when given), on the device."""
+        grads = [q.grad for q in params if q.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # sharded gradients (DTensor): their norm is the same on every rank
+            norm = norm.full_tensor()
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
@@ -77,6 +113,11 @@ class Strategy:
 
     def barrier(self) -> None:
         pass
+
+    def checkpoint_group(self) -> Any:
+        """A process group of its own for writing checkpoints in the background (None: the default one).
+        Collective the first time."""
+        return None
 
     def explain(self, error: BaseException) -> Optional[str]:
         """One line for the user when `error`, raised while training, is a mistake of the recipe that this

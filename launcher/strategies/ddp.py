@@ -88,12 +88,18 @@ class DDP(Strategy):
     def barrier(self) -> None:
         dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
+    def checkpoint_group(self) -> Any:
+        # Its collectives run on a writer thread while training's run on this one: never the same group.
+        if getattr(self, "writer_group", None) is None:
+            self.writer_group = dist.new_group(backend="gloo")
+        return self.writer_group
+
     def teardown(self) -> None:
         # Free what still holds the process group (a DDP module in a reference cycle, the host group)
         # while the interpreter is whole: left to its finalization, gloo's threads could still hold
         # work whose tensors need the GIL, and the process aborted at exit ("terminate called
         # without an active exception", about 1 run in 30).
-        self.host_group = None
+        self.host_group = self.writer_group = None
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,69 @@
+"""Sharded checkpoints: every rank writes its own shards with torch.distributed.checkpoint (DCP).
+
+    checkpoints/step_<N>/.metadata          DCP's index of every tensor's shards (rank 0)
+    checkpoints/step_<N>/__<rank>_0.distcp   each rank's shards: model, optimizer, and rank 0's run state
+    checkpoints/step_<N>/manifest.json       written last by rank 0: every file's size and CRC-32
+
+The state saved is {"model": ..., "optimizer": ..., "run": RunState}, keyed by the plain model's
+parameter names, so DCP reshards it on load: any world size, any strategy, reads it. Objects other
+than tensors (the run state, the optimizer's hyperparameters) are read back with weights_only=True,
+as every other checkpoint file is: nothing in a checkpoint is run.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from launcher import checkpoint
+
+METADATA = ".metadata"
+
+
+def write(folder: Path, state: Dict[str, Any], group: Optional[Any] = None) -> None:
+    """Every rank's shards of `state` into `folder` (collective: every rank calls it)."""
+    dcp.save(state, storage_writer=FileSystemWriter(folder, sync_files=True), process_group=group,
+             no_dist=not dist.is_initialized())
+
+
+def start(folder: Path, state: Dict[str, Any], group: Any):
+    """The same, in the background: returns a future. The tensors are copied to host memory before it
+    returns, so training may change them; the files are written on a thread, its collectives on `group`."""
+    return dcp.async_save(state, storage_writer=FileSystemWriter(folder, sync_files=True), process_group=group)
+
+
+def own_files(folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
+    """The size and CRC-32 of each file this rank wrote (rank 0: DCP's index too), for the manifest."""
+    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + ([METADATA] if rank == 0 else [])
+    return {name: {"size": (folder / name).stat().st_size, "crc32": checkpoint.crc32(folder / name)} for name in names}
+
+
+def read(folder: Path, state: Dict[str, Any]) -> None:
+    """Load a sharded checkpoint into `state` (shaped as it was saved: each tensor the destination of its
+    values, resharded to this run), in place. Collective when a process group runs."""
+    dcp.load(state, storage_reader=FileSystemReader(folder), planner=_WeightsOnly(),
+             no_dist=not dist.is_initialized())
+
+
+def is_sharded(folder: Path) -> bool:
+    return (folder / METADATA).is_file()
+
+
+class _WeightsOnly(DefaultLoadPlanner):
+    """DCP's planner, but objects other than tensors are unpickled with weights_only=True."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = checkpoint.load_bytes(value)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper for nested keys
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
