@@ -109,6 +109,8 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                                   train_data.collate, model, step, metrics, precision.autocast, device):
         console.info(note)
     wrapped = strategy.wrap(model)
+    for note in strategy.wrapped():
+        console.info(note)
     optimizer = build.component(recipe.optimizer, "optimizer", [q for q in model.parameters() if q.requires_grad])
     schedule = build.component(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
     run = RunState(data.Position(), schedule, precision, strategy, OmegaConf.to_yaml(loaded.config))

@@ -55,6 +55,10 @@ class Strategy:
         """The model to train, already on `self.device`, wrapped for this strategy."""
         return model
 
+    def wrapped(self) -> List[str]:
+        """Lines for the console about how wrap() wrapped the model (say, how it was sharded)."""
+        return []
+
     def no_sync(self, model: nn.Module, skip: bool) -> ContextManager:
         """A context in which backward does not synchronise gradients (accumulation micro-steps)."""
         return contextlib.nullcontext()

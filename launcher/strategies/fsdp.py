@@ -33,10 +33,13 @@ class FSDP(DDP):
         return precision, grad_accum, []
 
     def notes(self) -> List[str]:
-        said = [f"fsdp: {self.placement.world_size} shards; units {', '.join(self.units) or 'none (the root alone)'}"]
         if self.fsdp.cpu_offload and self.device.type != "cuda":
-            said.append("fsdp.cpu_offload: the run is on the CPU already; nothing to offload")
-        return said
+            return ["fsdp.cpu_offload: the run is on the CPU already; nothing to offload"]
+        return []
+
+    def wrapped(self) -> List[str]:
+        units = ", ".join(self.units) or "none (the root alone)"
+        return [f"fsdp: sharded over {self.placement.world_size} ranks; units {units}"]
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

@@ -1,0 +1,129 @@
+"""Strategy fsdp over real torchrun processes (gloo on the CPU): the weights of one process, and sharded
+checkpoints that resume exactly at the same world size and closely at any other, under any strategy."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import assert_same_weights, state_dict
+from tests.test_strategies import RECIPE, run
+
+pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
+
+# 32 steps per epoch: 40 steps cross an epoch; accumulation and clipping on (the clip bites at this lr).
+QUICK = [*RECIPE, "trainer.grad_accum_steps=2", "data.batch_size=16", "trainer.clip_grad_norm=0.5",
+         "checkpoint.every=20"]
+FSDP = ["strategy=fsdp", "nproc_per_node=2"]
+DDP = ["strategy=ddp", "nproc_per_node=2"]
+# charlm at a tiny size: its transformer Blocks are the sharding units (found by default: a ModuleList's layers).
+CHARLM = ["recipes/charlm.yaml", "devices=cpu", "precision=fp32", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+          "model.block_size=32", "model.dropout=0.0", "data.batch_size=8", "data.val=null", "trainer.max_steps=12",
+          "trainer.grad_accum_steps=2", "trainer.clip_grad_norm=0.5", "trainer.log_every=4", "trainer.eval_every=null",
+          "checkpoint.every=6", "logging.tensorboard=false"]
+
+
+def launch(run_dir, *args):
+    return run([sys.executable, "-m", "launcher", *args, f"run_dir={run_dir}"], timeout=300)
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6) -> None:
+    a, b = state_dict(a), state_dict(b)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=rtol, atol=atol, msg=f"{key} differs")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    launch(folder, *QUICK, "strategy=single")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp")
+    done = launch(folder, *QUICK, *FSDP)
+    return folder, done.stdout
+
+
+def test_fsdp_gives_the_weights_of_one_process(single, sharded):
+    folder, said = sharded
+    assert "(fsdp)" in said and "fsdp: sharded over 2 ranks; units none (the root alone)" in said
+    assert_close(single / "model.pt", folder / "model.pt")
+
+
+def test_a_sharded_checkpoint_is_dcp_shards_sealed_by_a_manifest(sharded):
+    folder, _ = sharded
+    step = folder / "checkpoints" / "step_20"
+    names = sorted(p.name for p in step.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]  # consolidate: final
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["format"] == 3 and manifest["sharded"] and manifest["world_size"] == 2
+    assert sorted(manifest["files"]) == names[:3]
+    assert "model.pt" in {p.name for p in (folder / "checkpoints" / "step_40").iterdir()}
+    assert not list((folder / "checkpoints").glob(".step_*"))
+
+
+def test_resume_at_the_same_world_size_is_bitwise(sharded, tmp_path):
+    folder, _ = sharded
+    done = launch(tmp_path, *QUICK, *FSDP, f"checkpoint.resume={folder / 'checkpoints' / 'step_20'}")
+    assert "resumed from" in done.stdout and "resharded" not in done.stdout
+    assert_same_weights(folder / "model.pt", tmp_path / "model.pt")
+
+
+def test_a_sharded_checkpoint_resumes_in_one_process(single, sharded, tmp_path):
+    folder, _ = sharded
+    done = launch(tmp_path, *QUICK, "strategy=single", f"checkpoint.resume={folder / 'checkpoints' / 'step_20'}")
+    assert "written by 2 processes, resharded to 1" in done.stdout
+    assert_close(single / "model.pt", tmp_path / "model.pt")
+
+
+def test_a_sharded_checkpoint_resumes_under_ddp(single, sharded, tmp_path):
+    folder, _ = sharded
+    launch(tmp_path, *QUICK, *DDP, f"checkpoint.resume={folder / 'checkpoints' / 'step_20'}")
+    assert_close(single / "model.pt", tmp_path / "model.pt")
+
+
+def test_a_one_process_checkpoint_resumes_sharded(single, tmp_path):
+    done = launch(tmp_path, *QUICK, *FSDP, f"checkpoint.resume={single / 'checkpoints' / 'step_20'}")
+    assert "written by 1 processes, resharded to 2" in done.stdout
+    assert_close(single / "model.pt", tmp_path / "model.pt")
+
+
+def test_ddp_resumes_in_one_process(single, tmp_path):
+    ddp = tmp_path / "ddp"
+    launch(ddp, *QUICK, *DDP, "trainer.max_steps=20")
+    launch(tmp_path / "one", *QUICK, "strategy=single", f"checkpoint.resume={ddp / 'checkpoints' / 'step_20'}")
+    assert_close(single / "model.pt", tmp_path / "one" / "model.pt")
+
+
+def test_asynchronous_saves_write_the_same_checkpoints(sharded, tmp_path):
+    folder, _ = sharded
+    launch(tmp_path, *QUICK, *FSDP, "checkpoint.async_save=true", "checkpoint.every=10")
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_40"
+    assert_same_weights(folder / "model.pt", tmp_path / "model.pt")
+    again = tmp_path / "again"  # the asynchronously written step_20 resumes exactly
+    launch(again, *QUICK, *FSDP, f"checkpoint.resume={tmp_path / 'checkpoints' / 'step_20'}")
+    assert_same_weights(folder / "model.pt", again / "model.pt")
+
+
+def test_charlm_blocks_as_units_with_activation_checkpointing(tmp_path):
+    launch(tmp_path / "one", *CHARLM, "strategy=single")
+    done = launch(tmp_path / "fsdp", *CHARLM, *FSDP, "trainer.activation_checkpointing=[Block]")
+    assert "units Block" in done.stdout
+    assert_close(tmp_path / "one" / "model.pt", tmp_path / "fsdp" / "model.pt")
+
+
+def test_a_unit_the_model_lacks_is_one_line_on_every_rank(tmp_path):
+    import subprocess
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, *FSDP, "fsdp.units=[Block]",
+                           f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "fsdp.units: the model has no class Block; its classes: MLP" in done.stderr
+    assert "Traceback" not in done.stderr
