@@ -118,6 +118,9 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                         Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main),
                         recipe.checkpoint.consolidate, recipe.checkpoint.async_save)
 
+    if recipe.checkpoint.async_save and not strategy.sharded:
+        console.info(f"checkpoint.async_save: strategy {strategy.name} writes full checkpoints from rank 0, "
+                     f"synchronously; sharded checkpoints (strategy fsdp) are written in the background")
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
     peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
     rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample,

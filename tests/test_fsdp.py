@@ -55,6 +55,21 @@ def test_fsdp_gives_the_weights_of_one_process(single, sharded):
     assert_close(single / "model.pt", folder / "model.pt")
 
 
+def test_compiled_fsdp_gives_the_eager_weights_of_one_process(single, tmp_path):
+    launch(tmp_path, *QUICK, *FSDP, "trainer.compile=true", "checkpoint.every=null")
+    assert_close(single / "model.pt", tmp_path / "model.pt")
+
+
+def test_bf16_fsdp_gives_the_weights_of_bf16_ddp(tmp_path):
+    """Parameters computed in bf16 (FSDP's MixedPrecisionPolicy under autocast), gradients reduced in fp32:
+    DDP's numbers at the same world size (bitwise here). Against one process, each rank's bf16 gradient is
+    rounded before the reduction, under DDP as under FSDP (about 1e-2 apart after 20 steps)."""
+    short = [*QUICK, "precision=bf16", "trainer.max_steps=20", "checkpoint.every=null"]
+    launch(tmp_path / "ddp", *short, *DDP)
+    launch(tmp_path / "fsdp", *short, *FSDP)
+    assert_close(tmp_path / "ddp" / "model.pt", tmp_path / "fsdp" / "model.pt")
+
+
 def test_a_sharded_checkpoint_is_dcp_shards_sealed_by_a_manifest(sharded):
     folder, _ = sharded
     step = folder / "checkpoints" / "step_20"
@@ -126,4 +141,26 @@ def test_a_unit_the_model_lacks_is_one_line_on_every_rank(tmp_path):
                            f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "fsdp.units: the model has no class Block; its classes: MLP" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_consolidate_every_and_never(tmp_path):
+    short = [*QUICK, *FSDP, "trainer.max_steps=20", "checkpoint.every=10"]
+    launch(tmp_path / "every", *short, "checkpoint.consolidate=every")
+    for step in (10, 20):
+        assert (tmp_path / "every" / "checkpoints" / f"step_{step}" / "model.pt").is_file()
+    assert_same_weights(tmp_path / "every" / "model.pt", tmp_path / "every" / "checkpoints" / "step_20" / "model.pt")
+    done = launch(tmp_path / "never", *short, "checkpoint.consolidate=never")
+    assert not list((tmp_path / "never").rglob("model.pt"))
+    assert "model: not gathered (checkpoint.consolidate=never" in done.stdout
+
+
+def test_fp16_is_refused_with_one_line(tmp_path):
+    import subprocess
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, *FSDP, "precision=fp16", f"run_dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "precision: fp16 needs a grad scaler" in done.stderr
     assert "Traceback" not in done.stderr

@@ -76,6 +76,16 @@ def test_ddp_two_processes_with_accumulation(reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_two_processes_with_accumulation(reference, tmp_path):
+    """GPT2Block as the sharding units (the model's _no_split_modules); the counted micro-steps skip the
+    reduce-scatter, and the reduced gradients are rescaled to the step's token count after it."""
+    done = run([sys.executable, "-m", "launcher", str(RECIPE), *SHORT, f"run_dir={tmp_path}", "strategy=fsdp",
+                "nproc_per_node=2", "data.batch_size=8", "trainer.grad_accum_steps=2"], timeout=300)
+    assert "units GPT2Block" in done.stdout
+    assert_close_weights(reference, tmp_path / "model.pt")
+
+
+@pytest.mark.slow
 def test_accelerate_two_processes(reference, tmp_path):
     run([*ACCELERATE, "--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
          "--dynamo_backend=no", f"--main_process_port={free_port()}", "-m", "launcher", str(RECIPE), *SHORT,
