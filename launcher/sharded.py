@@ -12,9 +12,11 @@ as every other checkpoint file is: nothing in a checkpoint is run.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,8 +31,9 @@ METADATA = ".metadata"
 
 def write(folder: Path, state: Dict[str, Any], group: Optional[Any] = None) -> None:
     """Every rank's shards of `state` into `folder` (collective: every rank calls it)."""
-    dcp.save(state, storage_writer=FileSystemWriter(folder, sync_files=True), process_group=group,
-             no_dist=not dist.is_initialized())
+    with _alone():
+        dcp.save(state, storage_writer=FileSystemWriter(folder, sync_files=True), process_group=group,
+                 no_dist=not dist.is_initialized())
 
 
 def start(folder: Path, state: Dict[str, Any], group: Any):
@@ -48,8 +51,17 @@ def own_files(folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
 def read(folder: Path, state: Dict[str, Any]) -> None:
     """Load a sharded checkpoint into `state` (shaped as it was saved: each tensor the destination of its
     values, resharded to this run), in place. Collective when a process group runs."""
-    dcp.load(state, storage_reader=FileSystemReader(folder), planner=_WeightsOnly(),
-             no_dist=not dist.is_initialized())
+    with _alone():
+        dcp.load(state, storage_reader=FileSystemReader(folder), planner=_WeightsOnly(),
+                 no_dist=not dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _alone() -> Iterator[None]:
+    """DCP warns at every call without a process group that it assumes one process: that is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        yield
 
 
 def is_sharded(folder: Path) -> bool:

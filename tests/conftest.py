@@ -29,6 +29,19 @@ def _in_repo(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.fixture
+def one_rank(monkeypatch):
+    """This process as rank 0 of a torchrun world of one: strategies ddp and fsdp run in-process."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(var, value)
+
+
 def train(run_dir: Path, *overrides: str, recipe: Path = QUICKSTART) -> dict:
     """Train in this process (fast: torch is already imported) and return the last logged values."""
     from launcher.recipe import load

@@ -27,9 +27,13 @@ def allowing_syncs(fn):
     return wrapped
 
 
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_no_host_sync_between_log_steps(tmp_path, monkeypatch, precision):
-    """torch.cuda.set_sync_debug_mode("error") raises on any synchronising call between two log steps."""
+def test_no_host_sync_between_log_steps(tmp_path, monkeypatch, request, precision, strategy):
+    """torch.cuda.set_sync_debug_mode("error") raises on any synchronising call between two log steps
+    (fsdp: in this process, as a torchrun world of one on nccl)."""
+    if strategy == "fsdp":
+        request.getfixturevalue("one_rank")
     fit = launcher.loop.fit
 
     def strict_fit(parts, *args):
@@ -44,7 +48,7 @@ def test_no_host_sync_between_log_steps(tmp_path, monkeypatch, precision):
     monkeypatch.setattr("launcher.train.fit", strict_fit)
     monkeypatch.setattr(TrainMeter, "read", allowing_syncs(TrainMeter.read))
     monkeypatch.setattr(launcher.loop, "evaluate", allowing_syncs(launcher.loop.evaluate))
-    values = train(tmp_path, "devices=cuda", f"precision={precision}", "trainer.grad_accum_steps=2",
+    values = train(tmp_path, "devices=cuda", f"strategy={strategy}", f"precision={precision}", "trainer.grad_accum_steps=2",
                    "trainer.clip_grad_norm=1.0", "trainer.eval_every=40", "checkpoint.every=30",
                    "lr_schedule={_target_: torch.optim.lr_scheduler.CosineAnnealingLR, T_max: 80}")
     assert values["val/accuracy"] > 0.5
@@ -87,6 +91,23 @@ def test_ddp_nccl_one_process(tmp_path):
                 f"run_dir={tmp_path}", "strategy=ddp", "devices=cuda"])
     assert "(ddp)" in done.stdout and "cuda:0" in done.stdout
     MLP().load_state_dict(state_dict(tmp_path / "model.pt"), strict=True)
+
+
+def test_fsdp_nccl_charlm_bf16(tmp_path):
+    """charlm's Blocks sharded on nccl (one process), in bf16, with activation checkpointing; model.pt loads
+    into the plain model; the sharded checkpoint resumes under ddp."""
+    from recipes.components.gpt import GPT
+    from tests.test_strategies import TORCHRUN, run
+
+    small = ["recipes/charlm.yaml", "devices=cuda", "model.n_layer=2", "model.n_embd=128", "model.n_head=4",
+             "trainer.max_steps=40", "checkpoint.every=20", "logging.tensorboard=false"]
+    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=1", "-m", "launcher", *small, f"run_dir={tmp_path / 'a'}",
+                "strategy=fsdp", "trainer.activation_checkpointing=[Block]"], timeout=600)
+    assert "(fsdp)" in done.stdout and "units Block" in done.stdout
+    GPT(vocab_size=65, block_size=256, n_layer=2, n_head=4, n_embd=128, bias=False).load_state_dict(
+        state_dict(tmp_path / "a" / "model.pt"), strict=True)
+    run([*TORCHRUN, "--standalone", "--nproc_per_node=1", "-m", "launcher", *small, f"run_dir={tmp_path / 'b'}",
+         "strategy=ddp", f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_20'}"], timeout=600)
 
 
 def test_batches_copied_ahead_on_a_side_stream_are_the_host_batches():

@@ -1,0 +1,45 @@
+"""The run state in one place (launcher/state.py): the strategy reads and writes the model's and the
+optimizer's state, keyed by parameter names, so a checkpoint of any strategy resumes under any other.
+In-process runs: fsdp as a torchrun world of one (gloo)."""
+
+import json
+
+import torch
+
+from launcher.state import named_optimizer_state
+from recipes.components.mlp import MLP
+from tests.conftest import assert_same_weights, state_dict, train
+
+
+def test_fsdp_in_a_world_of_one_gives_the_single_weights(tmp_path, one_rank):
+    train(tmp_path / "fsdp", "strategy=fsdp", "devices=cpu", "checkpoint.every=40", "trainer.grad_accum_steps=2",
+          "trainer.clip_grad_norm=0.5")
+    manifest = json.loads((tmp_path / "fsdp" / "checkpoints" / "step_40" / "manifest.json").read_text())
+    assert manifest["format"] == 3 and manifest["world_size"] == 1
+    train(tmp_path / "single", "strategy=single", "checkpoint.every=40", "trainer.grad_accum_steps=2",
+          "trainer.clip_grad_norm=0.5")
+    a, b = state_dict(tmp_path / "fsdp" / "model.pt"), state_dict(tmp_path / "single" / "model.pt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
+    MLP().load_state_dict(a, strict=True)
+
+
+def test_a_sharded_checkpoint_resumes_in_a_single_process_exactly(tmp_path, one_rank, monkeypatch):
+    train(tmp_path / "whole", "strategy=fsdp", "devices=cpu", "checkpoint.every=40")
+    train(tmp_path / "half", "strategy=fsdp", "devices=cpu", "checkpoint.every=40", "trainer.max_steps=40")
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var)
+    train(tmp_path / "half", "strategy=single", "checkpoint.every=40")  # continues the fsdp run's step_40
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "half" / "model.pt")
+
+
+def test_optimizer_state_of_the_first_checkpoints_is_named():
+    model = MLP()
+    optimizer = torch.optim.AdamW([{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:]}])
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    named = named_optimizer_state(optimizer.state_dict(), model, optimizer)
+    names = [n for n, _ in model.named_parameters()]
+    assert [g["params"] for g in named["param_groups"]] == [names[:2], names[2:]]
+    assert torch.equal(named["state"][names[3]]["exp_avg"], optimizer.state_dict()["state"][3]["exp_avg"])
+    assert named_optimizer_state(named, model, optimizer) is named  # already named: as it is
