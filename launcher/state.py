@@ -63,6 +63,19 @@ class RunState:
         vars(self.position).update(state["position"])
 
 
+class _Reading:
+    """The run state as DCP's load sees it: a destination for its one value, without gathering RNG states."""
+
+    def __init__(self, run: RunState):
+        self.run = run
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"fields": b""}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.run.load_state_dict(state)
+
+
 def does_not_fit(where: Path, e: BaseException) -> UserError:
     return UserError(f"checkpoint.resume: {where} does not fit this run ({type(e).__name__}: "
                      f"{first_line(e)[:160]}); start over with checkpoint.resume=never")
@@ -86,7 +99,7 @@ class Training:
     def read_run_state(self, folder: Path) -> Dict[str, Any]:
         """The checkpoint's run state (its recipe, position, ...), read before anything else of it."""
         if sharded.is_sharded(folder):
-            sharded.read(folder, {"run": self.run})
+            sharded.read(folder, {"run": _Reading(self.run)})
         else:
             fields = checkpoint.load_state(folder / "state.pt", map_location=self.strategy.device)
             self.run.loaded = fields

@@ -147,7 +147,7 @@ def _resume(training: Training, resume: Path, loaded: Loaded, console) -> None:
     training.resume(resume)
     position = training.run.position
     world, now = saved.get("world_size"), training.strategy.placement.world_size
-    elsewhere = f"; written by {world} processes, resharded to {now}" if world and world != now else ""
+    elsewhere = f"; written by {world} process{'es' * (world > 1)}, resharded to {now}" if world and world != now else ""
     console.info(f"resumed from {resume} (step {position.step}, epoch {position.epoch}){elsewhere}")
     changed = differences(old_recipe, loaded.config)
     if changed:

@@ -104,7 +104,7 @@ def test_a_sharded_checkpoint_resumes_under_ddp(single, sharded, tmp_path):
 
 def test_a_one_process_checkpoint_resumes_sharded(single, tmp_path):
     done = launch(tmp_path, *QUICK, *FSDP, f"checkpoint.resume={single / 'checkpoints' / 'step_20'}")
-    assert "written by 1 processes, resharded to 2" in done.stdout
+    assert "written by 1 process, resharded to 2" in done.stdout
     assert_close(single / "model.pt", tmp_path / "model.pt")
 
 
