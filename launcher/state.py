@@ -156,52 +156,54 @@ class Training:
 
     def _save_shards(self, step: int, final: bool) -> None:
         folder = self.checkpointer.partial(step)
-        writer = self.checkpointer.writer
-        self.strategy.agree(lambda: self.checkpointer.prepare(folder) if writer else None)
+        writer, agree = self.checkpointer.writer, self.strategy.agree
+        agree(lambda: self.checkpointer.prepare(folder) if writer else None)
         model_state, optimizer_state = self.strategy.state_dicts(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state, "run": self.run}
-        if self.async_save and not final:
-            self.pending = (step, folder, self.strategy.agree(
-                lambda: self.checkpointer.guarded(folder, lambda: sharded.start(folder, state, self.strategy.checkpoint_group()))))
-            return
-        self.strategy.agree(lambda: self.checkpointer.guarded(folder, lambda: sharded.write(folder, state)))
-        self._seal(step, folder, final)
-
-    def _seal(self, step: int, folder: Path, final: bool) -> None:
-        """Once every rank's shards are written: model.pt where asked, then rank 0's manifest and rename."""
+        background = self.async_save and not final
+        if background:  # the state is copied to host memory before start() returns
+            group = self.strategy.checkpoint_group()
+            future = agree(lambda: self.checkpointer.guarded(folder, lambda: sharded.start(folder, state, group)))
+        else:
+            agree(lambda: self.checkpointer.guarded(folder, lambda: sharded.write(folder, state)))
+        # model.pt of this step's weights, gathered now (a collective), before training changes them
         whole = self.consolidate == "every" or (final and self.consolidate == "final")
-        model_state = self.strategy.model_state(self.model) if whole else None  # a collective
-        writer = self.checkpointer.writer
-        files = self.strategy.agree(lambda: self.checkpointer.guarded(
-            folder, lambda: self._own_files(folder, model_state if writer else None)))
-        every: Dict[str, Any] = {}
+        full = self.strategy.model_state(self.model) if whole else None
+        gathered = agree(lambda: self.checkpointer.guarded(
+            folder, lambda: {"model.pt": self.checkpointer.write_model(folder / "model.pt", full)})
+            if writer and full is not None else {})
+        if background:
+            self.pending = (step, folder, future, gathered)
+            return
+        self._seal(step, folder, gathered, full if final else None)
+
+    def _seal(self, step: int, folder: Path, gathered: Dict[str, Any], final: Optional[Dict[str, torch.Tensor]]) -> None:
+        """Once every rank's shards are written: rank 0's manifest (every rank's files) and rename, then the
+        final model.pt when given."""
+        rank, writer = self.strategy.placement.rank, self.checkpointer.writer
+        files = self.strategy.agree(lambda: self.checkpointer.guarded(folder, lambda: sharded.own_files(folder, rank)))
+        every: Dict[str, Any] = dict(gathered)
         for theirs in self.strategy.all_gather_object(files):
             every.update(theirs)
 
         def seal() -> None:
             self.checkpointer.seal(step, folder, every, sharded=True, world_size=self.strategy.placement.world_size)
-            if final and model_state is not None:
-                self.checkpointer.save_final(model_state)
+            if final is not None:
+                self.checkpointer.save_final(final)
 
         self.strategy.agree(lambda: seal() if writer else None)
-
-    def _own_files(self, folder: Path, model_state: Optional[Dict[str, torch.Tensor]]) -> Dict[str, Any]:
-        files = sharded.own_files(folder, self.strategy.placement.rank)
-        if model_state is not None:
-            files["model.pt"] = self.checkpointer.write_model(folder / "model.pt", model_state)
-        return files
 
     def finish_pending(self, wait: bool = True) -> None:
         """Seal the asynchronous save still being written, once it is written on every rank (without
         `wait`: only if it is already; a collective either way)."""
         if self.pending is None:
             return
-        step, folder, future = self.pending
+        step, folder, future, gathered = self.pending
         if not wait and not all(self.strategy.all_gather_object(future.done())):
             return
         self.pending = None
         self.strategy.agree(lambda: self.checkpointer.guarded(folder, future.result))
-        self._seal(step, folder, final=False)
+        self._seal(step, folder, gathered, None)
 
 
 def named_optimizer_state(state: Dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

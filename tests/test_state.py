@@ -43,3 +43,13 @@ def test_optimizer_state_of_the_first_checkpoints_is_named():
     assert [g["params"] for g in named["param_groups"]] == [names[:2], names[2:]]
     assert torch.equal(named["state"][names[3]]["exp_avg"], optimizer.state_dict()["state"][3]["exp_avg"])
     assert named_optimizer_state(named, model, optimizer) is named  # already named: as it is
+
+
+def test_asynchronous_saves_hold_the_weights_of_their_own_step(tmp_path, one_rank):
+    common = ["strategy=fsdp", "devices=cpu", "checkpoint.every=20", "checkpoint.keep=5", "checkpoint.consolidate=every"]
+    train(tmp_path / "async", *common, "checkpoint.async_save=true")
+    train(tmp_path / "sync", *common)
+    for step in (20, 40, 60, 80):
+        at = f"checkpoints/step_{step}/model.pt"
+        assert_same_weights(tmp_path / "sync" / at, tmp_path / "async" / at)
+    assert_same_weights(tmp_path / "sync" / "model.pt", tmp_path / "async" / "model.pt")
