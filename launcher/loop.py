@@ -167,8 +167,8 @@ class Weights:
         """After the last backward: the accumulated, reduced gradients scaled to the step's total."""
         if self.rescale is not None:
             grads = [q.grad for q in self.params if q.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, self.rescale)
+            if grads:  # (gradients offloaded to the CPU get the factor there)
+                torch._foreach_mul_(grads, self.rescale.to(grads[0].device, non_blocking=True))
 
 
 def _step_schedule(schedule: Any, step: int) -> None:

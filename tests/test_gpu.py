@@ -110,6 +110,13 @@ def test_fsdp_nccl_charlm_bf16(tmp_path):
          "strategy=ddp", f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_20'}"], timeout=600)
 
 
+def test_fsdp_cpu_offload_trains_and_resumes(tmp_path, one_rank):
+    values = train(tmp_path, "devices=cuda", "strategy=fsdp", "fsdp.cpu_offload=true", "trainer.grad_accum_steps=2",
+                   "trainer.clip_grad_norm=1.0", "checkpoint.every=40")
+    assert 0 < values["train/loss"] < 2.3
+    MLP().load_state_dict(state_dict(tmp_path / "model.pt"), strict=True)
+
+
 def test_batches_copied_ahead_on_a_side_stream_are_the_host_batches():
     from launcher import data
     from recipes.components.synthetic import Blobs

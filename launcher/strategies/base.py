@@ -98,7 +98,7 @@ class Strategy:
             norm = norm.full_tensor()
         if max_norm:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        return norm.to(self.device, non_blocking=True)  # gradients offloaded to the CPU: the meter's device
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
