@@ -9,7 +9,8 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from launcher import build, checkpoint, data, first_batch, loggers, scheduler, seeding, spawn, strategies, throughput
+from launcher import (build, checkpoint, data, first_batch, loggers, recompute, scheduler, seeding, spawn, strategies,
+                      throughput)
 from launcher.checkpoint import Checkpointer
 from launcher.state import RunState, Training
 from launcher.errors import UserError
@@ -99,6 +100,10 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     if init_from:
         where = checkpoint.load_model_state(model, Path(init_from), map_location=device)
         console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
+    if recipe.trainer.activation_checkpointing:
+        count = recompute.apply(model, recipe.trainer.activation_checkpointing)
+        console.info(f"activation checkpointing: {count} modules ({', '.join(recipe.trainer.activation_checkpointing)}) "
+                     f"recompute their activations in backward")
     cfg = recipe.data
     train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, placement, recipe.seed, device)
     precision = Precision(recipe.precision, device)
