@@ -359,9 +359,14 @@ def fitting_state(expected: Dict[str, Any], path: Path, map_location: Any = "cpu
                   verified: bool = False) -> tuple[Dict[str, torch.Tensor], Optional[str]]:
     """The weights of a state_dict file, found and checked against the model's `expected` keys and shapes
     as load_model_state says, and where in the file they were."""
-    if not verified:
-        _check_against_manifest(path)
-    state = load_file(path, map_location)
+    if Path(path).is_dir():  # a checkpoint folder of either kind (its files are checked there)
+        from launcher.export import checkpoint_weights
+
+        state = {k: v.to(map_location) for k, v in checkpoint_weights(Path(path)).items()}
+    else:
+        if not verified:
+            check_against_manifest(path)
+        state = load_file(path, map_location)
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise UserError(f"{path}: not a model state_dict (a mapping of parameter names to tensors)")
     where = None
@@ -396,7 +401,7 @@ def fitting_state(expected: Dict[str, Any], path: Path, map_location: Any = "cpu
     return state, where
 
 
-def _check_against_manifest(path: Path) -> None:
+def check_against_manifest(path: Path) -> None:
     """A file inside a checkpoint folder is checked against that folder's manifest before it is used."""
     manifest = path.parent / "manifest.json"
     if path.is_file() and manifest.is_file():
@@ -439,6 +444,11 @@ def to_cpu(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
             copies[ident] = tensor.detach().cpu()
         out[key] = copies[ident]
     return out
+
+
+def write_file(path: Path, write: Callable[[Any], Any]) -> Dict[str, Any]:
+    """A file written through write(file) atomically (a temporary name, fsync, rename); its size and CRC-32."""
+    return _write(path, write, atomic=True)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -64,6 +64,19 @@ def _alone() -> Iterator[None]:
         yield
 
 
+def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
+    """The full model of a sharded checkpoint, joined from every rank's shards in this process: tensors
+    only (nothing is unpickled), each allocated from DCP's index and filled by DCP."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    index = FileSystemReader(folder).read_metadata().state_dict_metadata
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in index.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    with _alone():
+        dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=True)
+    return {key[len("model."):]: tensor for key, tensor in state.items()}
+
+
 def is_sharded(folder: Path) -> bool:
     return (folder / METADATA).is_file()
 

@@ -80,6 +80,9 @@ def test_a_sharded_checkpoint_is_dcp_shards_sealed_by_a_manifest(sharded):
     assert sorted(manifest["files"]) == names[:3]
     assert "model.pt" in {p.name for p in (folder / "checkpoints" / "step_40").iterdir()}
     assert not list((folder / "checkpoints").glob(".step_*"))
+    # Both ranks' shards, joined by python -m launcher.export in one process: the gathered model.pt
+    run([sys.executable, "-m", "launcher.export", str(folder / "checkpoints" / "step_40"), str(folder / "e.pt")])
+    assert_same_weights(folder / "model.pt", folder / "e.pt")
 
 
 def test_resume_at_the_same_world_size_is_bitwise(sharded, tmp_path):

@@ -115,7 +115,7 @@ class CheckpointConfig:
     every: Optional[int] = 500  # optimizer steps between saves; null: only the final save
     keep: int = 3
     resume: str = "auto"  # auto | never | <path of a checkpoint folder>
-    init_from: Optional[str] = None  # a model state_dict file; wrapper prefixes accepted
+    init_from: Optional[str] = None  # a model state_dict file or a checkpoint folder; wrapper prefixes accepted
     on_signal: bool = True  # SIGTERM, Ctrl-C, Slurm's SIGUSR1: save at the next step boundary, then stop
     consolidate: str = "final"  # sharded runs: gather model.pt at the end (final), at every save (every), or never
     async_save: bool = False  # sharded runs: write a checkpoint's shards while training goes on

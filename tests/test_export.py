@@ -1,0 +1,90 @@
+"""python -m launcher.export: any checkpoint (sharded or not, a step folder, a run folder, a file) as one
+plain .pt or .safetensors file that loads into the plain model with strict=True."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from recipes.components.gpt import GPT
+from recipes.components.mlp import MLP
+from tests.conftest import REPO, assert_same_weights, state_dict, train
+
+safetensors = pytest.importorskip("safetensors.torch", reason="the dev extra (safetensors) is not installed")
+
+
+def export(*args):
+    return subprocess.run([sys.executable, "-m", "launcher.export", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A sharded run (fsdp as a torchrun world of one, model.pt gathered at every save) and a full one."""
+    folder = tmp_path_factory.mktemp("export")
+    with pytest.MonkeyPatch.context() as mp:
+        for var, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}.items():
+            mp.setenv(var, value)
+        train(folder / "sharded", "strategy=fsdp", "devices=cpu", "checkpoint.every=40", "checkpoint.consolidate=every")
+    train(folder / "full", "checkpoint.every=40")
+    return folder
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_sharded_checkpoint_exports_to_the_gathered_weights(runs, tmp_path, suffix):
+    step = runs / "sharded" / "checkpoints" / "step_40"
+    done = export(step, tmp_path / f"m{suffix}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {tmp_path / f'm{suffix}'}: 6 tensors, ") and str(step) in done.stdout
+    loaded = safetensors.load_file(tmp_path / "m.safetensors") if suffix == ".safetensors" else state_dict(tmp_path / "m.pt")
+    MLP().load_state_dict(loaded, strict=True)
+    expected = state_dict(step / "model.pt")
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_a_full_checkpoint_a_run_folder_and_a_file_export(runs, tmp_path):
+    for source, name in ((runs / "full" / "checkpoints" / "step_40", "a.pt"), (runs / "full", "b.pt"),
+                         (runs / "full" / "model.pt", "c.pt")):
+        assert export(source, tmp_path / name).returncode == 0
+    assert_same_weights(runs / "full" / "checkpoints" / "step_40" / "model.pt", tmp_path / "a.pt")
+    assert_same_weights(runs / "full" / "model.pt", tmp_path / "b.pt")
+    assert_same_weights(runs / "full" / "model.pt", tmp_path / "c.pt")
+
+
+def test_tied_embeddings_load_strictly_from_safetensors(tmp_path):
+    model = GPT(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.0, bias=False)
+    torch.save(model.state_dict(), tmp_path / "tied.pt")
+    assert export(tmp_path / "tied.pt", tmp_path / "tied.safetensors").returncode == 0
+    fresh = GPT(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.0, bias=False)
+    fresh.load_state_dict(safetensors.load_file(tmp_path / "tied.safetensors"), strict=True)
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()  # still tied
+
+
+def test_mistakes_are_one_line(runs, tmp_path):
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(runs / "sharded" / "checkpoints" / "step_40", damaged)
+    shard = damaged / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(runs / "sharded" / "checkpoints" / "step_40", incomplete)
+    (incomplete / "manifest.json").unlink()
+    for args, says in (((damaged, tmp_path / "o.pt"), "__0_0.distcp: CRC-32"),
+                       ((incomplete, tmp_path / "o.pt"), "no valid manifest.json"),
+                       ((tmp_path / "nothing", tmp_path / "o.pt"), "no such file or folder"),
+                       ((runs / "full", tmp_path / "o.bin"), "must end in .pt or .safetensors"),
+                       ((runs / "full", tmp_path / "no" / "such" / "o.pt"), "cannot write")):
+        done = export(*args)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_init_from_a_sharded_checkpoint(runs, tmp_path):
+    values = train(tmp_path, f"checkpoint.init_from={runs / 'sharded' / 'checkpoints' / 'step_40'}",
+                   "trainer.max_steps=1", "optimizer.lr=0.0")
+    assert values
+    assert_same_weights(runs / "sharded" / "checkpoints" / "step_40" / "model.pt", tmp_path / "model.pt")
