@@ -63,6 +63,14 @@ def test_two_nodes_through_srun_alone(slurm_cluster, tmp_path, single):  # noqa:
     assert_equivalent(single, tmp_path / "model.pt")
 
 
+def test_two_nodes_sharded(slurm_cluster, tmp_path, single):  # noqa: F811
+    job = submit(slurm_cluster, tmp_path, "--nodes=2", "strategy=fsdp")
+    output = finished(slurm_cluster, tmp_path, job)
+    assert "(fsdp)" in output and "1     0           1" in output
+    assert (tmp_path / "checkpoints" / "step_40" / "__1_0.distcp").exists()  # rank 1 wrote its shards on node 1
+    assert_equivalent(single, tmp_path / "model.pt")
+
+
 def test_one_node_two_processes(slurm_cluster, tmp_path, single):  # noqa: F811
     job = submit(slurm_cluster, tmp_path, "--tasks-per-node=2")
     output = finished(slurm_cluster, tmp_path, job)
@@ -73,12 +81,14 @@ def test_one_node_two_processes(slurm_cluster, tmp_path, single):  # noqa: F811
 SLOW = ["model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_steps=300", "checkpoint.every=null"]
 
 
-def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path):  # noqa: F811
-    whole = subprocess.run([sys.executable, "-m", "launcher", *RECIPE, *SLOW, f"run_dir={tmp_path / 'whole'}"],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-process", "fsdp-x2"])
+def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path, sharded):  # noqa: F811
+    fsdp = ["strategy=fsdp"] if sharded else []
+    whole = subprocess.run([sys.executable, "-m", "launcher", *RECIPE, *SLOW, *fsdp, *(["nproc_per_node=2"] if sharded else []),
+                            f"run_dir={tmp_path / 'whole'}"], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert whole.returncode == 0, whole.stderr
     run_dir = tmp_path / "preempted"
-    job = submit(slurm_cluster, run_dir, *SLOW)
+    job = submit(slurm_cluster, run_dir, *SLOW, *fsdp, *(["--tasks-per-node=2"] if sharded else []))
     deadline = time.time() + 90
     while "step 10/" not in log(run_dir, job):
         assert time.time() < deadline, log(run_dir, job)
