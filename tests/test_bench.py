@@ -14,7 +14,7 @@ from tests.conftest import REPO
 @pytest.mark.slow
 def test_benchmark_prints_every_row():
     done = subprocess.run([sys.executable, "-m", "launcher.bench", "--steps", "120", "--reps", "1",
-                           "--scaling-steps", "12", "--hf-steps", "60"], cwd=REPO, capture_output=True, text=True,
+                           "--scaling-steps", "12", "--hf-steps", "60", "--fsdp-steps", "20"], cwd=REPO, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
@@ -30,6 +30,10 @@ def test_benchmark_prints_every_row():
         assert 0.2 < ratio < 5, row  # a sanity bound on what was measured, not a target
     else:
         assert "HF row skipped: transformers is not installed" in out, out
+    held = re.search(r"^fsdp / ddp +held per rank (\d\.\d{3}) \(target <= 0.525: (met|NOT met)\); step time "
+                     r"(\d+\.\d{3}) ", out, re.M)
+    assert held and float(held.group(1)) <= 0.525 and held.group(2) == "met", out  # every Block sharded in two
+    assert 0.2 < float(held.group(3)) < 50, out  # a sanity bound on what was measured, not a target
     assert re.search(r"^ours / raw +\d\.\d{3}$", out, re.M), out
     for loop in ("raw", "ours"):
         efficiency = float(re.search(rf"^{loop} .* (\d\.\d{{3}})$", out, re.M).group(1))

@@ -32,6 +32,17 @@ def test_sigkilled_worker_restarts_and_finishes_exactly(tmp_path, uninterrupted,
     assert_same_weights(uninterrupted, tmp_path / "model.pt")
 
 
+def test_a_sigkilled_fsdp_worker_restarts_and_resumes_its_shards_exactly(tmp_path):
+    """fsdp x2: the restarted ranks read their shards of the newest checkpoint (one seeded instant)."""
+    fsdp = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *COMMON, "strategy=fsdp"]
+    run([*fsdp, f"run_dir={tmp_path / 'whole'}"])
+    at = random.Random(7).randrange(12, 40)
+    dies = f"model={{_target_: tests.components.DiesOnce, at: {at}, rank: 1, how: kill}}"
+    done = run([*fsdp[:3], "--max-restarts=1", *fsdp[3:], dies, f"run_dir={tmp_path / 'killed'}"])
+    assert f"resumed from {tmp_path / 'killed' / 'checkpoints' / f'step_{(at - 1) // 10 * 10}'}" in done.stdout
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "killed" / "model.pt")
+
+
 def test_a_rank_that_raises_takes_the_others_down_quickly(tmp_path):
     dies = "model={_target_: tests.components.DiesOnce, at: 15, rank: 1, how: raise}"
     started = time.time()
@@ -51,6 +62,20 @@ def test_a_crash_inside_a_save_never_loses_the_newest_complete_checkpoint(tmp_pa
     total = count_events(tmp_path)
     for kill_at in random.Random(0).sample(range(1, total + 1), 3):
         assert trial(tmp_path, kill_at, tmp_path / "reference" / "model.pt").endswith("exact")
+
+
+@pytest.mark.parametrize("extra", [["strategy=fsdp"], ["strategy=fsdp", "checkpoint.async_save=true"]],
+                         ids=["sharded", "sharded-async"])
+def test_a_crash_inside_a_sharded_save_never_loses_the_newest_complete_checkpoint(tmp_path, extra):
+    """One seeded instant per rank of fsdp x2 (python -m tests.save_crash --trials 20 --fsdp [--async] is the
+    stress run): a rank killed while its shards or rank 0's manifest are written."""
+    from tests.save_crash import events_per_rank, run, trial
+
+    assert run(tmp_path / "reference", extra=extra).returncode == 0
+    totals = events_per_rank(tmp_path, extra)
+    for rank in (0, 1):
+        kill_at = random.Random(rank).randrange(1, totals[rank] + 1)
+        assert trial(tmp_path, kill_at, tmp_path / "reference" / "model.pt", extra, rank).endswith("exact")
 
 
 @pytest.mark.parametrize("lost", [0, 1], ids=["the-rendezvous-host", "the-other-node"])

@@ -1,5 +1,5 @@
-"""python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--no-ddp] [--no-peers] [--no-hf]
-                          [--no-scaling]
+"""python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--fsdp-steps 100] [--no-ddp]
+                          [--no-peers] [--no-hf] [--no-fsdp] [--no-scaling]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -18,6 +18,11 @@ The HF row: recipes/hf_causal_lm.yaml (a transformers GPT2LMHeadModel on padded 
 passages, the model's own loss) through the launcher against the loop an HF user writes by hand
 (launcher/bench/raw_hf.py: the same model, batches and optimizer, read from the same recipe), one
 process, one thread; run when transformers is installed.
+
+The fsdp row: charlm at a CPU size under fsdp x2 and ddp x2 (torchrun, gloo): the bytes one rank holds
+in parameters, gradients and optimizer state at the end (of a shard, its local part; the target is half
+the full model's plus 5%), and the step-time ratio fsdp / ddp, reported and not judged: gloo's
+reduce-scatter and all-gather are slow, and FSDP's worth is memory.
 
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 """
@@ -141,6 +146,34 @@ def hf(args) -> list[str]:
             row("HF GPT-2 1 proc", res, "-")]
 
 
+# charlm at a CPU size where the Blocks hold nearly all parameters (4 of 128 wide: 0.8M parameters).
+FSDP_RECIPE = ["recipes/charlm.yaml", "devices=cpu", "precision=fp32", "model.n_layer=4", "model.n_head=4",
+               "model.n_embd=128", "model.block_size=64", "model.dropout=0.0", "data.batch_size=16", "data.val=null",
+               "metrics={}", "trainer.log_every=100", "trainer.eval_every=null", "checkpoint.every=null",
+               "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false"]
+
+
+def fsdp(args) -> list[str]:
+    """What one rank holds under fsdp x2 against ddp x2 (the full model's), and the step time."""
+    steps = str(args.fsdp_steps)
+    recipe = [*FSDP_RECIPE, f"trainer.max_steps={steps}"]
+    sides = {name: ([*TORCHRUN, "-m", "launcher.bench.child", *recipe, f"strategy={name}",
+                     f"run_dir={args.run_dir}/{name}"], {}) for name in ("ddp", "fsdp")}
+    res = alternate(sides, args.reps)
+    held = {name: {k: median(res[name], k) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")} for name in res}
+    total = {name: sum(held[name].values()) for name in held}
+    share = total["fsdp"] / total["ddp"]
+    r = [f["median_step_us"] / d["median_step_us"] for f, d in zip(res["fsdp"], res["ddp"])]
+    mib = lambda b: f"{b / 2**20:.2f}MiB"  # noqa: E731
+    return [f"fsdp x2 against ddp x2 (gloo), charlm 4x128 (its Blocks as units), {steps} steps, {args.reps} "
+            f"alternating repetitions (python -m launcher.bench --fsdp-steps {steps} --reps {args.reps})",
+            f"{'':16} {'parameters':>11} {'gradients':>10} {'optimizer':>10} {'per rank':>10}"] + [
+            f"{name + ' x2':16} {mib(held[name]['param_bytes']):>11} {mib(held[name]['grad_bytes']):>10} "
+            f"{mib(held[name]['optimizer_bytes']):>10} {mib(total[name]):>10}" for name in ("ddp", "fsdp")] + [
+            f"{'fsdp / ddp':16} held per rank {share:.3f} (target <= 0.525: {'met' if share <= 0.525 else 'NOT met'}); "
+            f"step time {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})"]
+
+
 def scaling(args) -> list[str]:
     steps, batch, width = str(args.scaling_steps), str(SCALING["batch"]), str(SCALING["width"])
     recipe = ["recipes/bench.yaml", f"trainer.max_steps={steps}", f"data.batch_size={batch}",
@@ -171,13 +204,17 @@ def main() -> int:
     parser.add_argument("--no-ddp", dest="ddp", action="store_false")
     parser.add_argument("--no-peers", dest="peers", action="store_false")
     parser.add_argument("--no-hf", dest="hf", action="store_false")
+    parser.add_argument("--fsdp-steps", type=int, default=100)
     parser.add_argument("--no-scaling", dest="scaling", action="store_false")
+    parser.add_argument("--no-fsdp", dest="fsdp", action="store_false")
     args = parser.parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
         print("\n".join(workload(args)), flush=True)
         if args.hf:
             print("\n".join(hf(args)), flush=True)
+        if args.fsdp:
+            print("\n".join(fsdp(args)), flush=True)
         if args.scaling:
             print("\n".join(scaling(args)))
     if aborted_at_exit:
