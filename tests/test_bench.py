@@ -54,3 +54,14 @@ def test_gpu_benchmark_runs_tiny_on_the_cpu():
         assert len(row) == 1, out
     ratio = float(re.search(r"^eager +ours .*  (\d+\.\d+) \(\S+\)$", out, re.M).group(1))
     assert 0.2 < ratio < 5, out  # a sanity bound on what was measured, not a target
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_compares_fsdp_with_ddp_tiny_on_the_cpu():
+    done = subprocess.run([sys.executable, "-m", "launcher.bench.gpu", "--device", "cpu", "--size", "tiny",
+                           "--steps", "60", "--reps", "1", "--fsdp"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^eager +ddp +\d+\.\d+ms ", done.stdout, re.M), done.stdout
+    ratio = float(re.search(r"^eager +fsdp .*  (\d+\.\d+) \(\S+\)$", done.stdout, re.M).group(1))
+    assert 0.1 < ratio < 10, done.stdout  # a sanity bound on what was measured, not a target

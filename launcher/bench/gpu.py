@@ -1,4 +1,5 @@
-"""python -m launcher.bench.gpu [--steps 300] [--reps 3] [--size 124M|tiny] [--device cuda|cpu] [--no-compile]
+"""python -m launcher.bench.gpu [--steps 300] [--reps 3] [--size 124M|tiny] [--device cuda|cpu]
+                              [--no-compile | --compiled-only | --fsdp]
 
 The charlm recipe (a character-level GPT on Hamlet) in bf16 on one GPU, eager and with torch.compile,
 through the launcher (`launcher.bench.child recipes/charlm.yaml ...`) and through a hand-written
@@ -18,6 +19,10 @@ is 4 steps of 32, and the data loops over epochs; both sides see data of the sam
 Both sides read the device only every 50 steps and time each step by when it was dispatched; see
 launcher/bench/raw_gpt.py for why the median then is the steady-state step time. Machines are noisy:
 compare the ratios of one run, and give figures with the date and the device (both printed).
+
+`--fsdp` runs instead the launcher's eager side under strategy fsdp against strategy ddp, one process
+each (torchrun): step time, tokens/s and peak memory (one GPU: FSDP shards nothing, so this is its
+overhead; its memory gain needs several GPUs).
 
 Where one command may run only 10 minutes, `--no-compile` and `--compiled-only` split the GPU benchmark
 into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to pass 10 minutes).
@@ -58,6 +63,14 @@ def sides(args, shape: tuple, compile: bool) -> dict:
     return {"raw": (raw, {}), "ours": (ours, {})}
 
 
+def strategy_sides(args, shape: tuple) -> dict:
+    """The launcher's side (eager) under ddp and under fsdp, each one process started by torchrun."""
+    ours, _ = sides(args, shape, compile=False)["ours"]
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    return {name: ([*torchrun, *ours[1:], f"strategy={name}", f"run_dir=/tmp/launcher-bench-gpu-{name}"], {})
+            for name in ("ddp", "fsdp")}
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
@@ -77,6 +90,8 @@ def main(argv=None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--no-compile", dest="settings", action="store_const", const=(False,), default=(False, True))
     which.add_argument("--compiled-only", dest="settings", action="store_const", const=(True,))
+    which.add_argument("--fsdp", dest="settings", action="store_const", const=("fsdp",),
+                       help="instead: the launcher under fsdp against ddp (one process each): memory and tokens/s")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu --size tiny for a smoke test")
@@ -102,7 +117,10 @@ def main(argv=None) -> int:
     warm_up = min(50, (args.steps - 1) // 2)  # StepClock.report's
     print(f"{datetime.date.today().isoformat()}, torch {torch.__version__}, {args.steps} steps ({warm_up} of warm-up), "
           f"{args.reps} alternating repetitions ({command})", flush=True)
-    print(f"{'':9} {'side':5} {'step':>9} {'tokens/s':>10} {'MFU':>6} {'memory':>9}  ours/raw (range)", flush=True)
+    last = "fsdp/ddp (range)" if args.settings == ("fsdp",) else "ours/raw (range)"
+    print(f"{'':9} {'side':5} {'step':>9} {'tokens/s':>10} {'MFU':>6} {'memory':>9}  {last}", flush=True)
+    if args.settings == ("fsdp",):
+        return _strategies(args, shape, tokens)
     for compile in args.settings:
         res = alternate(sides(args, shape, compile), args.reps)  # a side that fails ends it: SystemExit, its stderr
         if set(res) != {"raw", "ours"}:
@@ -117,6 +135,20 @@ def main(argv=None) -> int:
             tail = f"  {r:5.3f} ({lo:.3f}-{hi:.3f})" if side == "ours" else ""
             print(f"{'compiled' if compile else 'eager':9} {side:5} {step_s * 1e3:7.2f}ms {rate:10,.0f} {mfu} "
                   f"{memory}{tail}", flush=True)
+    return 0
+
+
+def _strategies(args, shape: tuple, tokens: int) -> int:
+    res = alternate(strategy_sides(args, shape), args.reps)
+    if set(res) != {"ddp", "fsdp"}:
+        raise SystemExit(f"a side gave no figures ({', '.join(res) or 'neither'} did)")
+    r = [f["median_step_us"] / d["median_step_us"] for f, d in zip(res["fsdp"], res["ddp"])]
+    for side in ("ddp", "fsdp"):
+        step_s = median(res[side], "median_step_us") / 1e6
+        mem = [run["max_memory_gib"] for run in res[side] if "max_memory_gib" in run]
+        memory = f"{statistics.median(mem):6.2f}GiB" if mem else f"{'-':>9}"
+        tail = f"  {statistics.median(r):5.3f} ({min(r):.3f}-{max(r):.3f})" if side == "fsdp" else ""
+        print(f"{'eager':9} {side:5} {step_s * 1e3:7.2f}ms {tokens / step_s:10,.0f} {'-':>6} {memory}{tail}", flush=True)
     return 0
 
 
