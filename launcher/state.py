@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from launcher import checkpoint, seeding, sharded
 from launcher.checkpoint import Checkpointer
@@ -92,7 +93,7 @@ class Training:
         self.strategy, self.model, self.optimizer, self.run = strategy, model, optimizer, run
         self.checkpointer, self.consolidate = checkpointer, consolidate
         self.async_save = async_save and strategy.sharded
-        self.pending: Optional[tuple] = None  # (step, folder, future) of a save still being written
+        self.pending: Optional[tuple] = None  # (step, folder, future, model.pt's entry) of a save being written
 
     # ---- resume ----------------------------------------------------------------------------------
 
@@ -122,7 +123,7 @@ class Training:
             self.strategy.load_state_dicts(self.model, self.optimizer, model_state, optimizer_state, full=full)
         except UserError:
             raise
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError, CheckpointException) as e:
             raise does_not_fit(folder, e) from None
         self.run.apply(folder)
 

@@ -4,6 +4,8 @@ In-process runs: fsdp as a torchrun world of one (gloo)."""
 
 import json
 
+import pytest
+
 import torch
 
 from launcher.state import named_optimizer_state
@@ -53,3 +55,12 @@ def test_asynchronous_saves_hold_the_weights_of_their_own_step(tmp_path, one_ran
         at = f"checkpoints/step_{step}/model.pt"
         assert_same_weights(tmp_path / "sync" / at, tmp_path / "async" / at)
     assert_same_weights(tmp_path / "sync" / "model.pt", tmp_path / "async" / "model.pt")
+
+
+def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path, one_rank):
+    from launcher.errors import UserError
+
+    train(tmp_path / "a", "strategy=fsdp", "devices=cpu", "checkpoint.every=40", "trainer.max_steps=40")
+    with pytest.raises(UserError, match=r"checkpoint.resume: .*step_40 does not fit this run \("):
+        train(tmp_path / "b", "strategy=fsdp", "devices=cpu", "model.hidden=64",
+              f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_40'}")
