@@ -359,10 +359,10 @@ def fitting_state(expected: Dict[str, Any], path: Path, map_location: Any = "cpu
                   verified: bool = False) -> tuple[Dict[str, torch.Tensor], Optional[str]]:
     """The weights of a state_dict file, found and checked against the model's `expected` keys and shapes
     as load_model_state says, and where in the file they were."""
-    if Path(path).is_dir():  # a checkpoint folder of either kind (its files are checked there)
-        from launcher.export import checkpoint_weights
+    if Path(path).is_dir():  # a checkpoint folder of either kind, or a run folder (checked as export checks them)
+        from launcher.export import model_state
 
-        state = {k: v.to(map_location) for k, v in checkpoint_weights(Path(path)).items()}
+        state = {k: v.to(map_location) for k, v in model_state(Path(path))[0].items()}
     else:
         if not verified:
             check_against_manifest(path)
