@@ -10,7 +10,7 @@ Either kind resumes under any strategy at any world size.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
