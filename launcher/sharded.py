@@ -5,15 +5,20 @@
     checkpoints/step_<N>/manifest.json       written last by rank 0: every file's size and CRC-32
 
 The state saved is {"model": ..., "optimizer": ..., "run": RunState}, keyed by the plain model's
-parameter names, so DCP reshards it on load: any world size, any strategy, reads it. Objects other
-than tensors (the run state, the optimizer's hyperparameters) are read back with weights_only=True,
-as every other checkpoint file is: nothing in a checkpoint is run.
+parameter names, so DCP reshards it on load: any world size, any strategy, reads it.
+
+Nothing in a checkpoint is run. DCP's own reader unpickles `.metadata` with plain pickle.load and
+values other than tensors with torch.load(weights_only=False), either of which runs whatever a
+crafted file names (and a forged manifest matches any file). Here `.metadata` is unpickled with
+DCP's metadata classes only, and other values (the run state, the optimizer's hyperparameters) with
+weights_only=True, as every other checkpoint file is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
@@ -21,10 +26,12 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from launcher import checkpoint
+from launcher.errors import UserError, first_line
 
 METADATA = ".metadata"
 
@@ -52,8 +59,7 @@ def read(folder: Path, state: Dict[str, Any]) -> None:
     """Load a sharded checkpoint into `state` (shaped as it was saved: each tensor the destination of its
     values, resharded to this run), in place. Collective when a process group runs."""
     with _alone():
-        dcp.load(state, storage_reader=FileSystemReader(folder), planner=_WeightsOnly(),
-                 no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=_Reader(folder), planner=_WeightsOnly(), no_dist=not dist.is_initialized())
 
 
 @contextlib.contextmanager
@@ -66,15 +72,53 @@ def _alone() -> Iterator[None]:
 
 def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
     """The full model of a sharded checkpoint, joined from every rank's shards in this process: tensors
-    only (nothing is unpickled), each allocated from DCP's index and filled by DCP."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    index = FileSystemReader(folder).read_metadata().state_dict_metadata
+    only, each allocated from DCP's index and filled by DCP."""
+    reader = _Reader(folder)
+    index = reader.read_metadata().state_dict_metadata
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in index.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     with _alone():
-        dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {key[len("model."):]: tensor for key, tensor in state.items()}
+
+
+# What DCP's .metadata is made of (torch 2.13); anything else named in the file is refused.
+_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of DCP's metadata")
+
+
+class _Reader(FileSystemReader):
+    """DCP's reader, with `.metadata` unpickled by the restricted unpickler above, at once: DCP itself
+    would log a refusal as a warning and go on to look for other files."""
+
+    def __init__(self, folder: Path):
+        super().__init__(folder)
+        path = Path(folder) / METADATA
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except Exception as e:  # UnpicklingError, EOFError, ... of a crafted, foreign or truncated file
+            raise UserError(f"{path}: cannot read it as DCP's metadata; it is not loaded ({first_line(e)[:160]})") from None
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+            raise UserError(f"{path}: not DCP's metadata (it holds {type(metadata).__name__})")
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            metadata.storage_meta = StorageMeta()
+        self.metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
 
 
 def is_sharded(folder: Path) -> bool:

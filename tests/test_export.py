@@ -23,8 +23,13 @@ def export(*args):
 def runs(tmp_path_factory):
     """A sharded run (fsdp as a torchrun world of one, model.pt gathered at every save) and a full one."""
     folder = tmp_path_factory.mktemp("export")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     with pytest.MonkeyPatch.context() as mp:
-        for var, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}.items():
+        for var, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
             mp.setenv(var, value)
         train(folder / "sharded", "strategy=fsdp", "devices=cpu", "checkpoint.every=40", "checkpoint.consolidate=every")
     train(folder / "full", "checkpoint.every=40")
@@ -81,6 +86,36 @@ def test_mistakes_are_one_line(runs, tmp_path):
         done = export(*args)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1
+
+
+class Crafted:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_a_crafted_metadata_file_is_refused_and_never_run(runs, tmp_path):
+    """DCP's own reader would unpickle .metadata with pickle.load; a forged manifest matches any file."""
+    import json
+    import pickle
+    import shutil
+
+    from launcher.checkpoint import crc32
+
+    crafted = tmp_path / "step_40"
+    shutil.copytree(runs / "sharded" / "checkpoints" / "step_40", crafted)
+    (crafted / ".metadata").write_bytes(pickle.dumps(Crafted()))
+    manifest = json.loads((crafted / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {"size": (crafted / ".metadata").stat().st_size, "crc32": crc32(crafted / ".metadata")}
+    (crafted / "manifest.json").write_text(json.dumps(manifest))
+    done = export(crafted, tmp_path / "o.pt")
+    assert done.returncode == 2 and "this must never run" not in done.stdout + done.stderr
+    assert "names builtins.print, which is not part of DCP's metadata" in done.stderr, done.stderr
+    from launcher.errors import UserError
+
+    with pytest.raises(UserError, match="not part of DCP's metadata"):  # resume reads it the same way
+        from launcher import sharded
+
+        sharded.read(crafted, {"model": {}})
 
 
 def test_init_from_a_sharded_checkpoint(runs, tmp_path):
