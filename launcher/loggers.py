@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 from launcher.errors import UserError
 
@@ -104,11 +104,10 @@ class Console:
             self.bar.update()
 
     def progress(self, step: int, total: int, epoch: int, values: Dict[str, float]) -> None:
-        line = format_values(values)
         if self.bar is not None:
-            self.bar.set_postfix_str(line, refresh=False)
+            self.bar.set_postfix_str(bar_postfix(values, self.bar.ncols), refresh=False)
         else:
-            self.info(f"step {step}/{total} | epoch {epoch} | {line}")
+            self.info(f"step {step}/{total} | epoch {epoch} | {format_values(values)}")
 
     def info(self, message: str) -> None:
         if self.bar is not None:
@@ -132,20 +131,42 @@ class NullConsole(Console):
 
 
 def format_values(values: Dict[str, float]) -> str:
+    return " | ".join(text for _, text in _parts(values))
+
+
+def _parts(values: Dict[str, float]) -> List[tuple]:
+    """(name, text) of each logged value, in the order logged."""
     parts = []
     for tag, value in values.items():
         name = tag.split("/", 1)[-1]
         if name.endswith("_per_s"):
-            parts.append(f"{name.replace('_per_s', '')}/s {value:,.0f}")
+            parts.append((name, f"{name.replace('_per_s', '')}/s {value:,.0f}"))
         elif name == "mfu":
-            parts.append(f"mfu {100 * value:.1f}%")
+            parts.append((name, f"mfu {100 * value:.1f}%"))
         elif name == "max_memory_gib":
-            parts.append(f"max mem {value:.2f} GiB")
+            parts.append((name, f"max mem {value:.2f} GiB"))
         elif name == "lr":
-            parts.append(f"lr {value:.2e}")
+            parts.append((name, f"lr {value:.2e}"))
         else:
-            parts.append(f"{name} {value:.4f}")
-    return " | ".join(parts)
+            parts.append((name, f"{name} {value:.4f}"))
+    return parts
+
+
+BAR_ITSELF = 52  # tqdm's own part of a line: "100%|█...█| 1000/1000 [01:23<00:00, 12.34step/s, ...]"
+THE_REST = ("lr", "grad_norm", "mfu", "max_memory_gib")  # shown after the loss and the recipe's metrics
+
+
+def bar_postfix(values: Dict[str, float], columns: int) -> str:
+    """The bar's postfix for a terminal `columns` wide: the loss and the recipe's metrics always, then the
+    learning rate, the gradient norm and the rates, each while the line still fits."""
+    def rank(name: str) -> int:
+        return 0 if name == "loss" else 2 if name in THE_REST or name.endswith("_per_s") else 1
+
+    width, shown = columns - BAR_ITSELF, []
+    for name, text in sorted(_parts(values), key=lambda part: rank(part[0])):  # stable: logged order within a rank
+        if rank(name) < 2 or len(" | ".join([*shown, text])) <= width:
+            shown.append(text)
+    return " | ".join(shown)
 
 
 def make(main: bool, run_dir: Path, tensorboard: bool, progress_bar: bool) -> tuple[NullLogger, Console]:
