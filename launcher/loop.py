@@ -10,7 +10,7 @@ from torch import nn
 
 from launcher.data import Position, TrainData
 from launcher.errors import UserError, first_line
-from launcher.loggers import Console, NullLogger
+from launcher.loggers import Console, Loggers
 from launcher.metrics import TrainMeter, evaluate
 from launcher.step import result
 from launcher.precision import Precision
@@ -31,7 +31,7 @@ class Parts:
     data: TrainData
     val: Optional[Any]  # re-iterable validation batches
     meter: TrainMeter
-    logger: NullLogger
+    logger: Loggers
     console: Console
     save: Callable[[Position, bool], None]  # a checkpoint (and, when final, model.pt); every rank calls it
     stop: StopFlag  # set by a signal; checked at step boundaries
@@ -95,17 +95,17 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
             saving = syncing = True
         if syncing:
             values = p.meter.read(p.strategy.all_reduce_mean, float(lr))  # host sync: once per interval
-            p.logger.scalars(values, step)
             last.update(values)
             p.idle()
             if _due(step, cfg.log_every) or step == total:
                 p.console.progress(step, total, pos.epoch, values)
-        if evaluating:
-            results = evaluate(p.model, p.val, p.step, p.metrics, p.precision.autocast,
-                               p.strategy.all_reduce_sum, p.strategy.device)
-            p.logger.scalars(results, step)
-            p.console.info(f"eval at step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
-            last.update(results)
+            if evaluating:
+                results = evaluate(p.model, p.val, p.step, p.metrics, p.precision.autocast,
+                                   p.strategy.all_reduce_sum, p.strategy.device)
+                p.console.info(f"eval at step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
+                values = {**values, **results}
+                last.update(results)
+            p.logger.scalars(values, step)  # one call per log step: a tracker's step holds train and val
         if saving:
             p.save(pos, step == total)
         if stopping:

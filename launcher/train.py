@@ -67,10 +67,28 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
 
 def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, notes: list) -> Dict[str, float]:
     resume, init_from, logger, console = _open(loaded, strategy, folder, notes)
-    training, parts = _build(loaded, strategy, folder.path, logger, console, init_from)
-    if resume is not None:
-        _resume(training, resume, loaded, console)
-    return _fit(loaded, training, parts, folder.path)
+    try:
+        training, parts = _build(loaded, strategy, folder.path, logger, console, init_from)
+        if resume is not None:
+            _resume(training, resume, loaded, console)
+        strategy.agree(lambda: logger.start(_tracked(loaded, strategy, folder.path, training, parts)))
+        return _fit(loaded, training, parts, folder.path)
+    finally:
+        logger.close("failed")  # unless closed already, as finished or stopped
+
+
+def _tracked(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, training: Training, parts: Parts):
+    """What the loggers record of this run: the recipe as resolved, and what actually runs."""
+    recipe = loaded.recipe
+    effective = {"strategy": strategy.name, "world_size": strategy.placement.world_size,
+                 "device": strategy.device.type, "precision": recipe.precision,
+                 "grad_accum_steps": recipe.trainer.grad_accum_steps,
+                 "batch_size_per_rank": recipe.data.batch_size // strategy.placement.world_size}
+    config = {**OmegaConf.to_container(loaded.config, resolve=True), "effective": effective}
+    flat = {**hparams(loaded.config), **{f"effective.{k}": v for k, v in effective.items()}}
+    summary = ["train/loss", "val/loss"] + [f"val/{m}" for m in parts.metrics]
+    return loggers.Start(run_dir, recipe.name, training.run.position.step, OmegaConf.to_yaml(loaded.config),
+                         config, flat, summary, say=parts.console.info)
 
 
 def _open(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, notes: list):
@@ -83,8 +101,7 @@ def _open(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, note
     opened = strategy.agree(lambda: folder.open(OmegaConf.to_yaml(loaded.config), recipe.checkpoint.resume,
                                                 recipe.checkpoint.init_from) if placement.is_main else None)
     resume, said, init_from = strategy.all_gather_object(opened)[0]
-    logger, console = strategy.agree(lambda: loggers.make(placement.is_main, folder.path, recipe.logging.tensorboard,
-                                                          recipe.logging.progress_bar))
+    logger, console = strategy.agree(lambda: loggers.make(placement.is_main, folder.path, recipe.logging))
     for note in notes + said:
         console.info(note)
     rows = strategy.all_gather_object(_describe(placement))  # a collective: every rank takes part
@@ -131,8 +148,6 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample,
                                   throughput.model_flops_per_sample(model, cfg.tokens_per_sample),
                                   peak * placement.world_size if peak else None, device)
-    logger.text("recipe", "    " + OmegaConf.to_yaml(loaded.config).replace("\n", "\n    "))
-    logger.hparams(hparams(loaded.config), ["train/loss", "val/loss"] + [f"val/{m}" for m in metrics])
     if recipe.trainer.compile:  # after the eager check. The wrapper is compiled, so DDP's buckets still
         wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys
     parts = Parts(wrapped, optimizer, schedule, step=step, metrics=metrics,
@@ -178,7 +193,7 @@ def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dic
             results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
         except Stopped as stopped:
             training.finish_pending()  # a checkpoint still being written is completed before the exit
-            logger.close()
+            logger.close("stopped")
             saved = f"saved {run_dir / 'checkpoints' / f'step_{stopped.step}'}" if recipe.checkpoint.on_signal else "not saved"
             console.info(f"{stopped}: {saved}")
             if strategy.placement.is_main and recipe.checkpoint.on_signal:
@@ -193,7 +208,7 @@ def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dic
             raise UserError(explained) from None
         finally:
             parts.stop.restore()
-    logger.close()
+    logger.close("finished")
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
     model = f"model: {run_dir / 'model.pt'}" if recipe.checkpoint.consolidate != "never" or not strategy.sharded else \
         "model: not gathered (checkpoint.consolidate=never; python -m launcher.export makes one from a checkpoint)"

@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 # Where a run writes and how it shows itself: changing these does not change what it trains.
 _NOT_TRAINING = {"run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.every", "checkpoint.keep",
-                 "trainer.log_every", "trainer.eval_every", "logging.tensorboard", "logging.progress_bar"}
+                 "trainer.log_every", "trainer.eval_every"}
 
 
 def flatten(node: Any, prefix: str = "") -> Dict[str, Any]:
@@ -32,4 +32,4 @@ def differences(saved: DictConfig, current: DictConfig) -> List[str]:
     """`key (old -> new)` for every training-relevant value that differs."""
     a, b = flatten(saved), flatten(current)
     return [f"{k} ({a.get(k)} -> {b.get(k)})" for k in sorted(set(a) | set(b))
-            if k not in _NOT_TRAINING and a.get(k) != b.get(k)]
+            if k not in _NOT_TRAINING and not k.startswith("logging.") and a.get(k) != b.get(k)]

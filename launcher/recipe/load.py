@@ -15,7 +15,7 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -148,6 +148,10 @@ def _apply_at(cfg: DictConfig, dotted: str, value: Any, where, origin, problems,
             problems.append(f"{where(full)}: {_shown(full)}: unknown key; {hint}")
             return
         kind = typing.get_type_hints(schema)[parts[i]]
+        section = _section(kind)
+        if section is not None and (i < len(parts) - 1 or isinstance(value, dict)):
+            kind = section
+            _fill(cfg, full, section)  # an optional section (logging.mlflow) that was null gets its defaults
         if dataclasses.is_dataclass(kind):
             if i == len(parts) - 1 and isinstance(value, dict):
                 _apply(cfg, value, kind, full + ".", where, origin, problems)
@@ -169,6 +173,19 @@ def _apply_at(cfg: DictConfig, dotted: str, value: Any, where, origin, problems,
         problems.append(f"{where(dotted)}: {dotted}: expected {shown}, got {short(value)}")
         return
     origin[dotted] = where(dotted)
+
+
+def _section(kind: Any) -> Optional[type]:
+    """The dataclass of a schema field typed as one, or as Optional[one]."""
+    if dataclasses.is_dataclass(kind):
+        return kind
+    found = [k for k in typing.get_args(kind) if dataclasses.is_dataclass(k)]
+    return found[0] if found else None
+
+
+def _fill(cfg: DictConfig, key: str, section: type) -> None:
+    if OmegaConf.select(cfg, key) is None:
+        OmegaConf.update(cfg, key, OmegaConf.structured(section), merge=False)
 
 
 def _open(cfg: DictConfig, key: str) -> bool:

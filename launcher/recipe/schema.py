@@ -18,6 +18,7 @@ from launcher.errors import short
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp", "accelerate")
 CONSOLIDATE = ("final", "every", "never")
+WANDB_MODES = ("online", "offline")
 REDUCE_DTYPES = ("fp32", "bf16")
 PRECISIONS = ("fp32", "bf16", "fp16")
 INT64 = (-2**63, 2**63 - 1)  # torch takes integers (seeds, sizes, counts) in 64 bits; OmegaConf's are unbounded
@@ -128,15 +129,36 @@ class CheckpointConfig:
 
 
 @dataclass
+class MLflowConfig:
+    tracking_uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else file:./mlruns
+    experiment: Optional[str] = None  # default: the recipe's name
+    run_name: Optional[str] = None  # default: the recipe's name
+
+
+@dataclass
+class WandbConfig:
+    project: Optional[str] = None  # default: the recipe's name
+    entity: Optional[str] = None  # default: your wandb default entity
+    mode: str = "online"  # online | offline (wandb sync uploads it later)
+    run_name: Optional[str] = None  # default: the recipe's name
+
+
+@dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    tensorboard: bool = True  # <run_dir>/tensorboard
+    mlflow: Optional[MLflowConfig] = None  # {} for the defaults (pip install 'launcher[mlflow]')
+    wandb: Optional[WandbConfig] = None  # {} for the defaults (pip install 'launcher[wandb]')
+    jsonl: bool = False  # <run_dir>/metrics.jsonl, one JSON object per log step
     progress_bar: bool = True
     peak_tflops: Optional[float] = None  # one device's peak, for MFU; default: a known GPU's dense bf16 peak
 
     def problems(self) -> List[tuple[str, str]]:
+        out = []
         if self.peak_tflops is not None and not _positive(self.peak_tflops):
-            return [("logging.peak_tflops", f"must be a positive number of TFLOP/s or null, got {self.peak_tflops}")]
-        return []
+            out.append(("logging.peak_tflops", f"must be a positive number of TFLOP/s or null, got {self.peak_tflops}"))
+        if self.wandb is not None and self.wandb.mode not in WANDB_MODES:
+            out.append(("logging.wandb.mode", f"got {short(self.wandb.mode)}; valid: {', '.join(WANDB_MODES)}"))
+        return out
 
 
 @dataclass

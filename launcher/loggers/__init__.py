@@ -1,0 +1,163 @@
+"""Where a run's numbers go: any number of backends at once, on global rank 0 only.
+
+Each backend is one file of this package and one field of `logging:` (LoggingConfig), and has
+
+    start(run: Start) -> Optional[dict]     open (or continue) its run; what it returns is kept in
+                                            <run_dir>/trackers.json and handed back as run.kept on resume
+    scalars(values: {tag: float}, step)     one call per log step (train and validation values together)
+    close(status)                           "finished" | "stopped" (a signal: the run will go on) | "failed"
+
+`Loggers` fans out to them. Other ranks get an empty `Loggers`, so the loop never asks which rank it
+is on. A backend's package is imported only when the recipe asks for it; a missing one is a user
+mistake naming the pip command.
+
+Resume: TensorBoard purges what followed the checkpoint (purge_step) and metrics.jsonl drops those
+lines, so each re-logs from the checkpoint on. A tracker (MLflow, W&B) continues the same run, whose
+id trackers.json keeps, and skips each value it already holds: training resumes exactly, so the
+values it would send again are the ones it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from launcher.errors import UserError
+from launcher.loggers.console import Console, NullConsole, bar_postfix, format_values  # noqa: F401
+
+RECORD = "trackers.json"  # tracker run ids, and the last step each tag was sent at
+STATUSES = ("finished", "stopped", "failed")
+
+
+@dataclass
+class Start:
+    run_dir: Path
+    name: str  # the recipe's name: the default experiment, project and run name
+    step: int  # 0 for a new run; else the step of the checkpoint it continues from
+    recipe_yaml: str
+    config: Dict[str, Any]  # the resolved recipe, nested, with `effective` (what actually runs) added
+    hparams: Dict[str, Any]  # the same, flat: `dotted.key: scalar`
+    metrics: List[str]  # tags that summarise a run (TensorBoard's hparams view)
+    say: Callable[[str], None] = print  # a line on the console
+    kept: Dict[str, Any] = field(default_factory=dict)  # what this backend returned at the last start
+    sent: Dict[str, int] = field(default_factory=dict)  # tag -> the last step sent to trackers before
+
+
+class Loggers:
+    """The backends of global rank 0 (none elsewhere), and the record that lets a tracker continue."""
+
+    def __init__(self, backends: List[Any], run_dir: Optional[Path] = None):
+        self.backends, self.run_dir = backends, run_dir
+        self.kept: Dict[str, Any] = {}
+        self.sent: Dict[str, int] = {}
+        self.closed = False
+        # Only trackers continue a run elsewhere; TensorBoard and jsonl rewrite their own files.
+        self.tracking = any(getattr(b, "continues", False) for b in backends)
+
+    def start(self, run: Start) -> None:
+        record = self._read() if run.step > 0 else {}
+        self.sent = dict(record.get("sent", {}))
+        for backend in self.backends:
+            run.kept, run.sent = record.get(backend.key, {}), dict(self.sent)
+            kept = backend.start(run)
+            if kept:
+                self.kept[backend.key] = kept
+        if self.tracking:
+            self._write()
+
+    def scalars(self, values: Dict[str, float], step: int) -> None:
+        for backend in self.backends:
+            backend.scalars(values, step)
+        if self.tracking:
+            self.sent.update({tag: step for tag in values})
+            self._write()
+
+    def close(self, status: str = "finished") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for backend in self.backends:
+            backend.close(status)
+
+    def _read(self) -> Dict[str, Any]:
+        path = self.run_dir / RECORD
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise UserError(f"logging: cannot read {path}, which names the tracker runs this run continues: {e}; "
+                            f"delete it to start new tracker runs") from None
+
+    def _write(self) -> None:
+        # Rewritten at each log step: a small file, replaced whole (no fsync: a kill -9 leaves the page
+        # cache to the kernel; after a power cut a tracker may get one value twice).
+        path = self.run_dir / RECORD
+        temporary = path.with_name(f".{RECORD}.tmp")
+        try:
+            temporary.write_text(json.dumps({**self.kept, "sent": self.sent}))
+            os.replace(temporary, path)
+        except OSError as e:
+            raise UserError(f"logging: cannot write {path}: {e.strerror or e} (errno {e.errno}). HINT: free some "
+                            f"space, or point run_dir=... at a writable folder") from None
+
+
+class Unsent:
+    """For a tracker that continues its run: which values it does not hold yet."""
+
+    def __init__(self, sent: Dict[str, int]):
+        self.sent = sent
+
+    def __call__(self, values: Dict[str, float], step: int) -> Dict[str, float]:
+        return {tag: value for tag, value in values.items() if step > self.sent.get(tag, 0)}
+
+
+@contextlib.contextmanager
+def writing(section: str, path: Path) -> Iterator[None]:
+    """A file backend's write that fails (a full disk, a read-only folder) is a user mistake naming the
+    path and the errno, as a checkpoint's is."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"logging.{section}: cannot write {path}: {e.strerror or e} (errno {e.errno}). HINT: free "
+                        f"some space, point run_dir=... at a writable folder, or set logging.{section}=false") from None
+
+
+def require(module: str, section: str, extra: str, package: str) -> None:
+    """A missing optional package is a user mistake that names the command installing it."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"logging.{section}: the {package} package is not installed; pip install "
+                        f"'launcher[{extra}]' (or pip install {package}), or set logging.{section}=null") from None
+
+
+def make(main: bool, run_dir: Path, cfg) -> tuple[Loggers, Console]:
+    """The loggers and console of this rank, from the recipe's `logging:` section."""
+    if not main:
+        return Loggers([]), NullConsole()
+    backends: List[Any] = []
+    if cfg.tensorboard:
+        from launcher.loggers.tensorboard import TensorBoard
+
+        backends.append(TensorBoard(run_dir / "tensorboard"))
+    if cfg.jsonl:
+        from launcher.loggers.jsonl import Jsonl
+
+        backends.append(Jsonl(run_dir / "metrics.jsonl"))
+    if cfg.mlflow is not None:
+        require("mlflow", "mlflow", "mlflow", "mlflow-skinny")
+        from launcher.loggers.mlflow import MLflow
+
+        backends.append(MLflow(cfg.mlflow))
+    if cfg.wandb is not None:
+        require("wandb", "wandb", "wandb", "wandb")
+        from launcher.loggers.wandb import WandB
+
+        backends.append(WandB(cfg.wandb))
+    return Loggers(backends, run_dir), Console(cfg.progress_bar)

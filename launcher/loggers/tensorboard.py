@@ -1,0 +1,58 @@
+"""`logging.tensorboard`: event files in <run_dir>/tensorboard through torch's SummaryWriter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict
+
+from launcher.loggers import Start, writing
+
+
+class TensorBoard:
+    key = "tensorboard"
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.writer = None
+
+    def start(self, run: Start) -> None:
+        with writing(self.key, self.folder):
+            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
+
+            _quiet_writer_thread()
+            # Resumed: TensorBoard hides what earlier event files hold from the next step on, which
+            # this run logs again (a run killed after its checkpoint would otherwise show those twice).
+            self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=run.step + 1 if run.step else None)
+            self.writer.add_text("recipe", "    " + run.recipe_yaml.replace("\n", "\n    "), run.step)
+            # Into this run's own event file: SummaryWriter.add_hparams would start a separate run folder.
+            for summary in hparams(run.hparams, {m: None for m in run.metrics}):
+                self.writer.file_writer.add_summary(summary)
+
+    def scalars(self, values: Dict[str, float], step: int) -> None:
+        with writing(self.key, self.folder):
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def close(self, status: str) -> None:
+        if self.writer is not None:
+            with writing(self.key, self.folder):
+                self.writer.close()
+
+
+def _quiet_writer_thread() -> None:
+    """tensorboard writes on a thread of its own; a write that fails there is kept for the next add_*,
+    flush or close, which report it as one line, and then re-raised on the thread, whose traceback
+    would be a second, noisy copy of the same error: leave that one out (it is global: once)."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "launcher_quiet", False):
+        return
+
+    def hook(args) -> None:
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+
+    hook.launcher_quiet = True
+    threading.excepthook = hook

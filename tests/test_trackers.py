@@ -1,0 +1,197 @@
+"""Every logger at once, read back with each tool's own reader: MLflow's MlflowClient on a local file
+store, W&B's offline transaction log through wandb's protobuf records, TensorBoard's EventAccumulator,
+metrics.jsonl as JSON. A resumed run continues one tracker run with each step logged once."""
+
+import json
+import shutil
+import struct
+
+import pytest
+
+from tests.conftest import launch, train
+
+mlflow = pytest.importorskip("mlflow", reason="the dev extra installs mlflow-skinny")
+wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="the dev extra installs wandb")
+
+
+def every_logger(tmp_path):
+    return ["logging.tensorboard=true", "logging.jsonl=true", f"logging.mlflow.tracking_uri=file:{tmp_path / 'mlruns'}",
+            "logging.mlflow.experiment=trackers", "logging.wandb.mode=offline", "trainer.eval_every=20",
+            "trainer.max_steps=60"]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # whatever the recipe says, no test reaches the network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
+def client(tmp_path):
+    uri = f"file:{tmp_path / 'mlruns'}"
+    return mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def wandb_records(path):
+    """The records of a .wandb file: LevelDB's log format (32 KiB blocks of crc, length, type, data)
+    after W&B's 7-byte header, each a wandb_internal_pb2.Record."""
+    data, out, pending, pos, block = path.read_bytes(), [], b"", 7, 32768
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:  # zero padding to the block's end
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:
+            out.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            out.append(pending + chunk)
+    for raw in out:
+        record = wandb_pb.Record()
+        record.ParseFromString(raw)
+        yield record
+
+
+def wandb_history(run_dir):
+    """{offline run folder: [(step, {tag: value})]} and the run ids seen."""
+    runs, ids = {}, set()
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        rows = runs.setdefault(path.parent.name, [])
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.add(record.run.run_id)
+            elif kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                values = {key: value for key, value in items.items() if not key.startswith("_")}
+                rows.append((record.history.step.num, values))
+    return runs, ids
+
+
+def jsonl(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_logger_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, *every_logger(tmp_path))
+
+    lines = jsonl(run_dir)
+    assert [line["step"] for line in lines] == [10, 20, 30, 40, 50, 60]
+    assert {"train/loss", "train/lr", "train/accuracy", "train/grad_norm", "time"} <= lines[0].keys()
+    assert "val/loss" in lines[1] and "val/loss" not in lines[0]  # train and val of a step: one object
+
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    c = client(tmp_path)
+    run = c.get_run(ids["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED"
+    assert c.get_experiment(run.info.experiment_id).name == "trackers"
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "train/loss")] == [10, 20, 30, 40, 50, 60]
+    assert [m.value for m in c.get_metric_history(run.info.run_id, "val/loss")] == \
+        [line["val/loss"] for line in lines if "val/loss" in line]
+    params = run.data.params
+    assert params["optimizer.lr"] == "0.001" and params["model"] == "recipes.components.mlp.MLP"
+    # what actually ran, beside what was asked
+    assert params["strategy"] == "auto" and params["effective.strategy"] == "single"
+    assert params["effective.world_size"] == "1" and params["effective.device"] == "cpu"
+    assert params["effective.precision"] == "fp32"
+    artifact = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="recipe.yaml",
+                                                   tracking_uri=f"file:{tmp_path / 'mlruns'}", dst_path=str(tmp_path))
+    assert "name: quickstart" in open(artifact).read()
+
+    runs, wandb_ids = wandb_history(run_dir)
+    assert wandb_ids == {ids["wandb"]["id"]} and len(runs) == 1
+    (rows,) = runs.values()
+    assert [step for step, _ in rows] == [10, 20, 30, 40, 50, 60]
+    assert [values["train/loss"] for _, values in rows] == [line["train/loss"] for line in lines]
+
+
+def test_tensorboard_hparams_say_what_ran(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    train(tmp_path, "logging.tensorboard=true")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    start = plugin_data_pb2.HParamsPluginData.FromString(events.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    hparams = start.session_start_info.hparams
+    assert hparams["strategy"].string_value == "auto" and hparams["effective.strategy"].string_value == "single"
+    assert hparams["effective.world_size"].number_value == 1 and hparams["effective.device"].string_value == "cpu"
+
+
+def test_a_resumed_run_continues_one_tracker_run_each_step_once(tmp_path):
+    """Killed after step 60 was logged, with step 40 the newest checkpoint: the rerun resumes at 40, logs
+    50 and 60 again where it owns the files (TensorBoard purges, jsonl drops lines) and continues the
+    same MLflow and W&B runs without sending a step twice."""
+    run_dir = tmp_path / "run"
+    overrides = [*every_logger(tmp_path), "checkpoint.every=40", "trainer.max_steps=80"]
+    train(run_dir, *overrides[:-1], "trainer.max_steps=60")  # the first attempt, as far as it got
+    shutil.rmtree(run_dir / "checkpoints" / "step_60")  # ... its newest checkpoint is step 40's
+    (run_dir / "model.pt").unlink()
+    (run_dir / "checkpoints" / "latest").write_text("step_40")
+    first = {line["step"]: line for line in jsonl(run_dir)}
+
+    train(run_dir, *overrides)
+
+    lines = jsonl(run_dir)
+    assert [line["step"] for line in lines] == [10, 20, 30, 40, 50, 60, 70, 80]
+    for step in (50, 60):  # exact resume: the same values as the first attempt's
+        assert lines[step // 10 - 1]["train/loss"] == first[step]["train/loss"]
+
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    c = client(tmp_path)
+    (run,) = c.search_runs([c.get_experiment_by_name("trackers").experiment_id])
+    assert run.info.run_id == ids["mlflow"]["run_id"] and run.info.status == "FINISHED"
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "train/loss")] == [10, 20, 30, 40, 50, 60, 70, 80]
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "val/loss")] == [20, 40, 60, 80]
+
+    runs, wandb_ids = wandb_history(run_dir)
+    assert wandb_ids == {ids["wandb"]["id"]} and len(runs) == 2  # two attempts, one W&B run
+    steps = [step for rows in runs.values() for step, _ in rows]
+    assert steps == [10, 20, 30, 40, 50, 60, 70, 80]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [10, 20, 30, 40, 50, 60, 70, 80]
+
+
+def test_starting_over_starts_new_tracker_runs(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, *every_logger(tmp_path))
+    first = json.loads((run_dir / "trackers.json").read_text())
+    train(run_dir, *every_logger(tmp_path), "checkpoint.resume=never")
+    second = json.loads((run_dir / "trackers.json").read_text())
+    assert second["mlflow"]["run_id"] != first["mlflow"]["run_id"] and second["wandb"]["id"] != first["wandb"]["id"]
+    assert [line["step"] for line in jsonl(run_dir)] == [10, 20, 30, 40, 50, 60]
+
+
+@pytest.mark.parametrize("section, package", [("mlflow", "mlflow-skinny"), ("wandb", "wandb")])
+def test_a_missing_package_names_the_install_command(tmp_path, section, package):
+    """A sitecustomize hides the package (import fails), as on a machine without the extra."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    module = "mlflow" if section == "mlflow" else "wandb"
+    (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules[{module!r}] = None\n")
+    done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path / 'run'}", f"logging.{section}={{}}",
+                  "trainer.max_steps=2", env={"PYTHONPATH": str(hide)})
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"launcher: logging.{section}: the {package} package is not installed")
+    assert f"pip install 'launcher[{section}]'" in line and f"logging.{section}=null" in line
+
+
+def test_wandb_mode_is_checked(tmp_path):
+    done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path}", "logging.wandb.mode=onlin")
+    assert done.returncode == 2
+    assert "logging.wandb.mode: got 'onlin'; valid: online, offline" in done.stderr
