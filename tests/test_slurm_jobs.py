@@ -1,5 +1,6 @@
 """The launcher on a real Slurm cluster (slurm/local/): submit, several nodes, preemption and requeue."""
 
+import json
 import re
 import subprocess
 import sys
@@ -82,13 +83,15 @@ SLOW = ["model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_s
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-process", "fsdp-x2"])
-def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path, sharded):  # noqa: F811
+def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path, sharded, monkeypatch):  # noqa: F811
+    """... and the requeued job continues the same MLflow run, each step logged once."""
     fsdp = ["strategy=fsdp"] if sharded else []
     whole = subprocess.run([sys.executable, "-m", "launcher", *RECIPE, *SLOW, *fsdp, *(["nproc_per_node=2"] if sharded else []),
                             f"run_dir={tmp_path / 'whole'}"], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert whole.returncode == 0, whole.stderr
     run_dir = tmp_path / "preempted"
-    job = submit(slurm_cluster, run_dir, *SLOW, *fsdp, *(["--tasks-per-node=2"] if sharded else []))
+    tracked = [f"logging.mlflow.tracking_uri=file:{tmp_path / 'mlruns'}", "logging.jsonl=true"]
+    job = submit(slurm_cluster, run_dir, *SLOW, *fsdp, *tracked, *(["--tasks-per-node=2"] if sharded else []))
     deadline = time.time() + 90
     while "step 10/" not in log(run_dir, job):
         assert time.time() < deadline, log(run_dir, job)
@@ -100,6 +103,17 @@ def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path,
     assert "restart 1" in output and "resumed from" in output, output
     assert slurm_cluster.job_state(job)["Restarts"] == "1"
     assert_same_weights(tmp_path / "whole" / "model.pt", run_dir / "model.pt")
+
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path / 'mlruns'}"
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == logged and steps == sorted(set(steps)) and steps[-1] == 300, (steps, logged)
 
 
 def test_a_bad_recipe_fails_within_seconds_with_one_line(slurm_cluster, tmp_path):  # noqa: F811

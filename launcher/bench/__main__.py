@@ -1,5 +1,5 @@
 """python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--fsdp-steps 100] [--no-ddp]
-                          [--no-peers] [--no-hf] [--no-fsdp] [--no-scaling]
+                          [--no-peers] [--no-hf] [--no-fsdp] [--no-loggers] [--no-scaling] [--loggers]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -23,6 +23,10 @@ The fsdp row: charlm at a CPU size under fsdp x2 and ddp x2 (torchrun, gloo): th
 in parameters, gradients and optimizer state at the end (of a shard, its local part; the target is half
 the full model's plus 5%), and the step-time ratio fsdp / ddp, reported and not judged: gloo's
 reduce-scatter and all-gather are slow, and FSDP's worth is memory.
+
+The loggers row: the reference workload with TensorBoard alone and with TensorBoard, MLflow (a local
+file store) and metrics.jsonl at once, against the hand-written loop, as the mean step (log steps
+included) and the median; `--loggers` runs this row alone.
 
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 """
@@ -174,6 +178,32 @@ def fsdp(args) -> list[str]:
             f"step time {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})"]
 
 
+def loggers(args) -> list[str]:
+    """The reference workload with TensorBoard alone, and with every file-backed logger at once: what
+    logging costs per step, its log steps included (the mean step), against the hand-written loop."""
+    steps = str(args.steps)
+    recipe = ["recipes/bench.yaml", f"trainer.max_steps={steps}"]
+    everything = ["logging.tensorboard=true", "logging.jsonl=true",
+                  f"logging.mlflow.tracking_uri=file:{args.run_dir}/mlruns", *LOGGERS_EXTRA]
+    sides = {"raw": ([PY, "-m", "launcher.bench.raw", steps], {}),
+             "tensorboard": ([PY, "-m", "launcher.bench.child", *recipe, "logging.tensorboard=true",
+                              f"run_dir={args.run_dir}/tensorboard"], {}),
+             "all": ([PY, "-m", "launcher.bench.child", *recipe, *everything, f"run_dir={args.run_dir}/all"],
+                     {"MLFLOW_ALLOW_FILE_STORE": "true"})}
+    res = alternate(sides, args.reps)
+    out = [f"loggers on the reference workload, 1 process, {steps} steps, a log step every 100, {args.reps} alternating "
+           f"repetitions (python -m launcher.bench --steps {steps} --reps {args.reps} --loggers)",
+           f"{'':16} {'mean step':>10} {'ratio to raw (range)':<22} {'median step':>12} {'ratio':>6}"]
+    for name, label in (("raw", "raw"), ("tensorboard", "TensorBoard"), ("all", "TB+MLflow+jsonl")):
+        mean, med = median(res[name], "mean_step_us"), median(res[name], "median_step_us")
+        r, lo, hi = ratio(res, name, "mean_step_us")
+        out.append(f"{label:16} {mean:8.0f}us {r:5.3f} ({lo:.3f}-{hi:.3f})      {med:8.0f}us {ratio(res, name)[0]:6.3f}")
+    return out
+
+
+LOGGERS_EXTRA: list[str] = []
+
+
 def scaling(args) -> list[str]:
     steps, batch, width = str(args.scaling_steps), str(SCALING["batch"]), str(SCALING["width"])
     recipe = ["recipes/bench.yaml", f"trainer.max_steps={steps}", f"data.batch_size={batch}",
@@ -207,10 +237,17 @@ def main() -> int:
     parser.add_argument("--fsdp-steps", type=int, default=100)
     parser.add_argument("--no-scaling", dest="scaling", action="store_false")
     parser.add_argument("--no-fsdp", dest="fsdp", action="store_false")
+    parser.add_argument("--no-loggers", dest="loggers", action="store_false")
+    parser.add_argument("--loggers", dest="loggers_only", action="store_true", help="the loggers row alone")
     args = parser.parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
+        if args.loggers_only:
+            print("\n".join(loggers(args)), flush=True)
+            return 0
         print("\n".join(workload(args)), flush=True)
+        if args.loggers:
+            print("\n".join(loggers(args)), flush=True)
         if args.hf:
             print("\n".join(hf(args)), flush=True)
         if args.fsdp:

@@ -60,7 +60,7 @@ class Loggers:
         self.tracking = any(getattr(b, "continues", False) for b in backends)
 
     def start(self, run: Start) -> None:
-        record = self._read() if run.step > 0 else {}
+        record = self._read() if run.step > 0 and self.backends else {}
         self.sent = dict(record.get("sent", {}))
         for backend in self.backends:
             run.kept, run.sent = record.get(backend.key, {}), dict(self.sent)
