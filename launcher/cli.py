@@ -5,6 +5,7 @@
     2       a user mistake (recipe, command line, environment, checkpoint): one line per problem, no traceback
     3       the loss became NaN or infinite: the step is named, nothing is saved after it
     4       Slurm refused the requeue after a signal; the checkpoint is saved
+    5       out of memory: the step, the peak and the memory snapshot (when one was asked for) are named
     128+N   stopped by signal N (130 Ctrl-C, 143 SIGTERM); the checkpoint is saved
 """
 
@@ -17,7 +18,7 @@ import sys
 import time
 from typing import List, Optional
 
-from launcher.errors import EXIT_DIVERGED, EXIT_REQUEUE, EXIT_USER, TrainingDiverged, UserError
+from launcher.errors import EXIT_DIVERGED, EXIT_OOM, EXIT_REQUEUE, EXIT_USER, OutOfMemory, TrainingDiverged, UserError
 from launcher.stopping import RequeueFailed, Stopped, exit_code
 
 USAGE = "python -m launcher RECIPE.yaml [key=value ...] [--print-config]"
@@ -56,6 +57,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RequeueFailed as e:
         _say(str(e))
         return EXIT_REQUEUE
+    except OutOfMemory as e:
+        _say(str(e), every_rank=True)  # each rank's own: its step, its device, its peak
+        return EXIT_OOM
     except TrainingDiverged as e:
         _say(f"{e}; stopped without saving. The last good checkpoint is kept; lower the learning rate "
              f"or enable trainer.clip_grad_norm, then resume")

@@ -1,7 +1,7 @@
 """The one exception type for user mistakes, and the exit codes the command line gives.
 
 0 done; 1 a bug or crash (Python's traceback); 2 a user mistake, one line per problem; 3 the loss
-diverged; 4 Slurm refused the requeue after a signal; 128+N stopped by signal N (see cli.py).
+diverged; 4 Slurm refused the requeue after a signal; 5 out of memory; 128+N stopped by signal N (see cli.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ EXIT_BUG = 1  # what Python itself gives an uncaught exception: named here, neve
 EXIT_USER = 2
 EXIT_DIVERGED = 3
 EXIT_REQUEUE = 4
+EXIT_OOM = 5
 
 
 class UserError(Exception):
@@ -52,3 +53,8 @@ def a_kind(value: object) -> str:
 
 class TrainingDiverged(Exception):
     """The loss became NaN or infinite; the run stops without saving over good checkpoints."""
+
+
+class OutOfMemory(Exception):
+    """A rank ran out of device (or host) memory in a step; the message is its one line. Nothing is saved
+    after it: the newest complete checkpoint stays the one to resume from."""

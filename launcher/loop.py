@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -17,6 +17,7 @@ from launcher.precision import Precision
 from launcher.recipe.schema import TrainerConfig
 from launcher.stopping import StopFlag, Stopped
 from launcher.strategies import Strategy
+from launcher.watch import Watch
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Parts:
     stop: StopFlag  # set by a signal; checked at step boundaries
     save_on_stop: bool = True
     idle: Callable[[], None] = lambda: None  # at log steps: finish what runs in the background (a checkpoint's write)
+    watch: Watch = field(default_factory=lambda: Watch([]))  # the recipe's profiler and memory windows
 
 
 def total_steps(cfg: TrainerConfig, steps_per_epoch: int) -> int:
@@ -60,6 +62,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     p.console.start(total, pos.step)
     p.meter.start(pos.step)
     last: Dict[str, float] = {}
+    p.watch.at(pos.step)
     while pos.step < total:
         step = pos.step + 1
         evaluating = p.val is not None and (_due(step, cfg.eval_every) or step == total)
@@ -88,6 +91,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         if p.schedule is not None:
             _step_schedule(p.schedule, step)
         pos.step = step
+        p.watch.at(step)
         p.meter.step_done(norm)
         p.console.advance()
         stopping = p.stop.agreed(step, p.strategy.max_over_ranks) if step < total else None

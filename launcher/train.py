@@ -10,10 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 from launcher import (build, checkpoint, data, first_batch, loggers, recompute, scheduler, seeding, spawn, strategies,
-                      throughput)
+                      throughput, watch)
 from launcher.checkpoint import Checkpointer
 from launcher.state import RunState, Training
-from launcher.errors import UserError
+from launcher.errors import OutOfMemory, UserError
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
 from launcher.precision import Precision
@@ -154,7 +154,8 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                   precision=precision, strategy=strategy, data=train_data, val=val,
                   meter=TrainMeter(metrics, device, rates), logger=logger, console=console,
                   save=lambda pos, final: training.save(final), stop=StopFlag(placement.world_size),
-                  save_on_stop=recipe.checkpoint.on_signal, idle=lambda: training.finish_pending(wait=False))
+                  save_on_stop=recipe.checkpoint.on_signal, idle=lambda: training.finish_pending(wait=False),
+                  watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
     return training, parts
 
 
@@ -202,12 +203,16 @@ def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dic
                     console.info(said)
             raise
         except RuntimeError as e:  # a wrapper's own error that a recipe key fixes (DDP's unused parameters)
+            if watch.is_out_of_memory(e):
+                raise OutOfMemory(parts.watch.out_of_memory(position.step + 1, strategy.device,
+                                                            strategy.placement.rank)) from None
             explained = strategy.explain(e)
             if explained is None:
                 raise
             raise UserError(explained) from None
         finally:
             parts.stop.restore()
+            parts.watch.close(position.step)
     logger.close("finished")
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
     model = f"model: {run_dir / 'model.pt'}" if recipe.checkpoint.consolidate != "never" or not strategy.sharded else \

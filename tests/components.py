@@ -178,3 +178,19 @@ class SizedStream(Stream):
 def mean_error(output, target, scale: float = 1.0):
     """A plain function as a metric (`_partial_: true`): per-item misclassification, times `scale`."""
     return (output.argmax(-1) != target).float() * scale
+
+
+class OutOfMemoryAt(MLP):
+    """An MLP whose `at`-th forward pass in training asks the allocator for far more than any machine has
+    (16 TiB): a real out-of-memory error, of the CPU's allocator here and CUDA's on a GPU."""
+
+    def __init__(self, at: int, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at:
+                torch.empty(2**44, dtype=torch.uint8, device=x.device)
+        return super().forward(x)

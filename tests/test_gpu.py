@@ -137,3 +137,36 @@ def test_batches_copied_ahead_on_a_side_stream_are_the_host_batches():
     assert len(on_gpu) == len(on_cpu)
     for (a, b, e, n), (c, d, f, m) in zip(on_cpu, on_gpu):
         assert torch.equal(a, c) and torch.equal(b, d) and (e, n) == (f, m)
+
+
+def test_a_cuda_out_of_memory_names_the_step_and_the_peak_and_dumps_a_snapshot(tmp_path):
+    from tests.conftest import launch
+
+    done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path}", "devices=cuda", "trainer.max_steps=20",
+                  "checkpoint.every=5", "memory_snapshot.at_step=6", "memory_snapshot.steps=100",
+                  "model={_target_: tests.components.OutOfMemoryAt, at: 8, in_dim: 32, hidden: 128, classes: 10}")
+    assert done.returncode == 5, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("launcher: out of memory in step 8 on cuda:0 (peak "), line
+    assert "GiB of " in line and "; memory snapshot: " in line
+    snapshot = line.split("; memory snapshot: ")[1].split(". HINT")[0]
+    import pickle
+
+    with open(snapshot, "rb") as f:
+        assert "segments" in pickle.load(f)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_5"
+
+
+def test_a_cuda_profile_window_holds_kernels_and_a_snapshot_window_a_pickle(tmp_path):
+    import json
+    import pickle
+
+    train(tmp_path, "devices=cuda", "profile.at_step=3", "profile.steps=2", "memory_snapshot.at_step=3",
+          "memory_snapshot.steps=2")
+    (trace,) = (tmp_path / "profile").iterdir()
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # CUDA kernels, not only host ops
+    (snapshot,) = (tmp_path / "memory").iterdir()
+    assert snapshot.name == "rank0_step3-4.pickle"
+    with open(snapshot, "rb") as f:
+        assert pickle.load(f)["segments"]

@@ -25,7 +25,7 @@ the full model's plus 5%), and the step-time ratio fsdp / ddp, reported and not 
 reduce-scatter and all-gather are slow, and FSDP's worth is memory.
 
 The loggers row: the reference workload with TensorBoard alone and with TensorBoard, MLflow (a local
-file store) and metrics.jsonl at once, against the hand-written loop, as the mean step (log steps
+file store) and metrics.jsonl at once (and a profiler window set beyond the last step), against the hand-written loop, as the mean step (log steps
 included) and the median; `--loggers` runs this row alone.
 
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
@@ -184,7 +184,8 @@ def loggers(args) -> list[str]:
     steps = str(args.steps)
     recipe = ["recipes/bench.yaml", f"trainer.max_steps={steps}"]
     everything = ["logging.tensorboard=true", "logging.jsonl=true",
-                  f"logging.mlflow.tracking_uri=file:{args.run_dir}/mlruns", *LOGGERS_EXTRA]
+                  f"logging.mlflow.tracking_uri=file:{args.run_dir}/mlruns",
+                  f"profile.at_step={args.steps + 1}"]  # a profiler window after the last step: its check alone
     sides = {"raw": ([PY, "-m", "launcher.bench.raw", steps], {}),
              "tensorboard": ([PY, "-m", "launcher.bench.child", *recipe, "logging.tensorboard=true",
                               f"run_dir={args.run_dir}/tensorboard"], {}),
@@ -194,14 +195,11 @@ def loggers(args) -> list[str]:
     out = [f"loggers on the reference workload, 1 process, {steps} steps, a log step every 100, {args.reps} alternating "
            f"repetitions (python -m launcher.bench --steps {steps} --reps {args.reps} --loggers)",
            f"{'':16} {'mean step':>10} {'ratio to raw (range)':<22} {'median step':>12} {'ratio':>6}"]
-    for name, label in (("raw", "raw"), ("tensorboard", "TensorBoard"), ("all", "TB+MLflow+jsonl")):
+    for name, label in (("raw", "raw"), ("tensorboard", "TensorBoard"), ("all", "TB+MLflow+jsonl+profile")):
         mean, med = median(res[name], "mean_step_us"), median(res[name], "median_step_us")
         r, lo, hi = ratio(res, name, "mean_step_us")
         out.append(f"{label:16} {mean:8.0f}us {r:5.3f} ({lo:.3f}-{hi:.3f})      {med:8.0f}us {ratio(res, name)[0]:6.3f}")
     return out
-
-
-LOGGERS_EXTRA: list[str] = []
 
 
 def scaling(args) -> list[str]:

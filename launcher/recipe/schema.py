@@ -129,6 +129,32 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """A torch.profiler window: steps at_step .. at_step+steps-1 on the listed ranks, to <run_dir>/profile/."""
+
+    at_step: Optional[int] = None  # the first step recorded; null: no profile
+    steps: int = 3
+    ranks: List[int] = field(default_factory=lambda: [0])  # global ranks that record
+
+    def problems(self) -> List[tuple[str, str]]:
+        out = _at_least("profile.at_step", self.at_step, 1) + _at_least("profile.steps", self.steps, 1)
+        if not self.ranks or any(r < 0 for r in self.ranks):
+            out.append(("profile.ranks", f"must be a non-empty list of global ranks (0, 1, ...), got {short(self.ranks)}"))
+        return out
+
+
+@dataclass
+class MemorySnapshotConfig:
+    """CUDA's allocator history over steps at_step .. at_step+steps-1, dumped to <run_dir>/memory/."""
+
+    at_step: Optional[int] = None  # the first step recorded; null: no snapshot
+    steps: int = 3
+
+    def problems(self) -> List[tuple[str, str]]:
+        return _at_least("memory_snapshot.at_step", self.at_step, 1) + _at_least("memory_snapshot.steps", self.steps, 1)
+
+
+@dataclass
 class MLflowConfig:
     tracking_uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else file:./mlruns
     experiment: Optional[str] = None  # default: the recipe's name
@@ -215,12 +241,15 @@ class Recipe:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    memory_snapshot: MemorySnapshotConfig = field(default_factory=MemorySnapshotConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def problems(self) -> List[tuple[str, str]]:
         """Every value-level problem as (key, message); empty when the recipe is valid."""
         sections = {"": self, "data.": self.data, "ddp.": self.ddp, "fsdp.": self.fsdp, "trainer.": self.trainer,
-                    "checkpoint.": self.checkpoint, "logging.": self.logging, "slurm.": self.slurm}
+                    "checkpoint.": self.checkpoint, "logging.": self.logging, "profile.": self.profile,
+                    "memory_snapshot.": self.memory_snapshot, "slurm.": self.slurm}
         huge = [p for prefix, section in sections.items() for p in _int64_problems(prefix, section)]
         out = []
         if self.strategy not in STRATEGIES:
@@ -237,7 +266,8 @@ class Recipe:
             out += _target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += _target_problems(f"metrics.{metric}", spec)
-        for section in (self.data, self.ddp, self.fsdp, self.trainer, self.checkpoint, self.logging, self.slurm):
+        for section in (self.data, self.ddp, self.fsdp, self.trainer, self.checkpoint, self.logging, self.profile,
+                        self.memory_snapshot, self.slurm):
             out += section.problems()
         # A value past 64 bits is reported once, not again by the range checks of its own key.
         return huge + [p for p in out if p[0] not in {key for key, _ in huge}]
