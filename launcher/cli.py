@@ -6,6 +6,7 @@
     3       the loss became NaN or infinite: the step is named, nothing is saved after it
     4       Slurm refused the requeue after a signal; the checkpoint is saved
     5       out of memory: the step, the peak and the memory snapshot (when one was asked for) are named
+    6       a collective did not finish within dist_timeout: each rank names the step and what it waited in
     128+N   stopped by signal N (130 Ctrl-C, 143 SIGTERM); the checkpoint is saved
 """
 
@@ -18,7 +19,8 @@ import sys
 import time
 from typing import List, Optional
 
-from launcher.errors import EXIT_DIVERGED, EXIT_OOM, EXIT_REQUEUE, EXIT_USER, OutOfMemory, TrainingDiverged, UserError
+from launcher.errors import (EXIT_DIVERGED, EXIT_HUNG, EXIT_OOM, EXIT_REQUEUE, EXIT_USER, Hung, OutOfMemory,
+                             TrainingDiverged, UserError)
 from launcher.stopping import RequeueFailed, Stopped, exit_code
 
 USAGE = "python -m launcher RECIPE.yaml [key=value ...] [--print-config]"
@@ -57,6 +59,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RequeueFailed as e:
         _say(str(e))
         return EXIT_REQUEUE
+    except Hung as e:
+        _say(str(e), every_rank=True)
+        _for_torchrun([f"launcher: rank {_rank()}: {e}"])
+        return EXIT_HUNG
     except OutOfMemory as e:
         _say(str(e), every_rank=True)  # each rank's own: its step, its device, its peak
         return EXIT_OOM

@@ -1,7 +1,7 @@
 """The one exception type for user mistakes, and the exit codes the command line gives.
 
 0 done; 1 a bug or crash (Python's traceback); 2 a user mistake, one line per problem; 3 the loss
-diverged; 4 Slurm refused the requeue after a signal; 5 out of memory; 128+N stopped by signal N (see cli.py).
+diverged; 4 Slurm refused the requeue after a signal; 5 out of memory; 6 a collective timed out; 128+N stopped by signal N (see cli.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ EXIT_USER = 2
 EXIT_DIVERGED = 3
 EXIT_REQUEUE = 4
 EXIT_OOM = 5
+EXIT_HUNG = 6
 
 
 class UserError(Exception):
@@ -58,3 +59,8 @@ class TrainingDiverged(Exception):
 class OutOfMemory(Exception):
     """A rank ran out of device (or host) memory in a step; the message is its one line. Nothing is saved
     after it: the newest complete checkpoint stays the one to resume from."""
+
+
+class Hung(Exception):
+    """A collective did not finish within dist_timeout (another rank stopped, hung or died); the message
+    is this rank's one line (exit code 6)."""

@@ -10,9 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 from launcher import (build, checkpoint, data, first_batch, loggers, recompute, scheduler, seeding, spawn, strategies,
-                      throughput, watch)
+                      hang, throughput, watch)
 from launcher.checkpoint import Checkpointer
 from launcher.state import RunState, Training
+from launcher.strategies.ddp import FLIGHT_RECORDER
 from launcher.errors import OutOfMemory, UserError
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
@@ -46,7 +47,8 @@ def run(loaded: Loaded, overrides: list) -> int:
 
 def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     placement, notes, _ = placed or _place(loaded)
-    strategy = strategies.create(loaded.recipe.strategy, placement, loaded.recipe.ddp, loaded.recipe.fsdp)
+    strategy = strategies.create(loaded.recipe.strategy, placement, loaded.recipe.ddp, loaded.recipe.fsdp,
+                                 loaded.recipe.dist_timeout, loaded.recipe.run_dir)
     strategy.setup()
     folder = RunFolder(Path(loaded.recipe.run_dir))
     try:
@@ -67,12 +69,19 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
 
 def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, notes: list) -> Dict[str, float]:
     resume, init_from, logger, console = _open(loaded, strategy, folder, notes)
+    position = None
     try:
         training, parts = _build(loaded, strategy, folder.path, logger, console, init_from)
+        position = training.run.position
         if resume is not None:
             _resume(training, resume, loaded, console)
         strategy.agree(lambda: logger.start(_tracked(loaded, strategy, folder.path, training, parts)))
         return _fit(loaded, training, parts, folder.path)
+    except RuntimeError as e:  # a collective that waited dist_timeout for a rank that stopped or died
+        if not hang.timed_out(e):
+            raise
+        recorder = folder.path / FLIGHT_RECORDER if strategy.device.type == "cuda" else None
+        raise hang.report(e, position.step + 1 if position else None, loaded.recipe.dist_timeout, recorder) from None
     finally:
         logger.close("failed")  # unless closed already, as finished or stopped
 

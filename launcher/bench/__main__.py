@@ -194,11 +194,11 @@ def loggers(args) -> list[str]:
     res = alternate(sides, args.reps)
     out = [f"loggers on the reference workload, 1 process, {steps} steps, a log step every 100, {args.reps} alternating "
            f"repetitions (python -m launcher.bench --steps {steps} --reps {args.reps} --loggers)",
-           f"{'':16} {'mean step':>10} {'ratio to raw (range)':<22} {'median step':>12} {'ratio':>6}"]
+           f"{'':24} {'mean step':>10} {'ratio to raw (range)':<22} {'median step':>12} {'ratio':>6}"]
     for name, label in (("raw", "raw"), ("tensorboard", "TensorBoard"), ("all", "TB+MLflow+jsonl+profile")):
         mean, med = median(res[name], "mean_step_us"), median(res[name], "median_step_us")
         r, lo, hi = ratio(res, name, "mean_step_us")
-        out.append(f"{label:16} {mean:8.0f}us {r:5.3f} ({lo:.3f}-{hi:.3f})      {med:8.0f}us {ratio(res, name)[0]:6.3f}")
+        out.append(f"{label:24} {mean:8.0f}us {r:5.3f} ({lo:.3f}-{hi:.3f})      {med:8.0f}us {ratio(res, name)[0]:6.3f}")
     return out
 
 

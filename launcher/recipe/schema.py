@@ -229,6 +229,7 @@ class Recipe:
     devices: Any = "auto"
     precision: str = "fp32"
     nproc_per_node: Optional[int] = None  # strategy=ddp outside torchrun: workers to start (default: one per GPU)
+    dist_timeout: int = 600  # seconds a collective may wait for the other ranks before every rank stops (exit 6)
     model: Target = MISSING
     loss: Optional[Target] = None  # loss(output, target); null: the model computes its own loss
     step: Optional[Target] = None  # step(model, batch) -> loss | {loss, num_items, output, target}; null: the default
@@ -261,7 +262,7 @@ class Recipe:
         if not re.fullmatch(r"[\w.\-]+", self.name) or self.name in (".", "..") or len(self.name.encode()) > 255:
             out.append(("name", f"got {short(self.name)}; use up to 255 letters, digits, '.', '_' or '-' (it names "
                                 f"the run folder)"))
-        out += _at_least("nproc_per_node", self.nproc_per_node, 1)
+        out += _at_least("nproc_per_node", self.nproc_per_node, 1) + _at_least("dist_timeout", self.dist_timeout, 1)
         for key in TARGETS:
             out += _target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():

@@ -42,13 +42,16 @@ def must_spawn(name: str, placement: Placement) -> bool:
 
 
 def create(name: str, placement: Placement, ddp: Optional[DDPConfig] = None,
-           fsdp: Optional[FSDPConfig] = None) -> Strategy:
-    """The strategy for this placement, holding the recipe's `ddp` and `fsdp` sections (their options)."""
+           fsdp: Optional[FSDPConfig] = None, timeout: float = 600, run_dir: Optional[str] = None) -> Strategy:
+    """The strategy for this placement, holding the recipe's `ddp` and `fsdp` sections (their options), its
+    `dist_timeout` (seconds) and the run folder (where NCCL's flight recorder dumps)."""
     name = resolve(name, placement)
     if name in ONE_PROCESS and placement.world_size > 1:
         raise UserError(f"strategy: {name} runs one process, but this is one of WORLD_SIZE={placement.world_size} "
                         f"started by {placement.launched_by}; use strategy=ddp (or auto)")
-    return REGISTRY[name](placement, ddp, fsdp)
+    strategy = REGISTRY[name](placement, ddp, fsdp)
+    strategy.timeout, strategy.run_dir = timeout, run_dir
+    return strategy
 
 
 __all__ = ["Strategy", "create", "unwrap"]

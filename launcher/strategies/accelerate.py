@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from datetime import timedelta
 from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
@@ -34,7 +35,7 @@ class Accelerate(Strategy):
         refuse_sync_batchnorm_off_cuda(self.ddp, self.device)
         try:
             from accelerate import Accelerator
-            from accelerate.utils import DistributedDataParallelKwargs
+            from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
         except ImportError:
             raise UserError("strategy: accelerate needs the accelerate package: "
                             "pip install 'launcher[accelerate]' (or pip install accelerate)") from None
@@ -47,7 +48,8 @@ class Accelerate(Strategy):
             # defaults, which are torch's (its bucket_cap_mb, 25, is torch's too).
             self.accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=1,
                                            cpu=self.device.type == "cpu",
-                                           kwargs_handlers=[DistributedDataParallelKwargs(**options(self.ddp))])
+                                           kwargs_handlers=[DistributedDataParallelKwargs(**options(self.ddp)),
+                                                            InitProcessGroupKwargs(timeout=timedelta(seconds=self.timeout))])
         except ValueError as e:
             # Accelerate parses its ACCELERATE_* variables here (flags, choices), without naming the one it refuses.
             named = sorted(f"{k}={v!r}" for k, v in os.environ.items() if k.startswith("ACCELERATE_"))

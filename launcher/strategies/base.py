@@ -39,6 +39,8 @@ class Strategy:
         self.device = torch.device(placement.device)
         self.ddp = ddp or DDPConfig()  # the recipe's ddp section: the strategies that wrap in DDP read it
         self.fsdp = fsdp or FSDPConfig()  # the recipe's fsdp section: the sharded strategy reads it
+        self.timeout: float = 600  # dist_timeout: how long a collective waits for the other ranks (seconds)
+        self.run_dir: Optional[str] = None
 
     def setup(self) -> None:
         """Start whatever the strategy needs (a process group); called before anything is built."""

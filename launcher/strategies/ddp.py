@@ -19,8 +19,9 @@ from launcher.errors import UserError
 from launcher.recipe.schema import DDPConfig
 from launcher.strategies.base import Strategy, host_max
 
-# A rank that waits longer than this for the others has lost them: fail instead of hanging.
+# How long ranks wait for each other to start (the rendezvous); a collective waits `dist_timeout`.
 TIMEOUT = datetime.timedelta(minutes=10)
+FLIGHT_RECORDER = "flight_recorder"  # <run_dir>/flight_recorder/rank_<R>: NCCL's record of a hung collective
 
 
 class DDP(Strategy):
@@ -38,6 +39,7 @@ class DDP(Strategy):
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
+            self._flight_recorder()
         # Keys of an earlier attempt can outlive it in torchrun's store: after an elastic restart a
         # rank would then dial a dead peer's address. Each attempt gets its own namespace.
         rank, world = self.placement.rank, self.placement.world_size
@@ -51,9 +53,22 @@ class DDP(Strategy):
                             f"start with torchrun --standalone, which finds one") from None
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend="nccl" if cuda else "gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
-                                rank=rank, world_size=world, timeout=TIMEOUT, device_id=self.device if cuda else None)
+                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=self.timeout),
+                                device_id=self.device if cuda else None)
         # Host-side agreements (stop on a signal) go through gloo, so they never synchronise a GPU.
         self.host_group = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
+
+    def _flight_recorder(self) -> None:
+        """NCCL's flight recorder on, dumping each rank's last collectives into the run folder when one times
+        out (before the process group starts, which reads these once; a user's own settings win)."""
+        if self.run_dir is None:
+            return
+        folder = os.path.join(os.path.abspath(self.run_dir), FLIGHT_RECORDER)
+        os.makedirs(folder, exist_ok=True)
+        for var, value in (("TORCH_FR_BUFFER_SIZE", "2000"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+                           ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_FR_DUMP_TEMP_FILE", f"{folder}/rank_"),
+                           ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{folder}/rank_")):
+            os.environ.setdefault(var, value)
 
     def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
         refuse_static_graph_with_accumulation(self.ddp, grad_accum)

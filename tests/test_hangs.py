@@ -1,0 +1,97 @@
+"""A rank that stops answering: the others end within dist_timeout with one line naming the step and the
+collective, instead of hanging; a rerun resumes exactly."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launcher import hang
+from tests.conftest import REPO, assert_same_weights, launch
+from tests.test_strategies import RECIPE, run
+
+SLOW = [*RECIPE, "checkpoint.every=10", "trainer.max_steps=150", "model={_target_: tests.components.Slow, seconds: 0.02}"]
+
+
+def descendants(pid: int) -> list:
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return children + [d for c in children for d in descendants(c)]
+
+
+def rank_of(pid: int) -> str:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        variables = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    return variables.get(b"RANK", b"?").decode()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_others_with_one_line_and_a_rerun_resumes_exactly(tmp_path):
+    # As a user types it: the launcher starts torchrun (a plain torchrun adds its own agent's traceback).
+    command = [sys.executable, "-m", "launcher", *SLOW, "strategy=ddp", "nproc_per_node=2", f"run_dir={tmp_path / 'run'}"]
+    agent = subprocess.Popen([*command, "dist_timeout=5"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "run" / "checkpoints" / "step_20").exists():
+        assert time.time() < deadline and agent.poll() is None, agent.communicate()
+        time.sleep(0.1)
+    (stopped,) = [p for p in descendants(agent.pid) if rank_of(p) == "1"]
+    os.kill(stopped, signal.SIGSTOP)
+    at = time.time()
+    try:
+        out, err = agent.communicate(timeout=5 + 30 + 30)
+    finally:
+        try:
+            os.kill(stopped, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert agent.returncode == 6, err[-3000:]  # rank 0's exit code
+    assert time.time() - at < 5 + 30 + 15  # rank 0 within the timeout; torchrun then stops the stopped rank
+    ours = [line for line in err.splitlines() if line.startswith("[rank") and "launcher:" in line]
+    assert len(ours) == 1, err[-3000:]  # the stopped rank says nothing
+    assert ours[0].startswith("[rank 0] launcher: step "), ours
+    assert "did not finish within dist_timeout=5s: another rank stopped, hung or died" in ours[0]
+    assert "the gradient all-reduce of backward" in ours[0] or "torch.distributed." in ours[0]
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "model.pt").exists()
+
+    again = run(command)  # the same command, dist_timeout back to its default: resumes, ends exactly
+    assert "resumed from" in again.stdout
+    run([*command[:-1], f"run_dir={tmp_path / 'whole'}"])
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")
+
+
+def test_the_collective_is_named_from_where_the_wait_was(tmp_path):
+    """A real gloo timeout in this process: a world of two whose second rank never comes."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        def in_all_reduce():
+            dist.all_reduce(torch.ones(1))
+            raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")
+
+        try:
+            in_all_reduce()
+        except RuntimeError as e:
+            assert hang.timed_out(e)
+            # raised here, not inside torch: named by the nearest torch frame or as a collective
+            assert hang.operation(e) == "a collective"
+    finally:
+        dist.destroy_process_group()
+    try:
+        torch.ones(2, requires_grad=True).sum().backward(torch.ones(3))
+    except RuntimeError as e:
+        assert not hang.timed_out(e) and hang.operation(e) == "the gradient all-reduce of backward"
+    line = str(hang.report(RuntimeError("Timed out waiting 5000ms"), 7, 5, None))
+    assert line.startswith("step 7: a collective did not finish within dist_timeout=5s")
+    assert str(hang.report(RuntimeError("x"), None, 600, "/r/flight_recorder")).startswith(
+        "before the first step: a collective did not finish within dist_timeout=600s")
+
+
+def test_dist_timeout_must_be_positive(tmp_path):
+    done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path}", "dist_timeout=0")
+    assert done.returncode == 2 and "dist_timeout" in done.stderr and len(done.stderr.strip().splitlines()) == 1
