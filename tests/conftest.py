@@ -65,3 +65,11 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert sa.keys() == sb.keys()
     for key in sa:
         assert torch.equal(sa[key], sb[key]), f"{key} differs between {a} and {b}"
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`) every Slurm test runs on one worker: they share one
+    local cluster, which one process starts."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
