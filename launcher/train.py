@@ -13,7 +13,6 @@ from launcher import (build, checkpoint, data, first_batch, loggers, recompute, 
                       hang, throughput, watch)
 from launcher.checkpoint import Checkpointer
 from launcher.state import RunState, Training
-from launcher.strategies.ddp import FLIGHT_RECORDER
 from launcher.errors import OutOfMemory, UserError
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
@@ -80,8 +79,8 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     except RuntimeError as e:  # a collective that waited dist_timeout for a rank that stopped or died
         if not hang.timed_out(e):
             raise
-        recorder = folder.path / FLIGHT_RECORDER if strategy.device.type == "cuda" else None
-        raise hang.report(e, position.step + 1 if position else None, loaded.recipe.dist_timeout, recorder) from None
+        raise hang.report(e, position.step + 1 if position else None, loaded.recipe.dist_timeout,
+                          strategy.flight_recorder()) from None
     finally:
         logger.close("failed")  # unless closed already, as finished or stopped
 

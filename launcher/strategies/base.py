@@ -45,6 +45,10 @@ class Strategy:
     def setup(self) -> None:
         """Start whatever the strategy needs (a process group); called before anything is built."""
 
+    def flight_recorder(self) -> Optional[str]:
+        """Where a timed-out collective's record of each rank's last collectives lands (NCCL), if anywhere."""
+        return None
+
     def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
         """The precision and accumulation to train with, when the launch method has a say in them."""
         return precision, grad_accum, []

@@ -58,12 +58,17 @@ class DDP(Strategy):
         # Host-side agreements (stop on a signal) go through gloo, so they never synchronise a GPU.
         self.host_group = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
 
+    def flight_recorder(self) -> Optional[str]:
+        if self.device.type != "cuda" or self.run_dir is None:
+            return None
+        return os.path.join(os.path.abspath(self.run_dir), FLIGHT_RECORDER)
+
     def _flight_recorder(self) -> None:
         """NCCL's flight recorder on, dumping each rank's last collectives into the run folder when one times
         out (before the process group starts, which reads these once; a user's own settings win)."""
-        if self.run_dir is None:
+        folder = self.flight_recorder()
+        if folder is None:
             return
-        folder = os.path.join(os.path.abspath(self.run_dir), FLIGHT_RECORDER)
         os.makedirs(folder, exist_ok=True)
         for var, value in (("TORCH_FR_BUFFER_SIZE", "2000"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
                            ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_FR_DUMP_TEMP_FILE", f"{folder}/rank_"),
