@@ -21,10 +21,13 @@ def every_logger(tmp_path):
 
 
 @pytest.fixture(autouse=True)
-def _offline(monkeypatch):
+def _offline(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_MODE", "offline")  # whatever the recipe says, no test reaches the network
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # nor writes outside its temporary folder
+    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
 
 
 def client(tmp_path):
