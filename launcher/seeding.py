@@ -39,7 +39,7 @@ def restore(state: Dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
     if np is not None and "numpy" in state:
         s = state["numpy"]
-        np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
+        np.random.set_state((s["kind"], s["keys"].cpu().numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
 
 
 def _tuples(value: Any) -> Any:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import launcher.loop
+import launcher.train  # before any patching: its `from launcher.loop import fit` must bind the real fit
 from launcher.metrics import TrainMeter
 from recipes.components.mlp import MLP
 from tests.conftest import state_dict, train
@@ -19,12 +20,20 @@ pytestmark = [
 def allowing_syncs(fn):
     """Run `fn` with CUDA sync checks off: it is a log step, an evaluation or a checkpoint."""
     def wrapped(*args, **kwargs):
+        mode = torch.cuda.get_sync_debug_mode()  # a save after fit() returns runs with checks already off
         torch.cuda.set_sync_debug_mode(0)
         try:
             return fn(*args, **kwargs)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
     return wrapped
+
+
+@pytest.fixture(autouse=True)
+def sync_checks_off_after():
+    """No test leaves CUDA's sync checks on for the next."""
+    yield
+    torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
@@ -45,7 +54,7 @@ def test_no_host_sync_between_log_steps(tmp_path, monkeypatch, request, precisio
             torch.cuda.set_sync_debug_mode(0)
 
     monkeypatch.setattr(launcher.loop, "fit", strict_fit)
-    monkeypatch.setattr("launcher.train.fit", strict_fit)
+    monkeypatch.setattr(launcher.train, "fit", strict_fit)
     monkeypatch.setattr(TrainMeter, "read", allowing_syncs(TrainMeter.read))
     monkeypatch.setattr(launcher.loop, "evaluate", allowing_syncs(launcher.loop.evaluate))
     values = train(tmp_path, "devices=cuda", f"strategy={strategy}", f"precision={precision}", "trainer.grad_accum_steps=2",

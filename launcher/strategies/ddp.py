@@ -70,9 +70,11 @@ class DDP(Strategy):
         if folder is None:
             return
         os.makedirs(folder, exist_ok=True)
-        for var, value in (("TORCH_FR_BUFFER_SIZE", "2000"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
-                           ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_FR_DUMP_TEMP_FILE", f"{folder}/rank_"),
-                           ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{folder}/rank_")):
+        # torch 2.8 renamed the recorder's variables (TORCH_NCCL_* -> TORCH_FR_*) and warns on the old names
+        prefix = "TORCH_FR_" if _torch_at_least(2, 8) else "TORCH_NCCL_"
+        dump = "TORCH_FR_DUMP_TEMP_FILE" if prefix == "TORCH_FR_" else "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+        buffer = "TORCH_FR_BUFFER_SIZE" if prefix == "TORCH_FR_" else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+        for var, value in ((buffer, "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), (dump, f"{folder}/rank_")):
             os.environ.setdefault(var, value)
 
     def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
@@ -187,3 +189,8 @@ def _unused_names(text: str, module: Optional[nn.Module]) -> List[str]:
                 names.append(f"{prefix}.{name}" if prefix else name)
     indices = [int(i) for i in found.group(1).split()]
     return [names[i] for i in indices if i < len(names)]
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    found = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return found >= (major, minor)
