@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from launcher import data
+from launcher import data, stream
 from launcher import step as steps
 from launcher.collate import Collate
 from launcher.errors import UserError, first_line
@@ -62,8 +62,21 @@ def component(spec: Dict[str, Any], key: str, *args: Any) -> Any:
 def data_for(cfg: DataConfig, grad_accum: int, placement: Placement, seed: int, device: torch.device):
     """The training stream of this rank, and its validation batches (or None)."""
     collate = Collate(component(cfg.collate, "data.collate")) if cfg.collate else None
-    train = data.TrainData(component(cfg.train, "data.train"), cfg.batch_size, grad_accum, placement.world_size,
-                           placement.rank, cfg.shuffle, seed, cfg.num_workers, device, collate)
-    val = data.val_batches(component(cfg.val, "data.val") if cfg.val else None, cfg.batch_size,
-                           placement.world_size, placement.rank, cfg.num_workers, device, seed, collate)
+    dataset = component(cfg.train, "data.train")
+    if stream.is_stream(dataset):
+        if cfg.batch_size % placement.world_size:
+            raise UserError(f"data.batch_size: {cfg.batch_size} does not divide among {placement.world_size} "
+                            f"processes; use a multiple of {placement.world_size}")
+        train = stream.StreamData(dataset, cfg.batch_size, placement.world_size, placement.rank, cfg.num_workers,
+                                  device, collate)
+    else:
+        train = data.TrainData(dataset, cfg.batch_size, grad_accum, placement.world_size, placement.rank,
+                               cfg.shuffle, seed, cfg.num_workers, device, collate)
+    val_set = component(cfg.val, "data.val") if cfg.val else None
+    if stream.is_stream(val_set):
+        val = stream.StreamBatches(val_set, cfg.batch_size, placement.world_size, placement.rank, cfg.num_workers,
+                                   device, collate, data.to_device)
+    else:
+        val = data.val_batches(val_set, cfg.batch_size, placement.world_size, placement.rank, cfg.num_workers,
+                               device, seed, collate)
     return train, val

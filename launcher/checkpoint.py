@@ -277,7 +277,7 @@ def strip_prefixes(state: Dict[str, Any]) -> Dict[str, Any]:
 
 # The run state's fields and what each must be; anything else in state.pt is refused.
 STATE_FIELDS = {"position": dict, "optimizer": dict, "lr_schedule": (dict, type(None)), "scaler": dict,
-                "rng": list, "recipe": str, "world_size": int}
+                "rng": list, "recipe": str, "world_size": int, "stream": (list, type(None))}
 POSITION_FIELDS = ("step", "epoch", "batch")
 
 
@@ -300,7 +300,7 @@ def _state_problem(state: Any, optimizer: bool) -> Optional[str]:
     if not isinstance(state, dict):
         return f"a {type(state).__name__}, not a mapping"
     fields = {k: v for k, v in STATE_FIELDS.items() if optimizer or k != "optimizer"}
-    missing = [k for k in fields if k not in state and k != "world_size"]
+    missing = [k for k in fields if k not in state and k not in ("world_size", "stream")]
     extra = [k for k in state if k not in fields]
     if missing or extra:
         return f"missing {', '.join(missing)}" if missing else f"unknown field {extra[0]!r}"

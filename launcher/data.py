@@ -87,23 +87,45 @@ class TrainData:
         self.loader = _loader(dataset, per_rank, self.sampler, num_workers, device, seed, self.collate, drop_last=True)
         self.device = device
 
+    is_stream = False
+
+    def first_items(self) -> Any:
+        """This rank's first batch of items, fetched as training fetches them (for the check before training)."""
+        dataset = self.loader.dataset
+        indices = list(range(min(self.loader.batch_size, len(dataset))))
+        fetch = getattr(dataset, "__getitems__", None)
+        return fetch(indices) if fetch else [dataset[i] for i in indices]
+
     def stream(self, position: Position) -> Iterator[Any]:
         """Micro-batches on the device from `position` on, across epochs. `position` says which batch
         was handed out last, so a checkpoint taken between two batches resumes with the next one."""
-        batches = self._batches(position.epoch, position.batch)
-        if self.device.type == "cuda":
-            batches = _copied_ahead(batches, self.device)
-        for epoch, number, batch in batches:
-            position.epoch, position.batch = epoch, number
-            yield batch
+        return placed(self, position)
 
-    def _batches(self, epoch: int, start: int) -> Iterator[tuple]:
-        """(epoch, its batch number counted from 1, batch on the host), endlessly."""
+    def host_batches(self, position: Position) -> Iterator[tuple]:
+        """((epoch, its batch number counted from 1), batch on the host), endlessly."""
+        epoch, start = position.epoch, position.batch
         while True:
             self.sampler.set_epoch(epoch, start)
             for number, batch in enumerate(self.loader, start + 1):
-                yield epoch, number, batch
+                yield (epoch, number), batch
             epoch, start = epoch + 1, 0
+
+    def arrive(self, place: tuple, position: Position) -> None:
+        position.epoch, position.batch = place
+
+    def state(self) -> None:
+        return None  # the position says it all
+
+
+def placed(data, position: Position) -> Iterator[Any]:
+    """`data`'s batches on the device; as each is handed out, `position` (and the data's own place) moves
+    to it, so a checkpoint taken between two batches resumes with the next one."""
+    batches = data.host_batches(position)
+    if data.device.type == "cuda":
+        batches = _copied_ahead(batches, data.device)
+    for place, batch in batches:
+        data.arrive(place, position)
+        yield batch
 
 
 def _copied_ahead(batches: Iterator[tuple], device: torch.device) -> Iterator[tuple]:
@@ -112,15 +134,15 @@ def _copied_ahead(batches: Iterator[tuple], device: torch.device) -> Iterator[tu
     copy, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
 
     def start(item: tuple) -> tuple:
-        epoch, number, batch = item
+        place, batch = item
         with torch.cuda.stream(copy):
-            return epoch, number, to_device(batch, device)
+            return place, to_device(batch, device)
 
     ahead = start(next(batches))
     for item in batches:
         current = ahead
         compute.wait_stream(copy)  # before the next copy is queued: wait for this batch's only
-        _each_tensor(current[2], lambda t: t.record_stream(compute))  # made on the copy stream: freed after use here
+        _each_tensor(current[1], lambda t: t.record_stream(compute))  # made on the copy stream: freed after use here
         ahead = start(item)
         yield current
 

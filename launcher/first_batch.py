@@ -21,14 +21,12 @@ CAUGHT = (RuntimeError, ValueError, TypeError, IndexError)
 CAUGHT_METRIC = CAUGHT + (AttributeError, KeyError)
 
 
-def check(dataset, size: int, collate: Callable, model, step, metrics: Dict[str, Callable], autocast,
+def check(first_items: Callable[[], Any], collate: Callable, model, step, metrics: Dict[str, Callable], autocast,
           device: torch.device) -> List[str]:
-    """Raise UserError when the first `size` items do not go through the step and metrics; returns
-    lines for the console (what the step leaves out of the batch)."""
-    indices = list(range(min(size, len(dataset))))
-    fetch = getattr(dataset, "__getitems__", None)
+    """Raise UserError when this rank's first batch (its items from `first_items()`) does not go through
+    the step and metrics; returns lines for the console (what the step leaves out of the batch)."""
     try:
-        batch = collate(fetch(indices) if fetch else [dataset[i] for i in indices])
+        batch = collate(first_items())
     except (TypeError, RuntimeError, ValueError) as e:
         raise UserError(f"data.train: items do not batch together: {first_line(e)}; a data.collate can pad or "
                         f"stack them") from None

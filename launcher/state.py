@@ -30,17 +30,23 @@ class RunState:
     apply() puts it back, so that a checkpoint can be checked against the recipe first."""
 
     def __init__(self, position: Position, schedule: Optional[Any], precision: Precision, strategy: Strategy,
-                 recipe: str):
+                 recipe: str, data: Any = None):
         self.position, self.schedule, self.precision, self.strategy, self.recipe = (
             position, schedule, precision, strategy, recipe)
+        self.data = data  # a stream's place is kept per rank (TrainData's is the position)
         self.loaded: Optional[Dict[str, Any]] = None
+        self.note: Optional[str] = None  # what resuming the data stream said
 
     def fields(self) -> Dict[str, Any]:
         rngs = self.strategy.all_gather_object(seeding.capture(self.strategy.device))
         return {"position": vars(self.position).copy(),
                 "lr_schedule": self.schedule.state_dict() if self.schedule is not None else None,
                 "scaler": self.precision.state_dict(), "rng": rngs,
-                "world_size": self.strategy.placement.world_size, "recipe": self.recipe}
+                "world_size": self.strategy.placement.world_size, "recipe": self.recipe,
+                "stream": self.strategy.all_gather_object(self.data.state()) if self._streaming() else None}
+
+    def _streaming(self) -> bool:
+        return bool(getattr(self.data, "is_stream", False))
 
     def state_dict(self) -> Dict[str, Any]:
         # One opaque value for DCP: its fields (a list with one entry per rank) would otherwise become
@@ -59,6 +65,11 @@ class RunState:
             self.precision.load_state_dict(state["scaler"])
             rngs = state["rng"]
             seeding.restore(rngs[rank] if rank < len(rngs) else rngs[0], self.strategy.device)
+            if self._streaming():
+                if not state.get("stream"):
+                    raise UserError(f"checkpoint.resume: {where} was written reading map-style data and data.train is "
+                                    f"now a stream; start over with checkpoint.resume=never")
+                self.note = self.data.resume(state["stream"], state.get("world_size", len(state["stream"])))
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
             raise does_not_fit(where, e) from None
         vars(self.position).update(state["position"])

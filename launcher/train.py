@@ -135,15 +135,19 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
     step = build.step(recipe.step, recipe.loss)
     # Before the strategy wraps the model: this process's own forward, with no collective in it.
-    for note in first_batch.check(train_data.loader.dataset, cfg.batch_size // placement.world_size,
-                                  train_data.collate, model, step, metrics, precision.autocast, device):
+    if train_data.is_stream and recipe.trainer.max_epochs:
+        raise UserError(f"trainer.max_epochs: data.train is a stream ({type(train_data.share.dataset).__name__}, an "
+                        f"IterableDataset) whose epochs are not counted ahead; set trainer.max_steps and "
+                        f"trainer.max_epochs=null")
+    for note in first_batch.check(train_data.first_items, train_data.collate, model, step, metrics,
+                                  precision.autocast, device):
         console.info(note)
     wrapped = strategy.wrap(model)
     for note in strategy.wrapped():
         console.info(note)
     optimizer = build.component(recipe.optimizer, "optimizer", [q for q in model.parameters() if q.requires_grad])
     schedule = build.component(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
-    run = RunState(data.Position(), schedule, precision, strategy, OmegaConf.to_yaml(loaded.config))
+    run = RunState(data.Position(), schedule, precision, strategy, OmegaConf.to_yaml(loaded.config), train_data)
     training = Training(strategy, wrapped, optimizer, run,
                         Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main),
                         recipe.checkpoint.consolidate, recipe.checkpoint.async_save)
@@ -178,6 +182,8 @@ def _resume(training: Training, resume: Path, loaded: Loaded, console) -> None:
     world, now = saved.get("world_size"), training.strategy.placement.world_size
     elsewhere = f"; written by {world} process{'es' * (world > 1)}, resharded to {now}" if world and world != now else ""
     console.info(f"resumed from {resume} (step {position.step}, epoch {position.epoch}){elsewhere}")
+    if training.run.note:
+        console.info(training.run.note)
     changed = differences(old_recipe, loaded.config)
     if changed:
         console.info(f"the recipe differs from the checkpoint's in {', '.join(changed)}; the optimizer and "
@@ -195,8 +201,9 @@ def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dic
         results: Dict[str, float] = {}
     else:
         samples = recipe.data.batch_size * recipe.trainer.grad_accum_steps
-        console.info(f"training {recipe.name}: {total} steps of {samples} samples, "
-                     f"{parts.data.steps_per_epoch} steps per epoch, on {strategy.device} ({strategy.name})")
+        per_epoch = f"{parts.data.steps_per_epoch} steps per epoch" if parts.data.steps_per_epoch else "from a stream"
+        console.info(f"training {recipe.name}: {total} steps of {samples} samples, {per_epoch}, "
+                     f"on {strategy.device} ({strategy.name})")
         parts.stop.install()
         try:
             results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)

@@ -175,12 +175,12 @@ CASES = [
      "in forward raised SystemExit(0) during training; a component must not exit the process"),
     ("more-processes-than-cores", [Q, "strategy=ddp", "nproc_per_node=4096", "devices=cpu"],
      "nproc_per_node: 4096 processes on the CPU, but this process may use"),
-    # Streams: an IterableDataset with a __len__ looks map-style but cannot be indexed
-    ("iterable-dataset-with-len", [Q, "data.train={_target_: tests.components.SizedStream}"],
-     "data.train: tests.components.SizedStream built a SizedStream, an IterableDataset (a stream); the launcher "
-     "reads map-style datasets (__getitem__ and __len__) until streaming is supported"),
-    ("iterable-val", [Q, "data.val={_target_: tests.components.Stream}"],
-     "data.val: tests.components.Stream built a Stream, an IterableDataset (a stream)"),
+    # Streams (an IterableDataset, with or without a __len__): counted in steps, at least one batch long
+    ("stream-with-max-epochs", [Q, "data.train={_target_: tests.components.SizedStream}", "trainer.max_epochs=1"],
+     "trainer.max_epochs: data.train is a stream (SizedStream, an IterableDataset) whose epochs are not counted "
+     "ahead; set trainer.max_steps and trainer.max_epochs=null"),
+    ("stream-shorter-than-a-batch", [Q, "data.train={_target_: tests.components.Stream, n: 3}"],
+     "data.train: the stream ends after 3 items, fewer than one batch (data.batch_size 64)"),
     # _partial_, and overrides onto sections that are null
     ("partial-not-a-bool", [Q, "loss._partial_=yes please"], "loss._partial_: must be true or false, got 'yes please'"),
     ("partial-misspelt-argument", [Q, "loss={_target_: torch.nn.functional.cross_entropy, _partial_: true, "

@@ -48,12 +48,14 @@ def check(key: str, target: str, built: Any) -> None:
 
 
 def _check_dataset(key: str, target: str, built: Any, what: str) -> None:
-    # An IterableDataset may define __len__ too, and then looks map-style; the sampler would index it.
+    # An IterableDataset may define __len__ too: it is read as a stream all the same (launcher/stream.py).
     if isinstance(built, torch.utils.data.IterableDataset):
-        raise UserError(f"{key}: {target} built {what}, an IterableDataset (a stream); the launcher reads "
-                        f"map-style datasets (__getitem__ and __len__) until streaming is supported")
+        return
     if not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):
-        raise UserError(f"{key}: {target} built {what}, not a map-style Dataset (__getitem__ and __len__)")
+        streamish = " (it iterates: subclass torch.utils.data.IterableDataset to read it as a stream)" \
+            if hasattr(built, "__iter__") else ""
+        raise UserError(f"{key}: {target} built {what}, not a map-style Dataset (__getitem__ and __len__) nor a "
+                        f"stream (a torch.utils.data.IterableDataset){streamish}")
 
 
 def _check_schedule(target: str, built: Any, what: str) -> None:

@@ -1,0 +1,231 @@
+"""Streams as data: a `torch.utils.data.IterableDataset` (HF `datasets` in streaming mode, WebDataset, a
+generator over files) read without a sampler, each rank and each loader worker taking its own share,
+and resumed exactly.
+
+Which items a rank takes. A global batch is `data.batch_size` consecutive items of the stream, whatever
+the world size; rank r of W takes the items r, r+W, r+2W, ... of each (DistributedSampler's
+interleaving, applied batch by batch), so a rank's batches are the same global batches' shares at any
+world size. An HF `datasets.IterableDataset` is split by its own hook instead
+(`datasets.distributed.split_dataset_by_node`: whole files per rank where they divide evenly), so each
+rank reads only its own part; its global batches then depend on the world size.
+
+Workers. Worker w of K takes the rank's batches w, w+K, ... counted from where the loader started, so
+the DataLoader's round robin hands them out in the stream's order. Each worker reads the rank's
+whole share and collates only its own batches: K workers read the stream K times and share the
+collating. A rank's stream never ends: at its end the next epoch starts (`set_epoch(epoch)` when the
+dataset has it); a last, incomplete global batch is dropped.
+
+Resume. Every batch carries the place it leaves the stream at: the epoch, the items read of it, the
+batches handed out, and the dataset's own `state_dict()` where it has one (HF datasets do). A
+checkpoint keeps, for each rank, the place of its last batch. A resumed dataset with state loads it
+and reads on from there; one without is read again from the epoch's start and the items each rank
+consumed are skipped (one line says so). At another world size, the interleaved share is read
+again from the last whole global batch (one line); a stream split by its own hook cannot move
+between world sizes and is refused with one line.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from launcher.collate import default
+from launcher.errors import UserError
+
+
+def is_stream(dataset: Any) -> bool:
+    return isinstance(dataset, IterableDataset) or (_is_hf_stream(dataset))
+
+
+def _is_hf_stream(dataset: Any) -> bool:
+    return type(dataset).__module__.startswith("datasets.") and type(dataset).__name__ == "IterableDataset"
+
+
+def _stateful(dataset: Any) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
+class Share:
+    """What one rank reads of a stream: its items of each epoch, in order, and where it stands."""
+
+    def __init__(self, dataset: Any, key: str, batch_size: int, replicas: int, rank: int, drop_last: bool = True):
+        self.key, self.replicas, self.rank, self.drop_last = key, replicas, rank, drop_last
+        self.per_rank = max(batch_size // replicas, 1)
+        self.global_batch = self.per_rank * replicas
+        self.own_split = _is_hf_stream(dataset) and replicas > 1
+        if self.own_split:
+            from datasets.distributed import split_dataset_by_node
+
+            dataset = split_dataset_by_node(dataset, rank=rank, world_size=replicas)
+        self.dataset = dataset
+        self.stateful = _stateful(dataset)
+
+    def _epoch_items(self, dataset: Any, epoch: int) -> Iterator[Any]:
+        """The dataset's items of one epoch (all of them; the rank's share is taken by the caller)."""
+        set_epoch = getattr(dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        if _is_hf_stream(dataset):  # read as in the main process even in a worker: the share is ours to take
+            for row in dataset.iter(batch_size=1):
+                yield {k: v[0] for k, v in row.items()}
+        else:
+            yield from dataset
+
+    def _mine(self, index: int) -> bool:
+        """Whether the epoch's item `index` is this rank's (streams split by their own hook: all are)."""
+        if self.own_split or self.replicas == 1:
+            return True
+        return (index % self.global_batch) % self.replicas == self.rank
+
+    def batches(self, start: Dict[str, Any], worker: int, workers: int, collate: Callable) -> Iterator[tuple]:
+        """(place after the batch, collated batch) for this worker's batches, from `start` on, endlessly.
+
+        `start` is a place: {epoch, index (items of the epoch read), batch (global batches of the epoch
+        done), batches (of the run), dataset (its state_dict, or None to skip `index` items)}."""
+        # HF keeps its epoch in memory shared with the loader's workers: each reader gets its own copy
+        dataset = copy.deepcopy(self.dataset) if _is_hf_stream(self.dataset) else self.dataset
+        epoch, index, in_epoch, number = start["epoch"], start["index"], start["batch"], start["batches"]
+        first = number
+        state = start.get("dataset")
+        while True:
+            if state is not None:
+                dataset.load_state_dict(state)  # read on from there: its items are counted from `index`
+                items = enumerate(self._epoch_items(dataset, epoch), index)
+            else:
+                items = itertools.islice(enumerate(self._epoch_items(dataset, epoch)), index, None)
+            state, group, handed = None, [], 0
+            for i, item in items:
+                if not self._mine(i):
+                    continue
+                group.append(item)
+                if len(group) < self.per_rank:
+                    continue
+                in_epoch += 1
+                if (number - first) % workers == worker:
+                    place = {"epoch": epoch, "index": i + 1, "batch": in_epoch, "batches": number + 1,
+                             "split": "own" if self.own_split else "ours",
+                             "dataset": dataset.state_dict() if self.stateful else None}
+                    yield place, collate(group)
+                number, group, handed = number + 1, [], handed + 1
+            if not self.drop_last:
+                if group and (number - first) % workers == worker:
+                    yield None, collate(group)
+                return
+            if handed == 0 and in_epoch == 0:
+                raise UserError(f"{self.key}: the stream's epoch {epoch} holds fewer items than one batch "
+                                f"(data.batch_size {self.global_batch})")
+            epoch, index, in_epoch = epoch + 1, 0, 0
+
+    def first_items(self) -> List[Any]:
+        """This rank's items of the first global batch, from a fresh pass (for the check before training).
+        Every rank reads the whole first global batch, so a stream shorter than one fails on every rank."""
+        dataset = copy.deepcopy(self.dataset) if _is_hf_stream(self.dataset) else self.dataset
+        size = self.per_rank if self.own_split else self.global_batch
+        read = list(itertools.islice(enumerate(self._epoch_items(dataset, 0)), size))
+        if len(read) < size:
+            raise UserError(f"{self.key}: the stream ends after {len(read)} items, fewer than one batch "
+                            f"(data.batch_size {self.global_batch}"
+                            f"{f' over {self.replicas} processes' if self.replicas > 1 else ''})")
+        return [item for i, item in read if self._mine(i)]
+
+    def resume_place(self, saved: List[Dict[str, Any]], saved_world: int) -> tuple:
+        """(this rank's start place, a line for the console or None) from a checkpoint's places."""
+        mine = saved[self.rank] if saved_world == self.replicas and self.rank < len(saved) else None
+        if mine is not None:
+            if mine["dataset"] is not None and self.stateful:
+                return mine, None
+            return {**mine, "index": mine["batch"] * (self.per_rank if self.own_split else self.global_batch),
+                    "dataset": None}, (
+                f"{self.key}: {type(self.dataset).__name__} has no state_dict(); its stream is read again from the "
+                f"start of epoch {mine['epoch']} and the {mine['batch']} batches done are skipped")
+        if self.own_split or (saved and saved[0].get("split") == "own"):
+            raise UserError(f"checkpoint.resume: the checkpoint's stream was split by its own hook over {saved_world} "
+                            f"processes and cannot be resumed by {self.replicas}; resume with {saved_world}, or start "
+                            f"over with checkpoint.resume=never")
+        first = saved[0]  # every rank finished the same global batches
+        return {**first, "index": first["batch"] * self.global_batch, "dataset": None}, (
+            f"{self.key}: the stream was read by {saved_world} processes; {self.replicas} read it again from the start "
+            f"of epoch {first['epoch']}, skipping its {first['batch']} global batches done")
+
+
+START = {"epoch": 0, "index": 0, "batch": 0, "batches": 0, "dataset": None}
+
+
+class _Workers(IterableDataset):
+    """The DataLoader's dataset: in each worker, that worker's batches of the rank's share."""
+
+    def __init__(self, share: Share, start: Dict[str, Any], collate: Callable):
+        self.share, self.start, self.collate = share, start, collate
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return self.share.batches(self.start, worker, workers, self.collate)
+
+
+def _as_is(x: Any) -> Any:
+    return x
+
+
+def loader(share: Share, start: Dict[str, Any], collate: Callable, num_workers: int, device: torch.device) -> DataLoader:
+    return DataLoader(_Workers(share, start, collate), batch_size=None, num_workers=num_workers,
+                      collate_fn=_as_is, pin_memory=device.type == "cuda")
+
+
+class StreamBatches:
+    """Validation from a stream: the rank's share of every item, in batches of data.batch_size / W (the
+    last one smaller), read again at each evaluation."""
+
+    def __init__(self, dataset: Any, batch_size: int, replicas: int, rank: int, num_workers: int,
+                 device: torch.device, collate: Optional[Callable], to_device: Callable):
+        self.share = Share(dataset, "data.val", batch_size, replicas, rank, drop_last=False)
+        self.collate, self.num_workers, self.device, self.to_device = collate or default, num_workers, device, to_device
+
+    def __iter__(self):
+        for _, batch in loader(self.share, START, self.collate, self.num_workers, self.device):
+            yield self.to_device(batch, self.device)
+
+
+class StreamData:
+    """The training data of one rank when data.train is a stream: TrainData's interface (launcher/data.py)
+    with no epochs to count, and a place in the stream that checkpoints keep."""
+
+    steps_per_epoch = None
+    is_stream = True
+
+    def __init__(self, dataset: Any, batch_size: int, replicas: int, rank: int, num_workers: int,
+                 device: torch.device, collate_fn: Optional[Callable] = None):
+        self.share = Share(dataset, "data.train", batch_size, replicas, rank)
+        self.collate = collate_fn or default
+        self.num_workers, self.device = num_workers, device
+        self.start: Dict[str, Any] = dict(START)
+        self.last: Optional[Dict[str, Any]] = None
+
+    def first_items(self) -> List[Any]:
+        return self.share.first_items()
+
+    def host_batches(self, position) -> Iterator[tuple]:
+        return iter(loader(self.share, self.start, self.collate, self.num_workers, self.device))
+
+    def arrive(self, place: Dict[str, Any], position) -> None:
+        position.epoch, position.batch = place["epoch"], place["batch"]
+        self.last = place
+
+    def state(self) -> Dict[str, Any]:
+        """Where the stream stands after the last batch handed out (what a checkpoint keeps of this rank)."""
+        return self.last if self.last is not None else self.start
+
+    def resume(self, saved: List[Dict[str, Any]], world: int) -> Optional[str]:
+        self.start, note = self.share.resume_place(saved, world)
+        self.last = None
+        return note
+
+    def stream(self, position) -> Iterator[Any]:
+        """Micro-batches on the device, endlessly; each moves `position` and this rank's place in the stream."""
+        from launcher.data import placed
+
+        return placed(self, position)
