@@ -39,6 +39,7 @@ class Pad:
     """Mapping items whose tensors differ in length along their first dimension, padded at the end to
     the longest in the batch and stacked: `values` gives the padding per key (say `labels: -100`, so
     that padding is not a target), `value` the rest (`attention_mask` gets 0, which marks padding).
+    Lists of numbers (HF datasets' rows without a format) are read as tensors.
     Other fields (strings, ids) are collated as torch's default_collate does."""
 
     def __init__(self, values: Optional[Dict[str, Any]] = None, value: Any = 0, multiple_of: int = 1):
@@ -52,6 +53,8 @@ class Pad:
         batch = {}
         for key in items[0]:
             column = [item[key] for item in items]
+            if all(isinstance(c, list) and all(isinstance(v, (int, float)) for v in c) for c in column):
+                column = [torch.as_tensor(c) for c in column]  # rows as HF datasets give them without a format
             if isinstance(column[0], torch.Tensor) and column[0].dim() >= 1:
                 batch[key] = self._padded(column, self.values.get(key, self.value))
             else:
