@@ -32,13 +32,28 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USER)
 
 
+EPILOG = """commands (each takes --help):
+  python -m launcher RECIPE [key=value ...]         train (torchrun, accelerate launch and srun start this too)
+  python -m launcher.slurm submit|render RECIPE ... an sbatch job of the recipe, requeued after preemption
+  python -m launcher.export CHECKPOINT OUT          a checkpoint (any strategy) as one plain model file
+  python -m launcher.bench                          the launcher against a hand-written loop (CPU)
+  python -m launcher.bench.gpu                      the same on a GPU: a 126M GPT, eager and compiled
+
+The recipe's keys, their defaults and meanings: README.md, section Recipes (the full recipe block).
+Exit codes: 0 done, 1 a bug (traceback), 2 a mistake (one line), 3 NaN loss, 4 requeue refused,
+5 out of memory, 6 a collective timed out, 128+N stopped by signal N (checkpoint saved)."""
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = _Parser(prog="python -m launcher", usage=USAGE,
+    parser = _Parser(prog="python -m launcher", usage=USAGE, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
                      description="Train the model a YAML recipe describes. Overrides use OmegaConf's dotlist syntax.")
-    parser.add_argument("recipe", help="the recipe file, e.g. recipes/quickstart.yaml")
+    parser.add_argument("recipe", nargs="?", help="the recipe file, e.g. recipes/quickstart.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.max_steps=100")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     args = parser.parse_args(argv)
+    if args.recipe is None:
+        parser.error("a recipe file is required, e.g. python -m launcher recipes/quickstart.yaml")
     try:
         from launcher.recipe import load
 

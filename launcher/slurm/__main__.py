@@ -21,16 +21,68 @@ from launcher.recipe.schema import SlurmConfig
 
 USAGE = "python -m launcher.slurm {submit,render} RECIPE [--nodes N --gpus-per-node G ...] [key=value ...]"
 LISTS = {"sbatch", "setup"}  # options that may be given more than once
+COMMANDS = {"submit": "write the sbatch script into <run_dir>/slurm/job.sbatch and submit it with sbatch",
+            "render": "print the sbatch script; submit nothing"}
+# What each option means (every field of SlurmConfig; tests/test_slurm_render.py checks that none is missing).
+MEANING = {
+    "nodes": "nodes to allocate",
+    "gpus_per_node": "GPUs per node; each rank takes the GPU of its local rank",
+    "tasks_per_node": "processes per node (default: --gpus-per-node, or 1)",
+    "cpus_per_task": "CPUs per task (default: Slurm's)",
+    "mem": "memory per node, e.g. 32G (default: Slurm's)",
+    "time": "time limit: MM, HH:MM:SS or D-HH:MM:SS",
+    "partition": "partition, the queue (default: the cluster's)",
+    "account": "account to charge (default: your own)",
+    "qos": "quality of service (default: the cluster's)",
+    "job_name": "job name (default: the recipe's name)",
+    "output": "log file (default: <run_dir>/slurm/%j.out)",
+    "error": "error log (default: with the output)",
+    "layout": "torchrun: one torchrun per node | srun: one task per process, srun alone",
+    "signal_seconds": "Slurm signals the job this many seconds before its time limit: save and requeue (0: no signal)",
+    "python": "the interpreter on the nodes, run after the setup lines",
+    "sbatch": "an extra '#SBATCH' line, without the prefix (repeatable; default: none)",
+    "setup": "a shell line run before training: module load, source .venv/bin/activate (repeatable; default: none)",
+}
 
 
 def options_help() -> str:
     return ", ".join(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(SlurmConfig))
 
 
+def help_text(command: Optional[str] = None) -> str:
+    """--help: the commands, or one command, and every option with its meaning and default."""
+    usage = USAGE if command is None else f"python -m launcher.slurm {command} RECIPE [--option VALUE ...] [key=value ...]"
+    lines = [f"usage: {usage}", ""]
+    if command is None:
+        lines += ["Train a recipe on a Slurm cluster: one sbatch job, requeued after a preemption or time limit.", "",
+                  "commands:"] + [f"  {name:8} {what}" for name, what in COMMANDS.items()] + [
+                  "", "`python -m launcher.slurm COMMAND --help` says the same of one command.", ""]
+    else:
+        lines += [COMMANDS[command] + ".", ""]
+    lines += ["RECIPE is the recipe file; key=value are the recipe's overrides, passed on to the job.",
+              "The options may also sit in the recipe's slurm: section; the command line wins.", "", "options:"]
+    for f in dataclasses.fields(SlurmConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = f" [default: {default}]" if default not in (None, []) else ""  # unset ones say theirs in words
+        lines.append(f"  --{f.name.replace('_', '-'):16} {MEANING[f.name]}{shown}")
+    lines += ["", "Example: python -m launcher.slurm submit recipes/quickstart.yaml --nodes 2 --gpus-per-node 4 \\",
+              "           --time 12:00:00 --setup 'source .venv/bin/activate' trainer.max_steps=20000"]
+    return "\n".join(lines)
+
+
 def parse(argv: List[str]):
-    """(command, recipe, slurm overrides, training overrides) from the command line."""
-    if len(argv) < 2 or argv[0] not in ("submit", "render"):
-        raise UserError(f"usage: {USAGE}")
+    """(command, recipe, slurm overrides, training overrides) from the command line, or (help text, ...)
+    for --help."""
+    if not argv or argv[0] in ("-h", "--help"):
+        if argv:
+            return "help", help_text(), [], []
+        raise UserError(f"a command is required: submit or render (usage: {USAGE}; --help lists the options)")
+    if argv[0] not in COMMANDS:
+        raise UserError(f"unknown command {argv[0]!r}; valid: submit, render (usage: {USAGE})")
+    if "-h" in argv[1:] or "--help" in argv[1:]:
+        return "help", help_text(argv[0]), [], []
+    if len(argv) < 2:
+        raise UserError(f"{argv[0]}: a recipe file is required (usage: {USAGE})")
     command, recipe, rest = argv[0], argv[1], argv[2:]
     names = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(SlurmConfig)}
     slurm: List[str] = []
@@ -69,12 +121,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         command, recipe, slurm, training = parse(sys.argv[1:] if argv is None else argv)
+        if command == "help":
+            print(recipe)
+            return 0
         from launcher.recipe import load
-        from launcher.slurm.render import render
+        from launcher.slurm.render import BARE_PYTHON, bare_python, render
 
         loaded = load(recipe, [*training, *slurm])
         run_dir = Path(loaded.recipe.run_dir).resolve()
         script = render(loaded.recipe.slurm, recipe.resolve(), training, run_dir, loaded.recipe.name, Path.cwd())
+        if bare_python(loaded.recipe.slurm):  # beside the script, not in it: `render > job.sbatch` stays a script
+            print(f"launcher.slurm: {BARE_PYTHON}", file=sys.stderr)
         if command == "render":
             print(script, end="")
             return 0

@@ -13,6 +13,15 @@ from launcher.recipe.schema import SlurmConfig
 TEMPLATES = Path(__file__).resolve().parents[2] / "slurm"
 
 
+BARE_PYTHON = ("this script runs a bare `python`: the first on the nodes' PATH, which may lack torch and the "
+               "launcher; name one with --python /path/to/venv/bin/python, or activate an environment with "
+               "--setup 'source .venv/bin/activate'")
+
+
+def bare_python(options: SlurmConfig) -> bool:
+    return options.python == "python" and not options.setup
+
+
 def render(options: SlurmConfig, recipe: Path, overrides: List[str], run_dir: Path, name: str, workdir: Path) -> str:
     """The script. `run_dir` and `workdir` are absolute, so the job finds what the submitter meant."""
     template = TEMPLATES / f"{options.layout}.sbatch"
@@ -40,9 +49,12 @@ def render(options: SlurmConfig, recipe: Path, overrides: List[str], run_dir: Pa
     lines += ["--requeue", "--open-mode=append"]  # a requeued job appends to the same log
     lines += list(options.sbatch)
     args = [str(recipe), *overrides, f"run_dir={run_dir}"]
+    setup = list(options.setup)
+    if bare_python(options):
+        setup.insert(0, f"# {BARE_PYTHON}")
     return Template(template.read_text()).substitute(
         sbatch_lines="\n".join(f"#SBATCH {line}" for line in lines),
-        setup_lines="\n".join(options.setup),
+        setup_lines="\n".join(setup),
         python=shlex.quote(options.python),
         nproc_per_node=per_node,
         recipe_args=" ".join(shlex.quote(a) for a in args),
