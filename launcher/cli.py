@@ -61,6 +61,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.print_config:
             from omegaconf import OmegaConf
 
+            for note in loaded.notes:
+                print(note, file=sys.stderr)
             print(OmegaConf.to_yaml(loaded.config), end="")
             return 0
         from launcher.train import run

@@ -57,7 +57,7 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
                 recipe.precision, recipe.trainer.grad_accum_steps)
             loaded.config.precision, loaded.config.trainer.grad_accum_steps = recipe.precision, recipe.trainer.grad_accum_steps
             try:
-                return _train(loaded, strategy, folder, notes + settled + strategy.notes())
+                return _train(loaded, strategy, folder, loaded.notes + notes + settled + strategy.notes())
             except SystemExit as e:  # sys.exit() in a component's code (a forward, a dataset's item, a metric)
                 raise UserError(f"{_innermost(e)} raised SystemExit({e.code!r}) during training; a component must "
                                 f"not exit the process (raise an exception instead)", every_rank=True) from None

@@ -76,3 +76,31 @@ def test_tiny_charlm_run_learns(tmp_path):
     assert last < first - 0.3, f"train loss went from {first} to {last}:\n{done.stdout}"
     assert "eval at step 60 | val/loss" in done.stdout
     assert (tmp_path / "run" / "model.pt").is_file()
+
+
+def test_without_a_gpu_the_recipe_picks_its_cpu_size_and_says_so(monkeypatch):
+    from launcher.recipe import load
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    loaded = load(ROOT / "recipes/charlm.yaml")
+    assert (loaded.recipe.name, loaded.recipe.run_dir, loaded.recipe.precision) == ("charlm-cpu", "runs/charlm-cpu", "fp32")
+    assert (loaded.recipe.model["n_layer"], loaded.recipe.model["n_embd"], loaded.recipe.model["_target_"]) == (
+        2, 128, "recipes.components.gpt.GPT")
+    assert loaded.notes[0].startswith("on_cpu: no GPU for this run (devices: auto); the recipe's on_cpu keys apply: "
+                                      "name, precision, model.n_layer"), loaded.notes
+    assert load(ROOT / "recipes/charlm.yaml", ["model.n_layer=3"]).recipe.model["n_layer"] == 3  # the command line wins
+    assert load(ROOT / "recipes/charlm.yaml", ["on_cpu=null"]).recipe.model["n_layer"] == 6  # the GPU size, asked for
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = load(ROOT / "recipes/charlm.yaml")
+    assert (on_gpu.recipe.name, on_gpu.recipe.precision, on_gpu.notes) == ("charlm", "bf16", [])
+
+
+def test_a_mistake_in_on_cpu_names_its_line(tmp_path):
+    from launcher.errors import UserError
+    from launcher.recipe import load
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((ROOT / "recipes/charlm.yaml").read_text().replace("trainer: {log_every: 25}",
+                                                                          "trainer: {log_evry: 25}"))
+    with pytest.raises(UserError, match=r"r.yaml:\d+: on_cpu: trainer.log_evry: unknown key; did you mean 'trainer.log_every'"):
+        load(recipe, ["devices=cpu"])

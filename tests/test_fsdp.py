@@ -18,7 +18,7 @@ QUICK = [*RECIPE, "trainer.grad_accum_steps=2", "data.batch_size=16", "trainer.c
 FSDP = ["strategy=fsdp", "nproc_per_node=2"]
 DDP = ["strategy=ddp", "nproc_per_node=2"]
 # charlm at a tiny size: its transformer Blocks are the sharding units (found by default: a ModuleList's layers).
-CHARLM = ["recipes/charlm.yaml", "devices=cpu", "precision=fp32", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+CHARLM = ["recipes/charlm.yaml", "on_cpu=null", "devices=cpu", "precision=fp32", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
           "model.block_size=32", "model.dropout=0.0", "data.batch_size=8", "data.val=null", "trainer.max_steps=12",
           "trainer.grad_accum_steps=2", "trainer.clip_grad_norm=0.5", "trainer.log_every=4", "trainer.eval_every=null",
           "checkpoint.every=6", "logging.tensorboard=false"]

@@ -151,7 +151,7 @@ def hf(args) -> list[str]:
 
 
 # charlm at a CPU size where the Blocks hold nearly all parameters (4 of 128 wide: 0.8M parameters).
-FSDP_RECIPE = ["recipes/charlm.yaml", "devices=cpu", "precision=fp32", "model.n_layer=4", "model.n_head=4",
+FSDP_RECIPE = ["recipes/charlm.yaml", "on_cpu=null", "devices=cpu", "precision=fp32", "model.n_layer=4", "model.n_head=4",
                "model.n_embd=128", "model.block_size=64", "model.dropout=0.0", "data.batch_size=16", "data.val=null",
                "metrics={}", "trainer.log_every=100", "trainer.eval_every=null", "checkpoint.every=null",
                "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false"]

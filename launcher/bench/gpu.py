@@ -53,7 +53,7 @@ def sides(args, shape: tuple, compile: bool) -> dict:
     raw = [PY, "-m", "launcher.bench.raw_gpt", "--steps", str(args.steps), "--batch", str(batch), "--block", str(block),
            "--layers", str(layers), "--heads", str(heads), "--embd", str(embd), "--device", args.device,
            *(["--compile"] if compile else [])]
-    ours = [PY, "-m", "launcher.bench.child", "recipes/charlm.yaml",
+    ours = [PY, "-m", "launcher.bench.child", "recipes/charlm.yaml", "on_cpu=null",
             f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={embd}", f"model.block_size={block}",
             "model.dropout=0.0", f"data.batch_size={batch}", "data.val=null", "metrics={}",
             f"trainer.max_steps={args.steps}", "trainer.eval_every=null", f"trainer.log_every={READ_EVERY}",

@@ -36,6 +36,7 @@ class Loaded:
     recipe: Recipe
     config: DictConfig  # resolved; `OmegaConf.to_yaml(config)` is what the run folder keeps
     path: Path
+    notes: List[str] = dataclasses.field(default_factory=list)  # what loading decided (on_cpu applied)
 
 
 def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
@@ -43,22 +44,13 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
     path = Path(path)
     _make_importable(path)
     user, lines = yamlfile.read(path)
-    cfg = OmegaConf.structured(Recipe)
-    origin: Dict[str, str] = {}  # dotted key -> where its value came from
-    problems: List[str] = []
-
-    def where_file(key: str) -> str:
-        line = lines.get(key)
-        return f"{path}:{line}" if line else str(path)
-
-    _apply(cfg, user, Recipe, "", where_file, origin, problems)
-    for item in overrides:
-        parsed = _parse_override(item)
-        shown = _shown(item)
-        if isinstance(parsed, str):
-            problems.append(f"override '{shown}': {parsed}")
-            continue
-        _apply_at(cfg, *parsed, lambda _k, shown=shown: f"override '{shown}'", origin, problems)
+    cfg, origin, problems = _compose(path, user, lines, [], overrides)
+    notes: List[str] = []
+    on_cpu = _on_cpu_keys(cfg) if not problems else []
+    if on_cpu:  # the recipe again, with its on_cpu keys between the file and the command line
+        cfg, origin, problems = _compose(path, user, lines, on_cpu, overrides)
+        notes.append(f"on_cpu: no GPU for this run (devices: {OmegaConf.select(cfg, 'devices')}); the recipe's on_cpu "
+                     f"keys apply: {', '.join(k for k, _ in on_cpu)} (key=value on the command line still wins)")
 
     def where(key: str) -> str:
         # The most specific key that was set by the user names the place to look: the key, the first
@@ -82,7 +74,53 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
     if problems:
         raise UserError(*problems)
     OmegaConf.resolve(cfg)
-    return Loaded(recipe=recipe, config=cfg, path=path)
+    return Loaded(recipe=recipe, config=cfg, path=path, notes=notes)
+
+
+def _on_cpu_keys(cfg: DictConfig) -> List[tuple]:
+    """The recipe's on_cpu keys as (dotted key, value), when this run will have no GPU; else none."""
+    section = OmegaConf.select(cfg, "on_cpu")
+    if not section:
+        return []
+    devices = OmegaConf.select(cfg, "devices")
+    if isinstance(devices, str) and devices.startswith("auto"):
+        import torch
+
+        gpu = torch.cuda.is_available()
+    else:
+        gpu = devices != "cpu"
+    if gpu:
+        return []
+
+    def leaves(value: Any, prefix: str) -> List[tuple]:
+        if isinstance(value, dict) and value and "_target_" not in value:
+            return [pair for k, v in value.items() for pair in leaves(v, f"{prefix}{k}.")]
+        return [(prefix[:-1], value)]
+
+    return leaves(OmegaConf.to_container(section, resolve=False), "")
+
+
+def _compose(path: Path, user: dict, lines: Dict[str, int], extra: List[tuple], overrides: List[str]):
+    """(config, where each key came from, problems): the file, then `extra` (key, value) pairs, then the overrides."""
+    cfg = OmegaConf.structured(Recipe)
+    origin: Dict[str, str] = {}  # dotted key -> where its value came from
+    problems: List[str] = []
+
+    def where_file(key: str) -> str:
+        line = lines.get(key)
+        return f"{path}:{line}" if line else str(path)
+
+    _apply(cfg, user, Recipe, "", where_file, origin, problems)
+    for key, value in extra:
+        _apply_at(cfg, key, value, lambda _k, key=key: f"{where_file('on_cpu.' + key)}: on_cpu", origin, problems)
+    for item in overrides:
+        parsed = _parse_override(item)
+        shown = _shown(item)
+        if isinstance(parsed, str):
+            problems.append(f"override '{shown}': {parsed}")
+            continue
+        _apply_at(cfg, *parsed, lambda _k, shown=shown: f"override '{shown}'", origin, problems)
+    return cfg, origin, problems
 
 
 def _make_importable(path: Path) -> None:
@@ -120,7 +158,7 @@ def _parse_override(item: str) -> tuple | str:
     return key, value
 
 
-def _shown(item: str, most: int = 100) -> str:
+def _shown(item: str, most: int = 80) -> str:
     """An override as a message quotes it: printable, one line, and not endless."""
     shown = item if item.isprintable() else item.encode("unicode_escape", "backslashreplace").decode()
     return shown if len(shown) <= most else f"{shown[:most]}... ({len(item)} characters)"

@@ -245,6 +245,7 @@ class Recipe:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     memory_snapshot: MemorySnapshotConfig = field(default_factory=MemorySnapshotConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    on_cpu: Optional[Dict[str, Any]] = None  # keys that apply when the run has no GPU (a smaller model, fp32)
 
     def problems(self) -> List[tuple[str, str]]:
         """Every value-level problem as (key, message); empty when the recipe is valid."""
