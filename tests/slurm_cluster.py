@@ -4,10 +4,10 @@ The session-scoped fixture runs `slurm/local/up.sh` (quick when the cluster is a
 the test when that cannot work here (not root, or apt-get cannot install Slurm), and yields a
 `SlurmCluster` whose helpers submit jobs and read their state with the real client commands.
 
-The daemons are left running at the end of the session: stopping and starting them costs time,
-and `slurm/local/down.sh` is there for that. The state folder is never wiped between tests either:
-job ids restart at 1 when it is, and output files named after job ids would be reused. Tests should
-write their outputs under their own `tmp_path`.
+Daemons the session started are stopped at its end (`slurm/local/down.sh`); a cluster that was
+already up (started by hand, or by another test run) is left as it was. The state folder is never
+wiped: job ids restart at 1 when it is, and output files named after job ids would be reused. Tests
+should write their outputs under their own `tmp_path`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 UP = REPO / "slurm" / "local" / "up.sh"
+DOWN = REPO / "slurm" / "local" / "down.sh"
 
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE")
@@ -115,9 +116,12 @@ def slurm_cluster():
     env["PATH"] = env.get("PATH", "") + ":/usr/sbin:/sbin"
     cluster = SlurmCluster(env=env, state=conf.parent)
     cluster.preexisting = cluster.queued()
+    started = "up.sh: starting slurmctld" in proc.stdout  # else it was up before this session
     yield cluster
     # Cancel what this session left queued or running (jobs submitted by the launcher included),
-    # but not jobs that were there before it. The daemons keep running: see the module docstring.
+    # but not jobs that were there before it; stop the daemons if this session started them.
     leftover = sorted(cluster.queued() - cluster.preexisting, key=int)
     if leftover:
         cluster.run("scancel", "--full", *leftover, check=False)
+    if started:
+        subprocess.run(["bash", str(DOWN)], capture_output=True, text=True, timeout=120)

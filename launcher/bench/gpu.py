@@ -31,6 +31,7 @@ into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to
 from __future__ import annotations
 
 import argparse
+import tempfile
 import datetime
 import statistics
 import sys
@@ -59,7 +60,7 @@ def sides(args, shape: tuple, compile: bool) -> dict:
             f"trainer.max_steps={args.steps}", "trainer.eval_every=null", f"trainer.log_every={READ_EVERY}",
             f"trainer.compile={str(compile).lower()}", "checkpoint.every=null", "checkpoint.resume=never",
             "logging.tensorboard=false", "logging.progress_bar=false", f"devices={args.device}", "precision=bf16",
-            *(["optimizer.fused=true"] if cuda else []), "run_dir=/tmp/launcher-bench-gpu"]
+            *(["optimizer.fused=true"] if cuda else []), f"run_dir={args.run_dir}/ours"]
     return {"raw": (raw, {}), "ours": (ours, {})}
 
 
@@ -67,7 +68,7 @@ def strategy_sides(args, shape: tuple) -> dict:
     """The launcher's side (eager) under ddp and under fsdp, each one process started by torchrun."""
     ours, _ = sides(args, shape, compile=False)["ours"]
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    return {name: ([*torchrun, *ours[1:], f"strategy={name}", f"run_dir=/tmp/launcher-bench-gpu-{name}"], {})
+    return {name: ([*torchrun, *ours[1:], f"strategy={name}", f"run_dir={args.run_dir}/{name}"], {})
             for name in ("ddp", "fsdp")}
 
 
@@ -99,6 +100,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--steps {args.steps}: give more than {READ_EVERY} (each side reads the device every "
                          f"{READ_EVERY} steps, and the first 50 are warm-up)")
 
+    with tempfile.TemporaryDirectory(prefix="launcher-bench-gpu-") as args.run_dir:  # the runs' folders, removed after
+        return measure(args)
+
+
+def measure(args) -> int:
     layers, heads, embd, block, batch = SIZES[args.size]
     batch = args.batch or batch
     shape = (layers, heads, embd, block, batch)

@@ -8,6 +8,7 @@ it runs strategy="ddp" over torchrun's world (gloo on CPU). Exits 3 when lightni
 
 import os
 import sys
+import tempfile
 
 import torch
 from torch import nn
@@ -56,10 +57,11 @@ def main() -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     loader = torch.utils.data.DataLoader(make_data(), batch_size=BATCH // world, shuffle=True, drop_last=True)
     clock = StepClock()
+    logs = tempfile.TemporaryDirectory(prefix="launcher-bench-lightning-")  # removed when the process ends
     trainer = L.Trainer(
         max_steps=STEPS, accelerator="auto" if torch.cuda.is_available() else "cpu",
         devices=local, num_nodes=world // local, strategy="ddp" if world > 1 else "auto",
-        logger=TensorBoardLogger("/tmp/launcher-bench-lightning"),
+        logger=TensorBoardLogger(logs.name),
         log_every_n_steps=100, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Module(clock), loader)
     if trainer.global_rank == 0:
