@@ -101,10 +101,10 @@ def main(argv=None) -> int:
                          f"{READ_EVERY} steps, and the first 50 are warm-up)")
 
     with tempfile.TemporaryDirectory(prefix="launcher-bench-gpu-") as args.run_dir:  # the runs' folders, removed after
-        return measure(args)
+        return measure(args, argv)
 
 
-def measure(args) -> int:
+def measure(args, argv) -> int:
     layers, heads, embd, block, batch = SIZES[args.size]
     batch = args.batch or batch
     shape = (layers, heads, embd, block, batch)
