@@ -68,3 +68,25 @@ def test_an_hf_stream_split_over_two_ranks_refuses_one(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert ("checkpoint.resume: the checkpoint's stream was split by its own hook over 2 processes and cannot be "
             "resumed by 1; resume with 2, or start over with checkpoint.resume=never") in done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stream-one")
+    run(launcher(f"run_dir={folder}", "strategy=single", STREAM))
+    return folder / "model.pt"
+
+
+@pytest.mark.parametrize("how", ["fsdp", "accelerate"])
+def test_fsdp_and_accelerate_read_a_stream_as_one_process_does(one_process, tmp_path, how):
+    from tests.test_strategies import ACCELERATE, TORCHRUN, free_port
+
+    if how == "fsdp":
+        command = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *RECIPE, "strategy=fsdp"]
+    else:
+        pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
+        command = [*ACCELERATE, "--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
+                   "--dynamo_backend=no", f"--main_process_port={free_port()}", "-m", "launcher", *RECIPE]
+    done = run([*command, STREAM, f"run_dir={tmp_path}"])
+    assert f"({how})" in done.stdout and "from a stream" in done.stdout, done.stdout
+    assert_equivalent(one_process, tmp_path / "model.pt")
