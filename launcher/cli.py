@@ -39,7 +39,8 @@ EPILOG = """commands (each takes --help):
   python -m launcher.bench                          the launcher against a hand-written loop (CPU)
   python -m launcher.bench.gpu                      the same on a GPU: a 126M GPT, eager and compiled
 
-The recipe's keys, their defaults and meanings: README.md, section Recipes (the full recipe block).
+Every recipe key with its type, default and meaning: docs/recipe.md (README.md, section Recipes, shows
+them as one recipe).
 Exit codes: 0 done, 1 a bug (traceback), 2 a mistake (one line), 3 NaN loss, 4 requeue refused,
 5 out of memory, 6 a collective timed out, 128+N stopped by signal N (checkpoint saved)."""
 

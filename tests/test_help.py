@@ -19,7 +19,7 @@ def test_the_launchers_help_lists_the_commands_and_points_to_the_recipe_referenc
     assert done.returncode == 0
     for command in ("python -m launcher.slurm submit|render", "python -m launcher.export", "python -m launcher.bench"):
         assert command in done.stdout
-    assert "README.md, section Recipes" in done.stdout and "--print-config" in done.stdout
+    assert "docs/recipe.md" in done.stdout and "--print-config" in done.stdout
 
 
 def test_no_recipe_says_a_recipe_is_required():

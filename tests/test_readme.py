@@ -88,3 +88,15 @@ def test_the_recipe_block_is_the_shipped_quickstart_with_every_default(tmp_path)
     assert not differ, "the README's recipe block differs from recipes/quickstart.yaml: " + "; ".join(differ)
     missing = [key for key in schema_keys(Recipe) if key not in dotted_keys(yaml.safe_load(block))]
     assert not missing, f"the README's recipe block lacks {missing}"
+
+
+def test_the_recipe_reference_is_current_and_says_what_each_key_does():
+    from launcher.recipe import Recipe
+    from launcher.recipe.reference import keys, render
+
+    assert (REPO / "docs" / "recipe.md").read_text() == render(), \
+        "docs/recipe.md is stale: python -m launcher.recipe.reference > docs/recipe.md"
+    rows = {key: (kind, default, meaning) for key, kind, default, meaning in keys()}
+    assert set(schema_keys(Recipe)) <= set(rows)
+    assert not [key for key, (_, _, meaning) in rows.items() if len(meaning) < 8], "keys without a meaning"
+    assert "docs/recipe.md" in README

@@ -31,11 +31,11 @@ TARGETS = ("model", "loss", "step", "optimizer", "lr_schedule")  # the Recipe's 
 
 @dataclass
 class DataConfig:
-    train: Target = MISSING
-    val: Optional[Target] = None
+    train: Target = MISSING  # a map-style Dataset (__getitem__, __len__) or a stream (an IterableDataset)
+    val: Optional[Target] = None  # the same kinds; evaluated every trainer.eval_every steps and at the end
     batch_size: int = 64  # global, per forward/backward; x grad_accum_steps per optimizer step
-    num_workers: int = 0
-    shuffle: bool = True
+    num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
+    shuffle: bool = True  # a new permutation each epoch (seed + epoch); map-style data only
     tokens_per_sample: Optional[int] = None  # turns samples/s into tokens/s in the logs
     collate: Optional[Target] = None  # collate(list of items) -> batch, e.g. padding; null: torch's default_collate
 
@@ -88,12 +88,12 @@ class FSDPConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: Optional[int] = None
-    max_epochs: Optional[int] = None
-    grad_accum_steps: int = 1
-    clip_grad_norm: Optional[float] = None
-    log_every: int = 50
-    eval_every: Optional[int] = None
+    max_steps: Optional[int] = None  # optimizer steps to train; a stream needs it
+    max_epochs: Optional[int] = None  # epochs to train (whichever of the two ends first); map-style data only
+    grad_accum_steps: int = 1  # micro-batches per optimizer step, each of data.batch_size
+    clip_grad_norm: Optional[float] = None  # clip the gradients' global norm (over every shard) to this; null: none
+    log_every: int = 50  # optimizer steps between two log lines (and the only host reads of the loop)
+    eval_every: Optional[int] = None  # steps between evaluations (one at the end too); null: at the end only
     compile: bool = False  # torch.compile the (wrapped) model; checkpoints keep the plain model's keys
     activation_checkpointing: Optional[List[str]] = None  # class names whose activations are recomputed in backward
 
@@ -114,7 +114,7 @@ class TrainerConfig:
 @dataclass
 class CheckpointConfig:
     every: Optional[int] = 500  # optimizer steps between saves; null: only the final save
-    keep: int = 3
+    keep: int = 3  # complete checkpoints kept (the newest is never deleted)
     resume: str = "auto"  # auto | never | <path of a checkpoint folder>
     init_from: Optional[str] = None  # a model state_dict file or a checkpoint folder; wrapper prefixes accepted
     on_signal: bool = True  # SIGTERM, Ctrl-C, Slurm's SIGUSR1: save at the next step boundary, then stop
@@ -133,7 +133,7 @@ class ProfileConfig:
     """A torch.profiler window: steps at_step .. at_step+steps-1 on the listed ranks, to <run_dir>/profile/."""
 
     at_step: Optional[int] = None  # the first step recorded; null: no profile
-    steps: int = 3
+    steps: int = 3  # optimizer steps in the profiler's window
     ranks: List[int] = field(default_factory=lambda: [0])  # global ranks that record
 
     def problems(self) -> List[tuple[str, str]]:
@@ -148,7 +148,7 @@ class MemorySnapshotConfig:
     """CUDA's allocator history over steps at_step .. at_step+steps-1, dumped to <run_dir>/memory/."""
 
     at_step: Optional[int] = None  # the first step recorded; null: no snapshot
-    steps: int = 3
+    steps: int = 3  # optimizer steps whose allocations the snapshot records
 
     def problems(self) -> List[tuple[str, str]]:
         return _at_least("memory_snapshot.at_step", self.at_step, 1) + _at_least("memory_snapshot.steps", self.steps, 1)
@@ -175,7 +175,7 @@ class LoggingConfig:
     mlflow: Optional[MLflowConfig] = None  # {} for the defaults (pip install 'launcher[mlflow]')
     wandb: Optional[WandbConfig] = None  # {} for the defaults (pip install 'launcher[wandb]')
     jsonl: bool = False  # <run_dir>/metrics.jsonl, one JSON object per log step
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar when stderr is a terminal; otherwise one line per log interval
     peak_tflops: Optional[float] = None  # one device's peak, for MFU; default: a known GPU's dense bf16 peak
 
     def problems(self) -> List[tuple[str, str]]:
@@ -191,15 +191,15 @@ class LoggingConfig:
 class SlurmConfig:
     """sbatch options for `python -m launcher.slurm submit`; its command-line flags win over these."""
 
-    nodes: int = 1
-    gpus_per_node: int = 0
+    nodes: int = 1  # nodes to allocate
+    gpus_per_node: int = 0  # GPUs per node; each rank takes the GPU of its local rank
     tasks_per_node: Optional[int] = None  # layout srun: processes per node (default: gpus_per_node, or 1)
-    cpus_per_task: Optional[int] = None
+    cpus_per_task: Optional[int] = None  # CPUs per task; null: Slurm's default
     mem: Optional[str] = None  # e.g. 32G
-    time: str = "01:00:00"
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
+    time: str = "01:00:00"  # the job's time limit: MM, HH:MM:SS or D-HH:MM:SS
+    partition: Optional[str] = None  # partition (queue); null: the cluster's default
+    account: Optional[str] = None  # account to charge; null: your default
+    qos: Optional[str] = None  # quality of service; null: the cluster's default
     job_name: Optional[str] = None  # default: the recipe's name
     output: Optional[str] = None  # default: <run_dir>/slurm/%j.out
     error: Optional[str] = None  # default: with the output
@@ -222,15 +222,15 @@ class SlurmConfig:
 
 @dataclass
 class Recipe:
-    name: str = MISSING
-    run_dir: str = "runs/${name}"
-    seed: int = 0
-    strategy: str = "auto"
-    devices: Any = "auto"
-    precision: str = "fp32"
+    name: str = MISSING  # the run's name: its folder's and the trackers' (letters, digits, . _ -)
+    run_dir: str = "runs/${name}"  # where the run's checkpoints, model.pt, logs and trackers' files go
+    seed: int = 0  # seeds the model's initialisation, the data order and every RNG
+    strategy: str = "auto"  # auto | single | dp | ddp | fsdp | accelerate; auto: by how the run started
+    devices: Any = "auto"  # auto | auto:N | cpu | cuda | cuda:N | [ids]; auto: the GPUs, else the CPU
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 with a grad scaler, CUDA only)
     nproc_per_node: Optional[int] = None  # strategy=ddp outside torchrun: workers to start (default: one per GPU)
     dist_timeout: int = 600  # seconds a collective may wait for the other ranks before every rank stops (exit 6)
-    model: Target = MISSING
+    model: Target = MISSING  # the model: any nn.Module built from _target_ and its arguments
     loss: Optional[Target] = None  # loss(output, target); null: the model computes its own loss
     step: Optional[Target] = None  # step(model, batch) -> loss | {loss, num_items, output, target}; null: the default
     optimizer: Target = MISSING  # the launcher passes the parameters
