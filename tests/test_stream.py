@@ -59,3 +59,8 @@ def test_a_stream_shorter_than_one_batch_is_one_line(tmp_path):
 def test_an_iterable_that_is_no_dataset_says_how_to_stream_it(tmp_path):
     with pytest.raises(UserError, match=r"^data.train: .* nor a stream .*subclass torch.utils.data.IterableDataset"):
         train(tmp_path, "data.train._target_=tests.components.JustIterable")
+
+
+def test_a_stream_with_a_len_is_read_as_a_stream(tmp_path, capsys):
+    values = train(tmp_path, "data.train={_target_: tests.components.SizedStream, n: 1024}", "data.val=null")
+    assert values["train/loss"] >= 0 and "from a stream" in capsys.readouterr().out
