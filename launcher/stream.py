@@ -45,6 +45,14 @@ def _is_hf_stream(dataset: Any) -> bool:
     return type(dataset).__module__.startswith("datasets.") and type(dataset).__name__ == "IterableDataset"
 
 
+def _copy(dataset: Any) -> Any:
+    """A copy to read from, or the dataset itself where it cannot be copied (an open file, a lock)."""
+    try:
+        return copy.deepcopy(dataset)
+    except Exception:
+        return dataset
+
+
 def _stateful(dataset: Any) -> bool:
     return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
 
@@ -123,7 +131,7 @@ class Share:
     def first_items(self) -> List[Any]:
         """This rank's items of the first global batch, from a fresh pass (for the check before training).
         Every rank reads the whole first global batch, so a stream shorter than one fails on every rank."""
-        dataset = copy.deepcopy(self.dataset) if _is_hf_stream(self.dataset) else self.dataset
+        dataset = _copy(self.dataset)  # so that training reads the same dataset as it was, untouched
         size = self.per_rank if self.own_split else self.global_batch
         read = list(itertools.islice(enumerate(self._epoch_items(dataset, 0)), size))
         if len(read) < size:
