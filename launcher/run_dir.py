@@ -22,7 +22,7 @@ from launcher import checkpoint
 from launcher.errors import UserError
 
 # What a run writes that belongs to its history (the recipe.yaml of the run that wrote them too).
-ARTEFACTS = ("checkpoints", "model.pt", "tensorboard", "recipe.yaml", "metrics.jsonl", "trackers.json", "wandb",
+ARTEFACTS = ("checkpoints", "model.pt", "tensorboard", "recipe.yaml", "metrics.jsonl", "config.json", "trackers.json", "wandb",
              "profile", "memory", "flight_recorder")
 REPLACED = "replaced"
 

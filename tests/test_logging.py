@@ -98,3 +98,19 @@ def test_the_bar_keeps_the_loss_and_metrics_and_fits_the_terminal(columns):
         assert len(line) <= columns and line.endswith("]"), line
     if columns >= 200:
         assert "tokens/s 407,040" in line
+
+
+def test_every_backend_is_a_field_of_logging_and_a_module_of_its_own():
+    """A new backend is one file, one field of LoggingConfig and its name in BACKENDS: make() asks nothing else."""
+    import dataclasses
+    import importlib
+
+    from launcher import loggers
+    from launcher.recipe.schema import LoggingConfig
+
+    fields = {f.name for f in dataclasses.fields(LoggingConfig)}
+    assert set(loggers.BACKENDS) <= fields
+    assert fields - set(loggers.BACKENDS) == {"progress_bar", "peak_tflops"}  # settings, not backends
+    for name in loggers.BACKENDS:
+        module = importlib.import_module(f"launcher.loggers.{name}")
+        assert callable(module.backend), name

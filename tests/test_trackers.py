@@ -92,6 +92,10 @@ def test_every_logger_at_once(tmp_path):
     assert [line["step"] for line in lines] == [10, 20, 30, 40, 50, 60]
     assert {"train/loss", "train/lr", "train/accuracy", "train/grad_norm", "time"} <= lines[0].keys()
     assert "val/loss" in lines[1] and "val/loss" not in lines[0]  # train and val of a step: one object
+    config = json.loads((run_dir / "config.json").read_text())  # beside it, the recipe and what ran
+    assert config["strategy"] == "auto" and config["optimizer"]["lr"] == 0.001
+    assert config["effective"] == {"strategy": "single", "world_size": 1, "device": "cpu", "precision": "fp32",
+                                   "grad_accum_steps": 1, "batch_size_per_rank": config["data"]["batch_size"]}
 
     ids = json.loads((run_dir / "trackers.json").read_text())
     c = client(tmp_path)
@@ -115,6 +119,12 @@ def test_every_logger_at_once(tmp_path):
     assert wandb_ids == {ids["wandb"]["id"]} and len(runs) == 1
     (rows,) = runs.values()
     assert [step for step, _ in rows] == [10, 20, 30, 40, 50, 60]
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    kept = [r.config for path in folder.glob("run-*.wandb") for r in wandb_records(path)
+            if r.WhichOneof("record_type") == "config"]
+    values = {u.key: json.loads(u.value_json) for c in kept for u in c.update}
+    assert values["effective"]["strategy"] == "single" and values["effective"]["world_size"] == 1
+    assert values["strategy"] == "auto" and values["optimizer"]["lr"] == 0.001
     assert [values["train/loss"] for _, values in rows] == [line["train/loss"] for line in lines]
 
 

@@ -128,6 +128,13 @@ def writing(section: str, path: Path) -> Iterator[None]:
                         f"some space, point run_dir=... at a writable folder, or set logging.{section}=false") from None
 
 
+# The backends, by their field of `logging:` (LoggingConfig). Each is the module launcher.loggers.<name>,
+# which has `backend(section, run_dir)` (section: the field's value) and, for an optional package,
+# `PACKAGE = (import name, pip package)`; its extra is launcher[<name>]. A new backend: its file, its
+# field, and its name here.
+BACKENDS = ("tensorboard", "jsonl", "mlflow", "wandb")
+
+
 def require(module: str, section: str, extra: str, package: str) -> None:
     """A missing optional package is a user mistake that names the command installing it."""
     try:
@@ -142,22 +149,12 @@ def make(main: bool, run_dir: Path, cfg) -> tuple[Loggers, Console]:
     if not main:
         return Loggers([]), NullConsole()
     backends: List[Any] = []
-    if cfg.tensorboard:
-        from launcher.loggers.tensorboard import TensorBoard
-
-        backends.append(TensorBoard(run_dir / "tensorboard"))
-    if cfg.jsonl:
-        from launcher.loggers.jsonl import Jsonl
-
-        backends.append(Jsonl(run_dir / "metrics.jsonl"))
-    if cfg.mlflow is not None:
-        require("mlflow", "mlflow", "mlflow", "mlflow-skinny")
-        from launcher.loggers.mlflow import MLflow
-
-        backends.append(MLflow(cfg.mlflow))
-    if cfg.wandb is not None:
-        require("wandb", "wandb", "wandb", "wandb")
-        from launcher.loggers.wandb import WandB
-
-        backends.append(WandB(cfg.wandb))
+    for name in BACKENDS:
+        section = getattr(cfg, name)
+        if section is None or section is False:
+            continue
+        module = importlib.import_module(f"launcher.loggers.{name}")
+        if getattr(module, "PACKAGE", None):
+            require(module.PACKAGE[0], name, name, module.PACKAGE[1])
+        backends.append(module.backend(section, run_dir))
     return Loggers(backends, run_dir), Console(cfg.progress_bar)

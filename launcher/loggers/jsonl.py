@@ -1,8 +1,12 @@
-"""`logging.jsonl`: <run_dir>/metrics.jsonl, one JSON object per log step, for scripts (no dependency).
+"""`logging.jsonl`: files for scripts, with no dependency (as Lightning's CSVLogger writes metrics.csv
+beside hparams.yaml):
 
-    {"step": 50, "time": 1763820000.123, "train/loss": 2.31, "train/lr": 0.001, ...}
+    <run_dir>/metrics.jsonl   one JSON object per log step:
+                              {"step": 50, "time": 1763820000.123, "train/loss": 2.31, "train/lr": 0.001, ...}
+    <run_dir>/config.json     the resolved recipe, with `effective`: what actually runs (the strategy `auto`
+                              chose, the world size, the device, the precision); rewritten at each start
 
-Resumed, the file keeps the lines up to the checkpoint's step and the run appends from there, so
+Resumed, metrics.jsonl keeps the lines up to the checkpoint's step and the run appends from there, so
 each step appears once. `time` is the Unix time the line was written.
 """
 
@@ -16,6 +20,12 @@ from typing import Dict
 
 from launcher.loggers import Start, writing
 
+CONFIG = "config.json"
+
+
+def backend(section, run_dir: Path):
+    return Jsonl(run_dir / "metrics.jsonl")
+
 
 class Jsonl:
     key = "jsonl"
@@ -26,6 +36,7 @@ class Jsonl:
 
     def start(self, run: Start) -> None:
         with writing(self.key, self.path):
+            _replace(self.path.with_name(CONFIG), json.dumps(run.config, indent=1, default=str) + "\n")
             if run.step and self.path.exists():
                 self._keep_through(run.step)
             self.file = open(self.path, "a" if run.step else "w", buffering=1)
@@ -39,9 +50,7 @@ class Jsonl:
                         kept.append(line)
                 except (ValueError, KeyError, TypeError):
                     break  # a line cut by a kill: what follows it is not kept either
-        temporary = self.path.with_name(f".{self.path.name}.tmp")
-        temporary.write_text("".join(kept))
-        os.replace(temporary, self.path)
+        _replace(self.path, "".join(kept))
 
     def scalars(self, values: Dict[str, float], step: int) -> None:
         with writing(self.key, self.path):
@@ -51,3 +60,9 @@ class Jsonl:
         if self.file is not None:
             with writing(self.key, self.path):
                 self.file.close()
+
+
+def _replace(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)

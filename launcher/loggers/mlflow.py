@@ -15,8 +15,13 @@ from launcher.errors import UserError, first_line
 from launcher.loggers import Start, Unsent
 
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+PACKAGE = ("mlflow", "mlflow-skinny")
 MAX_PARAM = 6000  # characters of a parameter's value that MLflow stores
 BATCH = 100  # parameters per log_batch
+
+
+def backend(section, run_dir):
+    return MLflow(section)
 
 
 class MLflow:

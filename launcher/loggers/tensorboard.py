@@ -8,6 +8,10 @@ from typing import Dict
 from launcher.loggers import Start, writing
 
 
+def backend(section, run_dir: Path):
+    return TensorBoard(run_dir / "tensorboard")
+
+
 class TensorBoard:
     key = "tensorboard"
 

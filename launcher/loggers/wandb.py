@@ -14,6 +14,12 @@ from typing import Dict
 from launcher.errors import UserError, first_line
 from launcher.loggers import Start, Unsent
 
+PACKAGE = ("wandb", "wandb")
+
+
+def backend(section, run_dir):
+    return WandB(section)
+
 
 class WandB:
     key = "wandb"

@@ -174,7 +174,7 @@ class LoggingConfig:
     tensorboard: bool = True  # <run_dir>/tensorboard
     mlflow: Optional[MLflowConfig] = None  # {} for the defaults (pip install 'launcher[mlflow]')
     wandb: Optional[WandbConfig] = None  # {} for the defaults (pip install 'launcher[wandb]')
-    jsonl: bool = False  # <run_dir>/metrics.jsonl, one JSON object per log step
+    jsonl: bool = False  # <run_dir>/metrics.jsonl, one JSON object per log step; config.json, the recipe with what ran
     progress_bar: bool = True  # a tqdm bar when stderr is a terminal; otherwise one line per log interval
     peak_tflops: Optional[float] = None  # one device's peak, for MFU; default: a known GPU's dense bf16 peak
 
