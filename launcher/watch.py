@@ -138,6 +138,10 @@ class Watch:
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             where += f" (peak {torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB of {total / GIB:.2f} GiB)"
+        else:  # the process's peak resident memory (the allocation that failed is not in it)
+            import resource
+
+            where += f" (peak resident {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB)"
         snapshots = [w for w in self.windows if isinstance(w, MemorySnapshot)]
         if snapshots and snapshots[0].on:
             where += f"; memory snapshot: {snapshots[0].dump(f'rank{rank}_out_of_memory_step{step}')}"

@@ -1,6 +1,7 @@
 """The recipe's recording windows (a profiler trace, CUDA memory snapshots) and the out-of-memory exit."""
 
 import json
+import re
 
 import torch
 
@@ -66,7 +67,8 @@ def test_out_of_memory_is_one_line_exit_5_and_the_checkpoint_stays(tmp_path):
     done = launch(*common, f"model={{_target_: tests.components.OutOfMemoryAt, at: 25, {MLP}}}")
     assert done.returncode == EXIT_OOM == 5, done.stderr
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("launcher: out of memory in step 25 on cpu. HINT: lower data.batch_size"), line
+    assert re.match(r"launcher: out of memory in step 25 on cpu \(peak resident \d+\.\d\d GiB\)\. HINT: lower "
+                    r"data\.batch_size", line), line
     assert "Traceback" not in done.stdout + done.stderr
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_20"
     assert not (run_dir / "model.pt").exists()
