@@ -62,7 +62,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     p.console.start(total, pos.step)
     p.meter.start(pos.step)
     last: Dict[str, float] = {}
-    p.watch.at(pos.step)
+    p.watch.start(pos.step, total)
     while pos.step < total:
         step = pos.step + 1
         evaluating = p.val is not None and (_due(step, cfg.eval_every) or step == total)
@@ -91,7 +91,6 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         if p.schedule is not None:
             _step_schedule(p.schedule, step)
         pos.step = step
-        p.watch.at(step)
         p.meter.step_done(norm)
         p.console.advance()
         stopping = p.stop.agreed(step, p.strategy.max_over_ranks) if step < total else None
@@ -112,6 +111,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
             p.logger.scalars(values, step)  # one call per log step: a tracker's step holds train and val
         if saving:
             p.save(pos, step == total)
+        p.watch.at(step)
         if stopping:
             p.console.close()
             raise Stopped(stopping, step)

@@ -1,8 +1,11 @@
 """Recording windows the recipe asks for: a torch.profiler trace (`profile:`) and CUDA's allocator
 history (`memory_snapshot:`), each over a few steps, into the run folder; and the out-of-memory report.
 
-The loop calls `Watch.at(step)` once before its first step and after each step (`step` is the last
-step done). Outside a window that is one integer comparison: nothing else runs and nothing is recorded.
+The loop calls `Watch.start(step, total)` before its first step and `Watch.at(step)` at the end of each
+step (`step`: the last step done, its logging, evaluation and checkpoint included). Outside a window
+that is one integer comparison: nothing else runs and nothing is recorded. A window is clipped to the
+steps this run makes (a resumed run starts after its checkpoint's step); one it does not reach is one
+line.
 """
 
 from __future__ import annotations
@@ -20,74 +23,102 @@ GIB = 2**30
 class Window:
     """Steps `first` .. `last`, begun after step `begin_after` (just before `first`, or earlier for a warm-up)."""
 
+    name = "window"
+
     def __init__(self, first: int, steps: int, warmup: int = 0):
-        self.first, self.last = first, first + steps - 1
+        self.first, self.last, self.warmup = first, first + steps - 1, warmup
         self.begin_after = first - 1 - warmup
         self.on = False
 
-    def due(self, done: int) -> Optional[str]:
-        if not self.on and done == self.begin_after:
-            return "begin"
-        if self.on and done >= self.last:
-            return "end"
-        return "step" if self.on else None
+    def clip(self, start: int, total: int, say: Callable[[str], None]) -> bool:
+        """Fit the window to this run's steps start+1 .. total; False (said) where none of it is in them."""
+        if self.last <= start or self.first > total:
+            say(f"{self.name}: steps {self.first}-{self.last} are not among this run's steps {start + 1}-{total}; "
+                f"nothing is recorded")
+            return False
+        self.first, self.last = max(self.first, start + 1), min(self.last, total)
+        self.begin_after = max(self.first - 1 - self.warmup, start)
+        return True
+
+    def begin(self, done: int) -> None: ...
+
+    def step(self, done: int) -> None: ...
+
+    def end(self, done: int) -> None: ...
 
 
 class Profile(Window):
     """torch.profiler over the window, with one step of warm-up before it when there is one (the profiler's
-    own start-up is not in the steps recorded); each step a ProfilerStep#N range."""
+    own start-up is not in the steps recorded); each step a `ProfilerStep#<step>` range, as torch names them."""
+
+    name = "profile"
 
     def __init__(self, cfg, rank: int, device: torch.device, folder: Path, say: Callable[[str], None]):
         super().__init__(cfg.at_step, cfg.steps, warmup=1 if cfg.at_step > 1 else 0)
         self.rank, self.device, self.folder, self.say = rank, device, folder, say
-        self.profiler = None
-        self.written: List[Path] = []
+        self.profiler = self.range = None
+        self.recording = False
 
-    def begin(self) -> None:
-        import warnings
-
-        from torch.profiler import ProfilerActivity, profile, schedule
+    def begin(self, done: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        warmup = self.first - 1 - self.begin_after
-        with warnings.catch_warnings():  # at step 1 there is no step before it to warm up on
-            warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
-            self.profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=False,
-                                    schedule=schedule(wait=0, warmup=warmup, active=self.last - self.first + 1,
-                                                      repeat=1), on_trace_ready=self._write)
-        self.profiler.start()
+        self.profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=False)
+        self.profiler.prepare_trace()  # a warm-up step runs with the profiler ready but not recording
         self.on = True
+        self.step(done)
 
-    def step(self) -> None:
-        self.profiler.step()
+    def step(self, done: int) -> None:
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
+            self.range = None
+        if done >= self.last:
+            self.end(done)
+            return
+        if done + 1 == self.first:
+            self.profiler.start_trace()
+            self.recording = True
+        if self.recording:
+            self.range = torch.profiler.record_function(f"ProfilerStep#{done + 1}")
+            self.range.__enter__()
 
-    def _write(self, profiler) -> None:
+    def end(self, done: int) -> None:
         from torch.profiler import tensorboard_trace_handler
 
+        if self.range is not None:  # a step the run did not finish (a signal, an error)
+            self.range.__exit__(None, None, None)
+            self.range = None
+        if not self.recording:  # stopped during the warm-up: nothing recorded to write
+            self.profiler.start_trace()
+        self.profiler.stop_trace()
+        self.on = False
+        if not self.recording:
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
         before = set(self.folder.glob(f"rank{self.rank}.*.pt.trace.json"))
         # torch's own naming (<worker>.<time>.pt.trace.json): TensorBoard's profiler plugin and Perfetto open it
-        tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}")(profiler)
-        self.written = sorted(set(self.folder.glob(f"rank{self.rank}.*.pt.trace.json")) - before)
-
-    def end(self, done: int) -> None:
-        self.profiler.stop()  # a window cut short by the run's end is written here
-        self.on, self.profiler = False, None
-        where = self.written[0] if self.written else self.folder
-        self.say(f"profile: steps {self.first}-{min(done, self.last)} of rank {self.rank} in {where} "
-                 f"(Perfetto: ui.perfetto.dev; TensorBoard: the PyTorch profiler plugin)")
+        tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}")(self.profiler)
+        written = sorted(set(self.folder.glob(f"rank{self.rank}.*.pt.trace.json")) - before)
+        self.profiler = None
+        self.say(f"profile: steps {self.first}-{min(done, self.last)} of rank {self.rank} in "
+                 f"{written[0] if written else self.folder} (Perfetto: ui.perfetto.dev; TensorBoard: the PyTorch "
+                 f"profiler plugin)")
 
 
 class MemorySnapshot(Window):
+    name = "memory_snapshot"
+
     def __init__(self, cfg, rank: int, device: torch.device, folder: Path, say: Callable[[str], None]):
         super().__init__(cfg.at_step, cfg.steps)
         self.rank, self.folder, self.say = rank, folder, say
 
-    def begin(self) -> None:
+    def begin(self, done: int) -> None:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.on = True
 
-    def step(self) -> None: ...
+    def step(self, done: int) -> None:
+        if done >= self.last:
+            self.end(done)
 
     def end(self, done: int) -> None:
         path = self.dump(f"rank{self.rank}_step{self.first}-{done}")
@@ -104,23 +135,25 @@ class MemorySnapshot(Window):
 
 
 class Watch:
-    def __init__(self, windows: List[Window]):
-        self.windows = windows
-        self.next = min((w.begin_after for w in windows), default=None)  # the step after which anything happens
+    def __init__(self, windows: List[Window], say: Callable[[str], None] = print):
+        self.windows, self.say = windows, say
+        self.next: Optional[int] = None  # the step after which anything happens
+
+    def start(self, start: int, total: int) -> None:
+        """Before the first step of a run that makes steps start+1 .. total."""
+        self.windows = [w for w in self.windows if w.clip(start, total, self.say)]
+        self.next = min((w.begin_after for w in self.windows), default=None)
+        self.at(start)
 
     def at(self, done: int) -> None:
-        """After step `done` (0 before the first)."""
+        """After step `done` (its logging, evaluation and checkpoint included)."""
         if self.next is None or done < self.next:
             return
         for window in self.windows:
-            action = window.due(done)
-            if action == "begin":
-                window.begin()
-            elif action == "step":
-                window.step()
-            elif action == "end":
-                window.step()
-                window.end(done)
+            if window.on:
+                window.step(done)
+            elif done == window.begin_after:
+                window.begin(done)
         # inside a window every step is seen (the profiler marks each); outside, the next window's start
         ahead = [done + 1 if w.on else w.begin_after for w in self.windows if w.on or w.begin_after > done]
         self.next = min(ahead, default=None)
@@ -166,7 +199,7 @@ def make(recipe, rank: int, world: int, device: torch.device, run_dir: Path, say
             say(f"memory_snapshot: records CUDA's allocator; this run is on {device}, so nothing is recorded")
         else:
             windows.append(MemorySnapshot(memory, rank, device, run_dir / "memory", say))
-    return Watch(windows)
+    return Watch(windows, say)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

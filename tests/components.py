@@ -51,6 +51,27 @@ class DiesOnce(MLP):
         return super().forward(x)
 
 
+class KilledOnce(MLP):
+    """An MLP whose process SIGKILLs itself at its `at`-th training forward, unless `marker` exists (it is
+    made first): the first attempt dies as under the OOM killer, a rerun goes through."""
+
+    def __init__(self, at: int, marker: str, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.marker, self.calls = at, marker, 0
+
+    def forward(self, x):
+        import os
+        import signal
+        from pathlib import Path
+
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at and not Path(self.marker).exists():
+                Path(self.marker).touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+
+
 class Slow(MLP):
     """An MLP that takes `seconds` per training forward, so a test can signal it mid-run."""
 

@@ -179,6 +179,35 @@ def test_a_resumed_run_continues_one_tracker_run_each_step_once(tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [10, 20, 30, 40, 50, 60, 70, 80]
 
 
+def test_a_run_killed_with_values_in_flight_loses_none_on_resume(tmp_path):
+    """kill -9 after step 45 was logged, with step 40 the newest checkpoint. What the trackers hold is what
+    their own stores say, not what was handed to them: the rerun sends 45 again (W&B, whose process had
+    not written it, and MLflow, if its sending thread had not), and every store ends with every step."""
+    run_dir = tmp_path / "run"
+    common = ["recipes/quickstart.yaml", f"run_dir={run_dir}", *every_logger(tmp_path)[:-2], "trainer.max_steps=60",
+              "trainer.log_every=5", "trainer.eval_every=20", "checkpoint.every=20", "data.train.n=1024",
+              "data.val.n=256", f"model={{_target_: tests.components.KilledOnce, at: 48, marker: {tmp_path / 'killed'}, "
+              f"in_dim: 32, hidden: 128, classes: 10}}"]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
+    killed = launch(*common, env=env)
+    assert killed.returncode == -9, killed.stderr
+    assert json.loads((run_dir / "trackers.json").read_text())["wandb"]["held"] == 0  # wandb never finished
+    resumed = launch(*common, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "(step 40," in resumed.stdout
+
+    every = list(range(5, 65, 5))
+    assert [line["step"] for line in jsonl(run_dir)] == every
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    c = client(tmp_path)
+    assert [m.step for m in c.get_metric_history(ids["mlflow"]["run_id"], "train/loss")] == every
+    runs, wandb_ids = wandb_history(run_dir)
+    assert wandb_ids <= {ids["wandb"]["id"]} and len(runs) == 2
+    last = max(runs, key=lambda folder: [step for step, _ in runs[folder]])
+    assert [step for step, _ in runs[last]] == [45, 50, 55, 60]  # from the checkpoint on: nothing skipped
+    assert ids["wandb"]["held"] == 60
+
+
 def test_starting_over_starts_new_tracker_runs(tmp_path):
     run_dir = tmp_path / "run"
     train(run_dir, *every_logger(tmp_path))
@@ -208,3 +237,41 @@ def test_wandb_mode_is_checked(tmp_path):
     done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path}", "logging.wandb.mode=onlin")
     assert done.returncode == 2
     assert "logging.wandb.mode: got 'onlin'; valid: online, offline" in done.stderr
+
+
+def test_a_tracking_server_that_cannot_be_reached_is_one_line_at_the_start(tmp_path):
+    """MLflow retries for about four minutes; at the start the launcher asks it for two retries."""
+    done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path / 'run'}", "logging.mlflow.tracking_uri=http://127.0.0.1:1",
+                  "trainer.max_steps=2", timeout=90)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("launcher: logging.mlflow: http://127.0.0.1:1: cannot be reached ([Errno 111] Connection "
+                           "refused); check logging.mlflow.tracking_uri"), line
+
+
+def test_the_loop_never_waits_on_the_tracking_server():
+    """A server that does not answer: the calls queue on the sender's thread, the end of the run waits a
+    bounded time and says what it leaves, and a call that failed costs one line."""
+    import threading
+
+    from launcher.loggers.mlflow import Sender
+
+    said, gate = [], threading.Event()
+    sender = Sender(said.append)
+    for step in range(5):
+        sender.send(f"step {step}", gate.wait)  # returns at once: the first call blocks the thread
+    sender.finish(0.2)
+    assert said == ["logging.mlflow: the tracking server did not take the last 5 calls within 0.2 s; they are left out"]
+
+    gate.set()
+    sender.finish(10)
+    del said[:]
+
+    def refused(*args):
+        raise ConnectionError("HTTPConnectionPool: Max retries exceeded ([Errno 111] Connection refused)")
+
+    sender.send("step 10", refused)
+    sender.send("step 20", refused)
+    sender.finish(10)
+    assert said == ["logging.mlflow: could not log step 10 (cannot be reached ([Errno 111] Connection refused)); "
+                    "training goes on, and values that cannot be logged are left out"]

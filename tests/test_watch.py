@@ -17,7 +17,8 @@ def test_a_profile_window_writes_one_trace_of_its_steps(tmp_path):
     assert trace.name.startswith("rank0.") and trace.name.endswith(".pt.trace.json")  # torch's own naming
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
-    assert {"ProfilerStep#1", "ProfilerStep#2"} <= names and "ProfilerStep#3" not in names  # two steps
+    steps = {name for name in names if name.startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#3", "ProfilerStep#4"}  # the two steps, by their numbers in the run
     assert "aten::addmm" in names  # the model's matmuls, with their shapes
     assert any(e.get("name") == "aten::addmm" and "Input Dims" in e.get("args", {}) for e in events)
 
@@ -30,11 +31,32 @@ def test_no_window_no_profile_and_the_same_weights(tmp_path):
     assert_same_weights(tmp_path / "plain" / "model.pt", tmp_path / "profiled" / "model.pt")
 
 
+def profiled_steps(trace):
+    return sorted(int(e["name"].split("#")[1]) for e in json.loads(trace.read_text())["traceEvents"]
+                  if e.get("name", "").startswith("ProfilerStep#"))
+
+
 def test_a_window_the_run_ends_inside_is_written(tmp_path):
     train(tmp_path, "profile.at_step=79", "profile.steps=5")  # the run ends at step 80
     (trace,) = (tmp_path / "profile").iterdir()
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert "aten::addmm" in names
+    assert profiled_steps(trace) == [79, 80]  # nothing after the last step
+
+
+def test_a_resumed_run_records_what_it_makes_of_a_window_and_says_what_it_cannot(tmp_path, capsys):
+    train(tmp_path, "trainer.max_steps=20", "checkpoint.every=20")
+    train(tmp_path, "trainer.max_steps=40", "profile.at_step=20", "profile.steps=3")  # resumes at step 20
+    (trace,) = (tmp_path / "profile").iterdir()
+    assert profiled_steps(trace) == [21, 22]
+    assert "profile: steps 21-22 of rank 0 in" in capsys.readouterr().out
+
+    train(tmp_path, "trainer.max_steps=60", "profile.at_step=10", "profile.steps=3")  # resumes at step 40
+    train(tmp_path, "trainer.max_steps=80", "profile.at_step=500")
+    out = capsys.readouterr().out
+    assert "profile: steps 10-12 are not among this run's steps 41-60; nothing is recorded" in out
+    assert "profile: steps 500-502 are not among this run's steps 61-80; nothing is recorded" in out
+    assert len(list((tmp_path / "profile").iterdir())) == 1
 
 
 def test_a_memory_snapshot_on_the_cpu_says_it_records_nothing(tmp_path, capsys):

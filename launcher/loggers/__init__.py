@@ -5,7 +5,8 @@ Each backend is one file of this package and one field of `logging:` (LoggingCon
     start(run: Start) -> Optional[dict]     open (or continue) its run; what it returns is kept in
                                             <run_dir>/trackers.json and handed back as run.kept on resume
     scalars(values: {tag: float}, step)     one call per log step (train and validation values together)
-    close(status)                           "finished" | "stopped" (a signal: the run will go on) | "failed"
+    close(status) -> Optional[dict]         "finished" | "stopped" (a signal: the run will go on) | "failed";
+                                            what it returns replaces what start returned
 
 `Loggers` fans out to them. Other ranks get an empty `Loggers`, so the loop never asks which rank it
 is on. A backend's package is imported only when the recipe asks for it; a missing one is a user
@@ -13,8 +14,10 @@ mistake naming the pip command.
 
 Resume: TensorBoard purges what followed the checkpoint (purge_step) and metrics.jsonl drops those
 lines, so each re-logs from the checkpoint on. A tracker (MLflow, W&B) continues the same run, whose
-id trackers.json keeps, and skips each value it already holds: training resumes exactly, so the
-values it would send again are the ones it has.
+id trackers.json keeps, and skips each value its run already holds: training resumes exactly, so the
+values it would send again are the ones it has. What a run holds is what the tracker itself says
+(MLflow's store; W&B's run after a finish, which flushes it), never what was merely handed to it: a
+run killed with values still in flight sends them again rather than lose them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from launcher.errors import UserError
 from launcher.loggers.console import Console, NullConsole, bar_postfix, format_values  # noqa: F401
 
-RECORD = "trackers.json"  # tracker run ids, and the last step each tag was sent at
+RECORD = "trackers.json"  # the tracker runs this run continues
 STATUSES = ("finished", "stopped", "failed")
 
 
@@ -44,8 +47,7 @@ class Start:
     hparams: Dict[str, Any]  # the same, flat: `dotted.key: scalar`
     metrics: List[str]  # tags that summarise a run (TensorBoard's hparams view)
     say: Callable[[str], None] = print  # a line on the console
-    kept: Dict[str, Any] = field(default_factory=dict)  # what this backend returned at the last start
-    sent: Dict[str, int] = field(default_factory=dict)  # tag -> the last step sent to trackers before
+    kept: Dict[str, Any] = field(default_factory=dict)  # what this backend returned at the last start or close
 
 
 class Loggers:
@@ -54,16 +56,14 @@ class Loggers:
     def __init__(self, backends: List[Any], run_dir: Optional[Path] = None):
         self.backends, self.run_dir = backends, run_dir
         self.kept: Dict[str, Any] = {}
-        self.sent: Dict[str, int] = {}
         self.closed = False
         # Only trackers continue a run elsewhere; TensorBoard and jsonl rewrite their own files.
         self.tracking = any(getattr(b, "continues", False) for b in backends)
 
     def start(self, run: Start) -> None:
         record = self._read() if run.step > 0 and self.backends else {}
-        self.sent = dict(record.get("sent", {}))
         for backend in self.backends:
-            run.kept, run.sent = record.get(backend.key, {}), dict(self.sent)
+            run.kept = record.get(backend.key, {})
             kept = backend.start(run)
             if kept:
                 self.kept[backend.key] = kept
@@ -73,16 +73,18 @@ class Loggers:
     def scalars(self, values: Dict[str, float], step: int) -> None:
         for backend in self.backends:
             backend.scalars(values, step)
-        if self.tracking:
-            self.sent.update({tag: step for tag in values})
-            self._write()
 
     def close(self, status: str = "finished") -> None:
         if self.closed:
             return
         self.closed = True
         for backend in self.backends:
-            backend.close(status)
+            kept = backend.close(status)
+            if kept:
+                self.kept[backend.key] = kept
+        if self.tracking:
+            with contextlib.suppress(UserError):  # unwritten, the next start sends a little again: no loss
+                self._write()
 
     def _read(self) -> Dict[str, Any]:
         path = self.run_dir / RECORD
@@ -95,26 +97,14 @@ class Loggers:
                             f"delete it to start new tracker runs") from None
 
     def _write(self) -> None:
-        # Rewritten at each log step: a small file, replaced whole (no fsync: a kill -9 leaves the page
-        # cache to the kernel; after a power cut a tracker may get one value twice).
         path = self.run_dir / RECORD
         temporary = path.with_name(f".{RECORD}.tmp")
         try:
-            temporary.write_text(json.dumps({**self.kept, "sent": self.sent}))
+            temporary.write_text(json.dumps(self.kept))
             os.replace(temporary, path)
         except OSError as e:
             raise UserError(f"logging: cannot write {path}: {e.strerror or e} (errno {e.errno}). HINT: free some "
                             f"space, or point run_dir=... at a writable folder") from None
-
-
-class Unsent:
-    """For a tracker that continues its run: which values it does not hold yet."""
-
-    def __init__(self, sent: Dict[str, int]):
-        self.sent = sent
-
-    def __call__(self, values: Dict[str, float], step: int) -> Dict[str, float]:
-        return {tag: value for tag, value in values.items() if step > self.sent.get(tag, 0)}
 
 
 @contextlib.contextmanager

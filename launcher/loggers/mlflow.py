@@ -2,22 +2,36 @@
 
 Through MlflowClient with an explicit run id (not mlflow.start_run's global active run): parameters are
 the flat recipe with the effective values, recipe.yaml is an artifact, values are logged in one
-log_batch per log step. The run's id is kept in <run_dir>/trackers.json.
+log_batch per log step. The run's id is kept in <run_dir>/trackers.json; on resume, the steps the
+run's store already holds are not sent again.
+
+The loop never waits on the tracking server: values go to it from a thread of their own, in order.
+MLflow retries a failing request for about four minutes (a server's rate limits), which during
+training is the thread's time, not the loop's. At the start, a server that cannot be reached is a
+mistake to report in seconds: there MLflow retries twice (unless MLFLOW_HTTP_REQUEST_* say otherwise).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
+import re
+import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 from launcher.errors import UserError, first_line
-from launcher.loggers import Start, Unsent
+from launcher.loggers import Start
 
 STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 PACKAGE = ("mlflow", "mlflow-skinny")
 MAX_PARAM = 6000  # characters of a parameter's value that MLflow stores
 BATCH = 100  # parameters per log_batch
+PENDING = 1000  # log steps waiting for the server; beyond it, values are left out (said once)
+CLOSE_WAIT = 30.0  # seconds the end of a run waits for the server to take what is pending
+QUICK = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+         "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
 
 def backend(section, run_dir):
@@ -30,8 +44,8 @@ class MLflow:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.client = self.run_id = self.unsent = None
-        self.failed = 0
+        self.client = self.run_id = self.sender = None
+        self.held: Dict[str, int] = {}  # tag -> the last step the run's store holds
         self.say = print
 
     def start(self, run: Start) -> Dict[str, str]:
@@ -44,23 +58,22 @@ class MLflow:
             # MLflow 3 keeps its file store for reading only unless asked: a recipe naming one asks.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         try:
-            self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-            self.run_id = self._continued(run) or self._new(run)
-            held = self.client.get_run(self.run_id).data
-            sent = dict(run.sent)
-            for tag in held.metrics:  # what the store holds, not only what the record says
-                steps = [m.step for m in self.client.get_metric_history(self.run_id, tag)]
-                sent[tag] = max([sent.get(tag, 0), *steps])
-            self.unsent = Unsent(sent)
-            params = self._params(run, held.params)
-            for i in range(0, len(params), BATCH):
-                self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params[i:i + BATCH]])
-            self.client.log_text(self.run_id, run.recipe_yaml, "recipe.yaml")
+            with _quick():
+                self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+                self.run_id = self._continued(run) or self._new(run)
+                held = self.client.get_run(self.run_id).data
+                for tag in held.metrics:  # what the store holds: it alone knows what a killed run sent
+                    self.held[tag] = max(m.step for m in self.client.get_metric_history(self.run_id, tag))
+                params = self._params(run, held.params)
+                for i in range(0, len(params), BATCH):
+                    self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params[i:i + BATCH]])
+                self.client.log_text(self.run_id, run.recipe_yaml, "recipe.yaml")
         except UserError:
             raise
         except Exception as e:  # MLflow's own errors, and a server that cannot be reached
-            raise UserError(f"logging.mlflow: {uri}: {first_line(e)}; check logging.mlflow.tracking_uri "
+            raise UserError(f"logging.mlflow: {uri}: {_reason(e)}; check logging.mlflow.tracking_uri "
                             f"(or MLFLOW_TRACKING_URI), or set logging.mlflow=null") from None
+        self.sender = Sender(self.say)
         return {"run_id": self.run_id, "tracking_uri": uri}
 
     def _continued(self, run: Start) -> Optional[str]:
@@ -98,21 +111,90 @@ class MLflow:
     def scalars(self, values: Dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
-        fresh = self.unsent(values, step)
-        if not fresh:
-            return
-        now = int(time.time() * 1000)
-        try:
-            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in fresh.items()])
-        except Exception as e:  # a tracking server gone for a while must not end hours of training
-            self.failed += 1
-            if self.failed == 1:
-                self.say(f"logging.mlflow: could not log step {step} ({first_line(e)}); training goes on, and "
-                         f"values that cannot be logged are left out")
+        fresh = {tag: value for tag, value in values.items() if step > self.held.get(tag, 0)}
+        if fresh:
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, float(v), now, step) for k, v in fresh.items()]
+            self.sender.send(f"step {step}", self.client.log_batch, self.run_id, metrics=metrics)
 
     def close(self, status: str) -> None:
-        if self.run_id is not None:
+        if self.sender is None:
+            return
+        self.sender.send(f"the run's status ({STATUS[status]})", self.client.set_terminated, self.run_id,
+                         STATUS[status])
+        self.sender.finish(CLOSE_WAIT)
+
+
+class Sender:
+    """One daemon thread that makes the calls to the tracking server in order, so that the loop never
+    waits on it. The first call that fails costs a line (the rest are counted); the end of a run waits
+    a bounded time for what is pending, and says what it leaves."""
+
+    def __init__(self, say):
+        self.say = say
+        self.calls: "queue.Queue" = queue.Queue()
+        self.failed, self.dropped = 0, 0
+        self.error: Optional[tuple] = None  # (what, why) of the first call that failed
+        self.said = False
+        self.thread = threading.Thread(target=self._work, name="launcher-mlflow", daemon=True)
+        self.thread.start()
+
+    def send(self, what: str, call, *args, **kwargs) -> None:
+        self._report()
+        if self.calls.qsize() >= PENDING:
+            self.dropped += 1
+            if self.dropped == 1:
+                self.say(f"logging.mlflow: the tracking server has not taken the last {PENDING} log steps; "
+                         f"{what} and later ones are left out until it catches up; training goes on")
+            return
+        self.calls.put((what, call, args, kwargs))
+
+    def _work(self) -> None:
+        while True:
+            what, call, args, kwargs = self.calls.get()
             try:
-                self.client.set_terminated(self.run_id, STATUS[status])
-            except Exception as e:
-                self.say(f"logging.mlflow: could not mark run {self.run_id} {STATUS[status]}: {first_line(e)}")
+                call(*args, **kwargs)
+            except Exception as e:  # a server gone for a while must not end hours of training
+                self.failed += 1
+                self.error = self.error or (what, _reason(e))
+            finally:
+                self.calls.task_done()
+
+    def _report(self) -> None:
+        if self.error and not self.said:
+            what, reason = self.error
+            self.say(f"logging.mlflow: could not log {what} ({reason}); training goes on, and values that cannot "
+                     f"be logged are left out")
+            self.said = True
+
+    def finish(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while self.calls.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._report()
+        left = self.calls.unfinished_tasks
+        if left:
+            self.say(f"logging.mlflow: the tracking server did not take the last {left} calls within {seconds:g} s; "
+                     f"they are left out")
+
+
+@contextlib.contextmanager
+def _quick() -> Iterator[None]:
+    """MLflow's few retries for the start (the user's MLFLOW_HTTP_REQUEST_* settings win)."""
+    added = {k: v for k, v in QUICK.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def _reason(e: Exception) -> str:
+    """MLflow's message, or of a connection that failed, its cause alone (urllib3's is hundreds of characters)."""
+    text = str(e)
+    cause = re.search(r"\[Errno -?\d+\][^'\")]*", text)
+    if cause and ("Connection" in text or "Max retries" in text):
+        return f"cannot be reached ({cause.group(0).strip()})"
+    line = first_line(e)
+    return line if len(line) <= 300 else line[:297] + "..."

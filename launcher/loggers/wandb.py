@@ -3,16 +3,21 @@
 wandb writes into <run_dir>/wandb/ (offline runs too: `wandb sync <run_dir>/wandb/offline-run-*` uploads
 them). The run's id is chosen here and kept in <run_dir>/trackers.json, and every start passes it with
 resume="allow". wandb's console capture is off: the launcher's own lines stay as they are.
+
+What the run holds: wandb hands values to its own process, which writes them when it can; a run killed
+with kill -9 may lose what that process had not written. So the record says which step the W&B run holds
+only after a finish (which flushes everything), and an online run also asks W&B's server (starting_step);
+a resume re-sends the steps after that, rather than lose them.
 """
 
 from __future__ import annotations
 
 import secrets
 import string
-from typing import Dict
+from typing import Dict, Optional
 
 from launcher.errors import UserError, first_line
-from launcher.loggers import Start, Unsent
+from launcher.loggers import Start
 
 PACKAGE = ("wandb", "wandb")
 
@@ -27,11 +32,13 @@ class WandB:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.run = self.unsent = None
+        self.run = None
+        self.kept: Dict[str, object] = {}
+        self.held = self.last = 0  # the last step the W&B run holds for sure; the last step handed to wandb
         self.failed = 0
         self.say = print
 
-    def start(self, run: Start) -> Dict[str, str]:
+    def start(self, run: Start) -> Dict[str, object]:
         import wandb
 
         self.say = run.say
@@ -45,21 +52,24 @@ class WandB:
         except Exception as e:  # not logged in, an unknown entity, a server that cannot be reached
             raise UserError(f"logging.wandb: {first_line(e)}; run `wandb login` (or set WANDB_API_KEY), or set "
                             f"logging.wandb.mode=offline, or logging.wandb=null") from None
-        self.unsent = Unsent(run.sent)
-        return {"id": run_id, "project": self.run.project}
+        self.held = max(int(run.kept.get("held", 0)), self.run.starting_step - 1)
+        self.kept = {"id": run_id, "project": self.run.project, "held": self.held}
+        return self.kept
 
     def scalars(self, values: Dict[str, float], step: int) -> None:
-        fresh = self.unsent(values, step)
-        if not fresh:
+        if step <= self.held:
             return
         try:
-            self.run.log(fresh, step=step)
+            self.run.log(values, step=step)
+            self.last = step
         except Exception as e:
             self.failed += 1
             if self.failed == 1:
                 self.say(f"logging.wandb: could not log step {step} ({first_line(e)}); training goes on, and "
                          f"values that cannot be logged are left out")
 
-    def close(self, status: str) -> None:
-        if self.run is not None:
-            self.run.finish(exit_code=1 if status == "failed" else 0)
+    def close(self, status: str) -> Optional[Dict[str, object]]:
+        if self.run is None:
+            return None
+        self.run.finish(exit_code=1 if status == "failed" else 0)  # returns once wandb has written everything
+        return {**self.kept, "held": max(self.held, self.last)}
