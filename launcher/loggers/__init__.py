@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from launcher.errors import UserError
-from launcher.loggers.console import Console, NullConsole, bar_postfix, format_values  # noqa: F401
+from launcher.loggers.console import Console, NullConsole, bar_values, format_values  # noqa: F401
 
 RECORD = "trackers.json"  # the tracker runs this run continues
 STATUSES = ("finished", "stopped", "failed")

@@ -24,7 +24,8 @@ class Console:
 
             # A terminal that reports no size (a fresh pseudo-terminal) would hide tqdm's bar.
             size = os.get_terminal_size(sys.stderr.fileno())
-            self.bar = tqdm(total=total, initial=initial, unit="step", ncols=size.columns or 100, nrows=size.lines or 24)
+            self.bar = tqdm(total=total, initial=initial, unit="step", ncols=size.columns or 100, nrows=size.lines or 24,
+                            bar_format=BAR)
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -32,7 +33,7 @@ class Console:
 
     def progress(self, step: int, total: int, epoch: int, values: Dict[str, float]) -> None:
         if self.bar is not None:
-            self.bar.set_postfix_str(bar_postfix(values, self.bar.ncols), refresh=False)
+            self.bar.set_description_str(bar_values(values, self.bar.ncols), refresh=False)
         else:
             self.info(f"step {step}/{total} | epoch {epoch} | {format_values(values)}")
 
@@ -79,13 +80,16 @@ def _parts(values: Dict[str, float]) -> List[tuple]:
     return parts
 
 
-BAR_ITSELF = 52  # tqdm's own part of a line: "100%|█...█| 1000/1000 [01:23<00:00, 12.34step/s, ...]"
+# The values, then tqdm's own part (as torchtune's bar): "loss 0.6416 | accuracy 0.8859:  12%|██| 120/1000 [...]"
+BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
+BAR_ITSELF = 52  # tqdm's part of a line with a short bar: ": 100%|███████| 1000/1000 [01:23<00:00, 12.34step/s]"
 THE_REST = ("lr", "grad_norm", "mfu", "max_memory_gib")  # shown after the loss and the recipe's metrics
 
 
-def bar_postfix(values: Dict[str, float], columns: int) -> str:
-    """The bar's postfix for a terminal `columns` wide: the loss and the recipe's metrics always, then the
-    learning rate, the gradient norm and the rates, each while the line still fits."""
+def bar_values(values: Dict[str, float], columns: int) -> str:
+    """What the bar shows first (tqdm cuts a line too long for the terminal at its right end), for a
+    terminal `columns` wide: the loss and the recipe's metrics always, then the learning rate, the
+    gradient norm and the rates, each while the line still fits."""
     def rank(name: str) -> int:
         return 0 if name == "loss" else 2 if name in THE_REST or name.endswith("_per_s") else 1
 
