@@ -67,7 +67,7 @@ CASES = [
     ("bad-override-value", [Q, "trainer.max_steps=[1,"], "cannot parse the value"),
     ("no-import", [Q, "model._target_=recipes.components.mlp.Nope"], "has no attribute 'Nope'"),
     ("not-callable", [Q, "model._target_=recipes.components.mlp"], "'recipes.components.mlp' is not callable"),
-    ("wrong-arguments", [Q, "model.widht=3"], "got an unexpected keyword argument 'widht'"),
+    ("wrong-arguments", [Q, "model.widht=3"], "model.widht: 'recipes.components.mlp.MLP' takes no argument 'widht'"),
     ("out-of-range", [Q, "trainer.max_steps=0"], "trainer.max_steps: must be 1 or more, got 0"),
     ("bad-choice", [Q, "precision=fp8"], "precision: got 'fp8'; valid: fp32, bf16, fp16"),
     ("bad-peak", [Q, "logging.peak_tflops=0"], "logging.peak_tflops: must be a positive number of TFLOP/s or null"),
@@ -185,7 +185,8 @@ CASES = [
     ("partial-not-a-bool", [Q, "loss._partial_=yes please"], "loss._partial_: must be true or false, got 'yes please'"),
     ("partial-misspelt-argument", [Q, "loss={_target_: torch.nn.functional.cross_entropy, _partial_: true, "
                                       "label_smothing: 0.1}"],
-     "loss._target_: 'torch.nn.functional.cross_entropy' got an unexpected keyword argument 'label_smothing'"),
+     "loss.label_smothing: 'torch.nn.functional.cross_entropy' takes no argument 'label_smothing'; did you mean "
+     "'label_smoothing'?"),
     ("function-without-partial", [Q, "loss._target_=torch.nn.functional.cross_entropy"],
      "missing a required argument: 'input'; its signature is (input"),
     ("override-onto-null-without-target", [Q, "lr_schedule.step_size=10"],

@@ -102,8 +102,12 @@ def test_target_arguments_are_checked(tmp_path):
     lines = problems(write(tmp_path, GOOD), "model.widht=3", "optimizer.lrr=1")
     text = "\n".join(lines)
     assert len(lines) == 2, text
-    assert "model._target_: 'recipes.components.mlp.MLP' got an unexpected keyword argument 'widht'" in text
-    assert "optimizer._target_: 'torch.optim.SGD' got an unexpected keyword argument 'lrr'" in text
+    # named as the override that set it, with the arguments the target takes
+    assert ("override 'model.widht=3': model.widht: 'recipes.components.mlp.MLP' takes no argument 'widht'; its "
+            "arguments: in_dim, hidden, classes, layers") in lines
+    assert ("override 'optimizer.lrr=1': optimizer.lrr: 'torch.optim.SGD' takes no argument 'lrr'; did you mean 'lr'? "
+            "its arguments: params, lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, "
+            "differentiable, fused") in lines
 
 
 def test_malformed_yaml_names_the_line(tmp_path):
@@ -133,7 +137,8 @@ def test_command_line_print_config_and_errors(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.splitlines() == [
         "launcher: override 'trainer.max_step=5': trainer.max_step: unknown key; did you mean 'trainer.max_steps'?",
-    ], bad.stderr  # value checks come after name and type checks pass
+        "launcher: override 'precision=fp8': precision: got 'fp8'; valid: fp32, bf16, fp16",
+    ], bad.stderr  # every problem at once: a value check beside a name check
     assert "Traceback" not in bad.stderr
 
     flag = launch(str(QUICKSTART), "--no-such-flag")
@@ -325,10 +330,10 @@ def test_partial_arguments_are_still_checked(tmp_path):
     lines = problems(path, "loss={_target_: torch.nn.functional.cross_entropy, _partial_: true, weigth: 1}")
     assert len(lines) == 2, lines
     assert lines[0].startswith("override 'loss={_target_: torch.nn.functional.cross_entropy, _partial_: true, "
-                               "weigth: 1}': loss._target_: 'torch.nn.functional.cross_entropy' got an unexpected "
-                               "keyword argument 'weigth'; its signature is (input"), lines
-    assert lines[1] == (f"{path}:5: metrics.error._target_: 'tests.components.mean_error' got an unexpected keyword "
-                        f"argument 'scael'; its signature is (output, target, scale: float = 1.0)")
+                               "weigth: 1}': loss.weigth: 'torch.nn.functional.cross_entropy' takes no argument "
+                               "'weigth'; did you mean 'weight'? its arguments: input, target, weight,"), lines
+    assert lines[1] == (f"{path}:5: metrics.error.scael: 'tests.components.mean_error' takes no argument 'scael'; "
+                        f"did you mean 'scale'? its arguments: output, target, scale")
 
 
 @pytest.mark.parametrize("override, says", [
@@ -410,3 +415,12 @@ def test_partial_loss_and_metric_train(tmp_path):
     results = train(tmp_path, "loss={_target_: torch.nn.functional.cross_entropy, _partial_: true}",
                     "metrics.error={_target_: tests.components.mean_error, _partial_: true, scale: 100.0}")
     assert results["val/error"] < 50 and results["val/accuracy"] > 0.5, results
+
+
+def test_every_kind_of_problem_at_once(tmp_path):
+    """A misspelt key, a wrong type, a value out of range, a target that does not import and an argument its
+    target lacks: five lines, whichever check finds each."""
+    lines = problems(write(tmp_path, GOOD), "trainer.max_step=5", "seed=abc", "data.batch_size=0",
+                     "loss._target_=torch.nn.Nope", "optimizer.lrr=1")
+    keys = [line.split(": ")[1] for line in lines]
+    assert keys == ["trainer.max_step", "seed", "data.batch_size", "loss._target_", "optimizer.lrr"], lines

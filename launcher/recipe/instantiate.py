@@ -4,6 +4,7 @@ arguments. With `_partial_: true` the target is not called: it becomes `functool
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
@@ -18,6 +19,8 @@ class TargetError(Exception):
 
 def locate(path: str) -> Callable[..., Any]:
     """Import `a.b.C` (or `a.b.C.method`) and return it. Raises TargetError if the path does not name a callable."""
+    if not isinstance(path, str):
+        raise TargetError(f"_target_ must be a dotted Python path such as torch.nn.CrossEntropyLoss, got {path!r}")
     parts = path.split(".")
     if not path or not all(p.isidentifier() for p in parts):
         raise TargetError(f"'{path}' is not a dotted Python path such as torch.nn.CrossEntropyLoss")
@@ -46,6 +49,14 @@ def locate(path: str) -> Callable[..., Any]:
     return obj
 
 
+class UnexpectedArgument(TargetError):
+    """A keyword argument the target has no parameter for (`argument`: its name)."""
+
+    def __init__(self, message: str, argument: str):
+        super().__init__(message)
+        self.argument = argument
+
+
 class MissingArguments(TargetError):
     """The target would accept its arguments, but needs more than the recipe and the launcher give it."""
 
@@ -68,6 +79,15 @@ def check_arguments(spec: dict, n_positional: int = 0) -> None:
     except (TypeError, ValueError):  # some builtins have no signature: they are checked when called
         return
     args, kwargs = [None] * n_positional, {k: v for k, v in spec.items() if k not in META}
+    params = signature.parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for key in kwargs:
+            if key not in named:
+                close = difflib.get_close_matches(key, named, n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise UnexpectedArgument(f"'{spec['_target_']}' takes no argument '{key}'; {hint}its arguments: "
+                                         f"{', '.join(named) or 'none'}", key)
     try:
         signature.bind_partial(*args, **kwargs) if partial else signature.bind(*args, **kwargs)
     except TypeError as e:

@@ -23,7 +23,7 @@ from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryV
 
 from launcher.errors import UserError, first_line, short
 from launcher.recipe import yamlfile
-from launcher.recipe.instantiate import MissingArguments, TargetError, check_arguments
+from launcher.recipe.instantiate import MissingArguments, TargetError, UnexpectedArgument, check_arguments
 from launcher.recipe.schema import TARGETS, Recipe
 
 # How many positional arguments the launcher passes to each target it builds.
@@ -66,15 +66,30 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
         return str(path)
 
     problems += _resolve_all(cfg, "", where, reported={p.split(": ")[1] for p in problems if ": " in p})
-    if not problems:
-        recipe: Recipe = OmegaConf.to_object(cfg)
-        problems += [f"{where(key)}: {key}: {msg}" for key, msg in recipe.problems()]
-        if not problems:
-            problems += _check_targets(recipe, where)
+    # A key whose value was refused kept its default, so the recipe still builds: its values and targets
+    # are checked too, and every problem is reported at once (not only those of the first kind found).
+    recipe = _built(cfg)
+    if recipe is not None:
+        def fresh(key: str) -> bool:  # a key not reported already (a refused value is not checked again)
+            return not any(f" {key}: " in p or f" {key}." in p for p in problems)
+
+        found = [(key, f"{where(key)}: {key}: {msg}") for key, msg in recipe.problems()]
+        found += _check_targets(recipe, where)  # keyed by their component: one mistake, one line
+        for key, problem in found:
+            if fresh(key):
+                problems.append(problem)
     if problems:
         raise UserError(*problems)
     OmegaConf.resolve(cfg)
     return Loaded(recipe=recipe, config=cfg, path=path, notes=notes)
+
+
+def _built(cfg: DictConfig) -> Optional[Recipe]:
+    """The Recipe of `cfg`, or None where a value is missing or cannot resolve (reported already)."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException:
+        return None
 
 
 def _on_cpu_keys(cfg: DictConfig) -> List[tuple]:
@@ -248,7 +263,9 @@ def _describe(kind: Any) -> str:
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     optional = len(args) < len(typing.get_args(kind))
     base = args[0] if optional and len(args) == 1 else kind
-    if typing.get_origin(base) is dict:
+    if dataclasses.is_dataclass(base):
+        text = f"a mapping of {', '.join(f.name for f in dataclasses.fields(base))} ({{}} for the defaults)"
+    elif typing.get_origin(base) is dict:
         text = "a mapping such as {_target_: dotted.path, ...}"
     elif typing.get_origin(base) is list:
         text = "a list such as [a, b]"
@@ -281,23 +298,27 @@ def _resolve_all(cfg: Any, prefix: str, where, reported: set) -> List[str]:
     return problems
 
 
-def _check_targets(recipe: Recipe, where) -> List[str]:
+def _check_targets(recipe: Recipe, where) -> List[tuple]:
     """Every `_target_` imports, is callable, and accepts its keyword arguments (a `_partial_` one: those
-    it is given, the launcher passing the rest when it calls it)."""
+    it is given, the launcher passing the rest when it calls it): (key, problem) of each that does not."""
     specs = [(k, getattr(recipe, k)) for k in TARGETS]
     specs += [("data.train", recipe.data.train), ("data.val", recipe.data.val), ("data.collate", recipe.data.collate)]
     specs += [(f"metrics.{name}", spec) for name, spec in recipe.metrics.items()]
     problems = []
     for key, spec in specs:
         for sub_key, sub in _targets_in(spec, key):
+            key = f"{sub_key}._target_"
             try:
                 check_arguments(sub, _POSITIONAL.get(sub_key, 0))
+            except UnexpectedArgument as e:  # named where that argument was set: a line of the file, an override
+                key = f"{sub_key}.{e.argument}"
+                problems.append((sub_key, f"{where(key)}: {key}: {e}"))
             except MissingArguments as e:
                 # A plain function named where the launcher calls a callable: it wants the call's arguments.
                 hint = "; add _partial_: true to have the launcher call it with them" if _called(sub_key) else ""
-                problems.append(f"{where(sub_key + '._target_')}: {sub_key}._target_: {e}{hint}")
+                problems.append((sub_key, f"{where(key)}: {key}: {e}{hint}"))
             except TargetError as e:
-                problems.append(f"{where(sub_key + '._target_')}: {sub_key}._target_: {e}")
+                problems.append((sub_key, f"{where(key)}: {key}: {e}"))
     return problems
 
 
