@@ -40,6 +40,9 @@ def run(loaded: Loaded, overrides: list) -> int:
     if strategies.must_spawn(loaded.recipe.strategy, placement):
         nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device, _cpus())
         return spawn.torchrun(loaded.path, overrides, nproc)
+    if loaded.recipe.nproc_per_node is not None and placement.launched_by == "plain":
+        placed[1].append(f"nproc_per_node: {loaded.recipe.nproc_per_node} starts processes for strategy ddp or fsdp; "
+                         f"strategy {loaded.recipe.strategy} runs this one process")
     train(loaded, placed)
     return 0
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, assert_same_weights, state_dict
+from tests.conftest import QUICKSTART, REPO, assert_same_weights, launch, state_dict
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
 
@@ -132,3 +132,9 @@ def test_accelerate_settles_precision_and_accumulation(monkeypatch, env, recipe,
     precision, accum, notes = Accelerate(Placement()).settle(*recipe)
     assert (precision, accum) == expected
     assert len(notes) == len(says) and all(s in n for s, n in zip(says, notes))
+
+
+def test_nproc_per_node_without_a_strategy_that_starts_processes_says_so(tmp_path):
+    done = launch(str(QUICKSTART), f"run_dir={tmp_path}", "nproc_per_node=2", "trainer.max_steps=2")
+    assert done.returncode == 0, done.stderr
+    assert "nproc_per_node: 2 starts processes for strategy ddp or fsdp; strategy auto runs this one process" in done.stdout
