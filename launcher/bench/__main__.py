@@ -224,18 +224,20 @@ def scaling(args) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--scaling-steps", type=int, default=100)
-    parser.add_argument("--hf-steps", type=int, default=200)
-    parser.add_argument("--no-ddp", dest="ddp", action="store_false")
-    parser.add_argument("--no-peers", dest="peers", action="store_false")
-    parser.add_argument("--no-hf", dest="hf", action="store_false")
-    parser.add_argument("--fsdp-steps", type=int, default=100)
-    parser.add_argument("--no-scaling", dest="scaling", action="store_false")
-    parser.add_argument("--no-fsdp", dest="fsdp", action="store_false")
-    parser.add_argument("--no-loggers", dest="loggers", action="store_false")
+    parser = argparse.ArgumentParser(prog="python -m launcher.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=2000, help="steps per run of the reference workload (default 2000)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of each pair of runs; ratios are their "
+                                                            "median and range (default 5)")
+    parser.add_argument("--scaling-steps", type=int, default=100, help="steps per run of the scaling rows (default 100)")
+    parser.add_argument("--hf-steps", type=int, default=200, help="steps per run of the HF row (default 200)")
+    parser.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP x2 rows")
+    parser.add_argument("--no-peers", dest="peers", action="store_false", help="skip the Accelerate and Lightning peers")
+    parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF row")
+    parser.add_argument("--fsdp-steps", type=int, default=100, help="steps per run of the fsdp row (default 100)")
+    parser.add_argument("--no-scaling", dest="scaling", action="store_false", help="skip the scaling rows")
+    parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the fsdp row")
+    parser.add_argument("--no-loggers", dest="loggers", action="store_false", help="skip the loggers row")
     parser.add_argument("--loggers", dest="loggers_only", action="store_true", help="the loggers row alone")
     args = parser.parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.

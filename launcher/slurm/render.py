@@ -48,7 +48,8 @@ def render(options: SlurmConfig, recipe: Path, overrides: List[str], run_dir: Pa
         lines.append(f"--signal=USR1@{options.signal_seconds}")  # to the job step: the launcher saves, requeues
     lines += ["--requeue", "--open-mode=append"]  # a requeued job appends to the same log
     lines += list(options.sbatch)
-    args = [str(recipe), *overrides, f"run_dir={run_dir}"]
+    # run_dir resolved to an absolute path replaces the one the command line gave (the job runs elsewhere)
+    args = [str(recipe), *(o for o in overrides if not o.startswith("run_dir=")), f"run_dir={run_dir}"]
     setup = list(options.setup)
     if bare_python(options):
         setup.insert(0, f"# {BARE_PYTHON}")
