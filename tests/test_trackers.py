@@ -139,6 +139,8 @@ def test_tensorboard_hparams_say_what_ran(tmp_path):
     hparams = start.session_start_info.hparams
     assert hparams["strategy"].string_value == "auto" and hparams["effective.strategy"].string_value == "single"
     assert hparams["effective.world_size"].number_value == 1 and hparams["effective.device"].string_value == "cpu"
+    ran = events.Tensors("effective/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "strategy: single" in ran and "world_size: 1" in ran and "precision: fp32" in ran
 
 
 def test_a_resumed_run_continues_one_tracker_run_each_step_once(tmp_path):

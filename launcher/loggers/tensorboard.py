@@ -29,6 +29,8 @@ class TensorBoard:
             # this run logs again (a run killed after its checkpoint would otherwise show those twice).
             self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=run.step + 1 if run.step else None)
             self.writer.add_text("recipe", "    " + run.recipe_yaml.replace("\n", "\n    "), run.step)
+            ran = "\n".join(f"    {k}: {v}" for k, v in run.config.get("effective", {}).items())
+            self.writer.add_text("effective", ran, run.step)  # what ran: the strategy auto chose, the world size, ...
             # Into this run's own event file: SummaryWriter.add_hparams would start a separate run folder.
             for summary in hparams(run.hparams, {m: None for m in run.metrics}):
                 self.writer.file_writer.add_summary(summary)
