@@ -28,6 +28,9 @@ def _offline(monkeypatch, tmp_path):
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # nor writes outside its temporary folder
     for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    # wandb.init in this process (an in-process test before) saves its service's address in WANDB_SERVICE,
+    # and a launched run would inherit it and share that service, where a killed run's id stays in use
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
 
 
 def client(tmp_path):
