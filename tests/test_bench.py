@@ -30,6 +30,10 @@ def test_benchmark_prints_every_row():
         assert 0.2 < ratio < 5, row  # a sanity bound on what was measured, not a target
     else:
         assert "HF row skipped: transformers is not installed" in out, out
+    for name in ("TensorBoard", "TB+MLflow+jsonl+profile"):  # the loggers rows: mean step, its ratio to raw
+        logged = re.search(rf"^{re.escape(name)} +\d+us (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\) +\d+us +\d\.\d{{3}}$",
+                           out, re.M)
+        assert logged and 0.2 < float(logged.group(1)) < 5, out  # a sanity bound on what was measured, not a target
     held = re.search(r"^fsdp / ddp +held per rank (\d\.\d{3}) \(target <= 0.525: (met|NOT met)\); step time "
                      r"(\d+\.\d{3}) ", out, re.M)
     assert held and float(held.group(1)) <= 0.525 and held.group(2) == "met", out  # every Block sharded in two
