@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from launcher.errors import UserError, first_line
-from launcher.strategies.base import Strategy, host_max
+from launcher.strategies.base import Strategy, end_process_group, host_max
 from launcher.strategies.ddp import (options, refuse_static_graph_with_accumulation, refuse_sync_batchnorm_off_cuda,
                                      unused_parameters, with_sync_batchnorm)
 
@@ -115,6 +115,5 @@ class Accelerate(Strategy):
         from accelerate.state import AcceleratorState
 
         self.accelerator.end_training()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        end_process_group()
         AcceleratorState._reset_state(reset_partial_state=True)  # accelerate keeps process-wide singletons

@@ -28,6 +28,19 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+# Set once this process has ended a process group: python -m launcher then exits without the interpreter's
+# finalization (launcher/__main__.py says why).
+ended_a_process_group = False
+
+
+def end_process_group() -> None:
+    """Destroy the default process group, once every rank is done with it (teardown)."""
+    global ended_a_process_group
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        ended_a_process_group = True
+
+
 class Strategy:
     """One process's share of a run. The defaults are those of a single process."""
 

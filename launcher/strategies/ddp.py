@@ -17,7 +17,7 @@ from torch import nn
 
 from launcher.errors import UserError
 from launcher.recipe.schema import DDPConfig
-from launcher.strategies.base import Strategy, host_max
+from launcher.strategies.base import Strategy, end_process_group, host_max
 
 # How long ranks wait for each other to start (the rendezvous); a collective waits `dist_timeout`.
 TIMEOUT = datetime.timedelta(minutes=10)
@@ -123,8 +123,7 @@ class DDP(Strategy):
         # without an active exception", about 1 run in 30).
         self.host_group = self.writer_group = None
         gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
 
 
 def options(ddp: DDPConfig) -> Dict[str, Any]:
