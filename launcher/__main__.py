@@ -15,5 +15,5 @@ if __name__ == "__main__":
         # and torchrun reports a finished run as failed. A rank therefore leaves without finalization.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 1)
+        os._exit(code)
     sys.exit(code)

@@ -307,18 +307,18 @@ def _check_targets(recipe: Recipe, where) -> List[tuple]:
     problems = []
     for key, spec in specs:
         for sub_key, sub in _targets_in(spec, key):
-            key = f"{sub_key}._target_"
+            target = f"{sub_key}._target_"
             try:
                 check_arguments(sub, _POSITIONAL.get(sub_key, 0))
             except UnexpectedArgument as e:  # named where that argument was set: a line of the file, an override
-                key = f"{sub_key}.{e.argument}"
-                problems.append((sub_key, f"{where(key)}: {key}: {e}"))
+                argument = f"{sub_key}.{e.argument}"
+                problems.append((sub_key, f"{where(argument)}: {argument}: {e}"))
             except MissingArguments as e:
                 # A plain function named where the launcher calls a callable: it wants the call's arguments.
                 hint = "; add _partial_: true to have the launcher call it with them" if _called(sub_key) else ""
-                problems.append((sub_key, f"{where(key)}: {key}: {e}{hint}"))
+                problems.append((sub_key, f"{where(target)}: {target}: {e}{hint}"))
             except TargetError as e:
-                problems.append((sub_key, f"{where(key)}: {key}: {e}"))
+                problems.append((sub_key, f"{where(target)}: {target}: {e}"))
     return problems
 
 
