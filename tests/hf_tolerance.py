@@ -2,6 +2,7 @@
 behind the README's tolerance claims (tests/test_hf_tolerance.py tests them).
 
     python -m tests.hf_tolerance bert,gpt2,t5,vit sgd,adamw,adamw-eps1e-5 --steps 30
+    python -m tests.hf_tolerance t5 sgd,adamw --steps 30 model.feed_forward_proj=gated-gelu
 
 prints, for each model, optimizer and strategy (ddp x2, fsdp x2), the parameters outside rtol 1e-5,
 atol 1e-6 of one process's, the largest difference, and both final losses."""
@@ -59,11 +60,12 @@ def main() -> None:
     parser.add_argument("models", help="comma-separated: bert, gpt2, t5, vit")
     parser.add_argument("optimizers", help="comma-separated: " + ", ".join(OPTIMIZERS))
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for every run")
     parser.add_argument("--out", default="/tmp/hf_tolerance", help="where the runs go (default /tmp/hf_tolerance)")
     args = parser.parse_args()
     out = Path(args.out)
     for model, optimizer in itertools.product(args.models.split(","), args.optimizers.split(",")):
-        common = [*overrides(model, optimizer, args.steps), "checkpoint.resume=never"]
+        common = [*overrides(model, optimizer, args.steps), "checkpoint.resume=never", *args.overrides]
         loss = launch(out / f"{model}-{optimizer}-single", common)
         one = torch.load(out / f"{model}-{optimizer}-single" / "model.pt", weights_only=True)
         for strategy in ("ddp", "fsdp"):

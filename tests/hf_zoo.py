@@ -17,9 +17,10 @@ def bert(vocab_size: int = 256) -> torch.nn.Module:
     return transformers.BertForMaskedLM(config)
 
 
-def t5(vocab_size: int = 256) -> torch.nn.Module:
+def t5(vocab_size: int = 256, feed_forward_proj: str = "relu") -> torch.nn.Module:
     config = transformers.T5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+                                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                                   feed_forward_proj=feed_forward_proj)
     return transformers.T5ForConditionalGeneration(config)
 
 
