@@ -14,7 +14,7 @@ from launcher.collate import Collate
 from launcher.errors import UserError, first_line
 from launcher.recipe import instantiate
 from launcher.recipe.built import check as check_built
-from launcher.recipe.instantiate import locate
+from launcher.recipe.instantiate import UnexpectedArgument, locate
 from launcher.recipe.schema import DataConfig
 from launcher.scheduler import Placement
 
@@ -42,7 +42,9 @@ def component(spec: Dict[str, Any], key: str, *args: Any) -> Any:
     recipe's arguments (a negative size, a value out of its range) is the recipe's mistake: one line naming
     the key, not a traceback."""
     try:
-        built = instantiate(spec, *args)
+        built = instantiate(spec, *args, key=key)
+    except UnexpectedArgument as e:  # a keyword the call refused, which its signature could not show
+        raise UserError(f"{e.argument}: {e}") from None
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{key}: {spec['_target_']} failed with the recipe's arguments: "
                         f"{type(e).__name__}: {first_line(e)}") from None

@@ -8,6 +8,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import re
 from typing import Any, Callable
 
 META = ("_target_", "_partial_")  # keys that say how to build, never passed to the target
@@ -76,6 +77,12 @@ def check_arguments(spec: dict, n_positional: int = 0) -> None:
     partial = is_partial(spec)
     try:
         signature = inspect.signature(fn)
+        # A wrapper (functools.wraps) shows its wrapped function's signature but may take more: HF configs
+        # take every PretrainedConfig key (num_labels, decoder_start_token_id) through such a wrapper's
+        # **kwargs. Where the signature cannot prove a refusal, the call decides (see instantiate).
+        outer = inspect.signature(fn, follow_wrapped=False)
+        if outer != signature and any(p.kind is p.VAR_KEYWORD for p in outer.parameters.values()):
+            return
     except (TypeError, ValueError):  # some builtins have no signature: they are checked when called
         return
     args, kwargs = [None] * n_positional, {k: v for k, v in spec.items() if k not in META}
@@ -98,17 +105,41 @@ def check_arguments(spec: dict, n_positional: int = 0) -> None:
         raise MissingArguments(f"'{spec['_target_']}' {e}; its signature is {signature}") from None
 
 
-def instantiate(spec: Any, *args: Any) -> Any:
+def instantiate(spec: Any, *args: Any, key: str = "") -> Any:
     """Build `spec`: nested mappings with a `_target_` are built first, then the target is called with
-    `args` and its keyword arguments, or with `_partial_: true` bound to them in a functools.partial."""
+    `args` and its keyword arguments, or with `_partial_: true` bound to them in a functools.partial.
+    A call that refuses a keyword argument raises UnexpectedArgument naming it (`key`: where spec is)."""
     if isinstance(spec, dict):
-        built = {k: instantiate(v) for k, v in spec.items() if k not in META}
+        built = {k: instantiate(v, key=f"{key}.{k}".lstrip(".")) for k, v in spec.items() if k not in META}
         if "_target_" not in spec:
             return built
         target = locate(spec["_target_"])
         if is_partial(spec):
             return functools.partial(target, *args, **built)
-        return target(*args, **built)
+        try:
+            return target(*args, **built)
+        except TypeError as e:
+            refused = _refused_keyword(e, built)
+            if refused is None:
+                raise
+            close = difflib.get_close_matches(refused, _parameter_names(target), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise UnexpectedArgument(f"'{spec['_target_']}' takes no argument '{refused}'{hint}",
+                                     f"{key}.{refused}".lstrip(".")) from None
     if isinstance(spec, list):
-        return [instantiate(v) for v in spec]
+        return [instantiate(v, key=f"{key}.{i}".lstrip(".")) for i, v in enumerate(spec)]
     return spec
+
+
+def _refused_keyword(error: TypeError, kwargs: dict):
+    """The keyword argument a call's TypeError says it does not take ('got an unexpected keyword
+    argument ...'), if it is one the recipe gave."""
+    match = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    return match.group(1) if match and match.group(1) in kwargs else None
+
+
+def _parameter_names(fn: Callable) -> list:
+    try:
+        return [n for n, p in inspect.signature(fn).parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    except (TypeError, ValueError):
+        return []
