@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
@@ -68,8 +69,9 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         evaluating = p.val is not None and (_due(step, cfg.eval_every) or step == total)
         saving = _due(step, save_every) or step == total
         # Log steps are the only places the host reads device values: a checkpoint or an
-        # evaluation is one too, so the interval is flushed there (and checked for NaN first).
-        syncing = _due(step, cfg.log_every) or evaluating or saving
+        # evaluation is one too, where the steps so far are checked for NaN (the interval goes on).
+        log_step = _due(step, cfg.log_every) or step == total
+        syncing = log_step or evaluating or saving
         weights.start()
         for micro in range(accum):
             batch = next(batches)
@@ -97,20 +99,29 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         if stopping and p.save_on_stop:
             saving = syncing = True
         if syncing:
-            values = p.meter.read(p.strategy.all_reduce_mean, float(lr))  # host sync: once per interval
-            last.update(values)
+            values: Dict[str, float] = {}
+            if log_step or stopping:  # a stop logs what it trained since the last log step
+                values = p.meter.read(p.strategy.all_reduce_mean, float(lr))  # host sync: once per interval
+                last.update(values)
+            else:
+                p.meter.check(p.strategy.all_reduce_mean)  # no checkpoint or evaluation after a NaN
             p.idle()
-            if _due(step, cfg.log_every) or step == total:
+            if log_step:
                 p.console.progress(step, total, pos.epoch, values)
             if evaluating:
+                began = time.perf_counter()
                 results = evaluate(p.model, p.val, p.step, p.metrics, p.precision.autocast,
                                    p.strategy.all_reduce_sum, p.strategy.device)
+                p.meter.exclude(time.perf_counter() - began)
                 p.console.info(f"eval at step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
                 values = {**values, **results}
                 last.update(results)
-            p.logger.scalars(values, step)  # one call per log step: a tracker's step holds train and val
+            if values:
+                p.logger.scalars(values, step)  # one call per step logged: a tracker's step holds train and val
         if saving:
+            began = time.perf_counter()
             p.save(pos, step == total)
+            p.meter.exclude(time.perf_counter() - began)
         p.watch.at(step)
         if stopping:
             p.console.close()

@@ -71,6 +71,7 @@ class TrainMeter:
         self.values: List[List[torch.Tensor]] = [[] for _ in metrics]  # per metric, per micro-batch values
         self.first_step = 0  # the last step before this interval: its k-th loss is step first_step + k + 1
         self.steps = 0  # steps recorded since the last read
+        self.checked = 0  # of which checked for NaN at a save or an evaluation
         self.grad_norm: Optional[torch.Tensor] = None
         self.clock = time.perf_counter()
 
@@ -93,6 +94,25 @@ class TrainMeter:
         self.steps += 1
         if grad_norm is not None:
             self.grad_norm = grad_norm
+
+    def check(self, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Before a save or an evaluation between log steps: raises TrainingDiverged if a step since the
+        last check has a non-finite loss on any rank (one all-reduce and host read, of those steps'
+        losses alone). The interval goes on: its values are still read whole at the log step, so what is
+        logged does not depend on when checkpoints and evaluations happen."""
+        n, done = self.steps, self.checked
+        if n == done:
+            return
+        new = torch.stack(self.losses).float().view(n, -1).sum(1)[done:]
+        losses = all_reduce_mean(new).tolist()  # device -> host: at a save or an evaluation only
+        self.checked = n
+        for k, value in enumerate(losses):
+            if not math.isfinite(value):
+                raise TrainingDiverged(f"the training loss is {value} at step {self.first_step + done + k + 1}")
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent outside training (an evaluation, a save) leaves the interval's rates."""
+        self.clock += seconds
 
     def read(self, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor], lr: float) -> Dict[str, float]:
         """The interval's means across ranks. This is the one host sync of the interval."""
@@ -124,7 +144,7 @@ class TrainMeter:
     def _reset(self, first_step: int) -> None:
         self.losses, self.counts = [], []
         self.values = [[] for _ in self.metrics]
-        self.first_step, self.steps, self.grad_norm = first_step, 0, None
+        self.first_step, self.steps, self.checked, self.grad_norm = first_step, 0, 0, None
         self.clock = time.perf_counter()
 
 
