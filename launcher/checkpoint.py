@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import time
 import warnings
 import zipfile
@@ -232,8 +233,23 @@ def crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
+def file_or_folder(path: Path) -> None:
+    """Refuse what is neither a regular file nor a folder (a device, a FIFO, a socket): reading /dev/zero
+    as a checkpoint would never end, and a FIFO would block."""
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        return  # missing or unreadable: the read that follows says so
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise UserError(f"{path}: is {kind}, not a file or a folder; name a state_dict file, a checkpoint "
+                        f"folder or a run folder")
+
+
 def load_file(path: Path, map_location: Any = "cpu") -> Any:
     """torch.load with weights_only=True: a file that needs arbitrary unpickling is refused, never run."""
+    file_or_folder(path)
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols on stderr: one line is ours
             warnings.simplefilter("ignore")
@@ -359,6 +375,7 @@ def fitting_state(expected: Dict[str, Any], path: Path, map_location: Any = "cpu
                   verified: bool = False) -> tuple[Dict[str, torch.Tensor], Optional[str]]:
     """The weights of a state_dict file, found and checked against the model's `expected` keys and shapes
     as load_model_state says, and where in the file they were."""
+    file_or_folder(path)
     if Path(path).is_dir():  # a checkpoint folder of either kind, or a run folder (checked as export checks them)
         from launcher.export import model_state
 

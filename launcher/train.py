@@ -126,7 +126,10 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     seeding.seed_everything(recipe.seed)
     model = build.component(recipe.model, "model").to(device)
     if init_from:
-        where = checkpoint.load_model_state(model, Path(init_from), map_location=device)
+        try:
+            where = checkpoint.load_model_state(model, Path(init_from), map_location=device)
+        except UserError as e:
+            raise UserError(*(f"checkpoint.init_from: {line}" for line in e.problems), every_rank=e.every_rank) from None
         console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
     if recipe.trainer.activation_checkpointing:
         count = recompute.apply(model, recipe.trainer.activation_checkpointing)

@@ -438,3 +438,29 @@ def test_an_occupied_master_port_names_it(tmp_path):
     assert done.returncode == 2 and done.stderr.strip() == (
         f"launcher: environment: MASTER_PORT={port} is in use on this machine, so rank 0 cannot wait there for the "
         f"others; pick a free port for every rank, or start with torchrun --standalone, which finds one"), done.stderr
+
+
+
+def test_a_device_or_a_fifo_named_as_a_checkpoint_is_one_line(tmp_path):
+    """/dev/zero read as a checkpoint would fill the memory, a FIFO would block: refused before a read. Each
+    process is held to 4 GiB of address space and 60 s, so a regression fails instead of taking the machine."""
+    import os
+    import resource
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def run(*args):
+        limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # noqa: E731
+        done = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                              preexec_fn=limit)
+        assert done.returncode == 2, done.stderr[-2000:]
+        return done.stderr.strip().splitlines()[-1]
+
+    for target, kind in (("/dev/zero", "a character device"), (fifo, "a FIFO")):
+        said = f"{target}: is {kind}, not a file or a folder"
+        assert run("launcher", Q, *SMALL, f"run_dir={tmp_path}", f"checkpoint.init_from={target}") == \
+            f"launcher: checkpoint.init_from: {said}; name a state_dict file, a checkpoint folder or a run folder"
+        assert run("launcher.export", str(target), str(tmp_path / "out.pt")).startswith(f"launcher: {said}")
+        assert "is not a checkpoint folder" in run("launcher", Q, *SMALL, f"run_dir={tmp_path}",
+                                                   f"checkpoint.resume={target}")
