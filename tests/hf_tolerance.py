@@ -34,12 +34,16 @@ def overrides(model: str, optimizer: str, steps: int = 6) -> List[str]:
             f"trainer.max_steps={steps}", f"trainer.log_every={steps}"]
 
 
-def launch(run_dir: Path, args: List[str], strategy: str = "single", timeout: float = 300) -> float:
-    """Train in a fresh `python -m launcher` (two processes unless single); the final train/loss."""
+def launch(run_dir: Path, args: List[str], strategy: str = "single", timeout: float = 300) -> subprocess.CompletedProcess:
+    """Train in a fresh `python -m launcher` (two processes unless single)."""
     procs = [] if strategy == "single" else [f"strategy={strategy}", "nproc_per_node=2"]
     done = subprocess.run([sys.executable, "-m", "launcher", str(RECIPE), f"run_dir={run_dir}", *args, *procs],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{args} {strategy}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def final_loss(done: subprocess.CompletedProcess) -> float:
     return float(re.search(r"train/loss ([0-9.e+-]+)", done.stdout.splitlines()[-1]).group(1))
 
 
@@ -66,10 +70,10 @@ def main() -> None:
     out = Path(args.out)
     for model, optimizer in itertools.product(args.models.split(","), args.optimizers.split(",")):
         common = [*overrides(model, optimizer, args.steps), "checkpoint.resume=never", *args.overrides]
-        loss = launch(out / f"{model}-{optimizer}-single", common)
+        loss = final_loss(launch(out / f"{model}-{optimizer}-single", common))
         one = torch.load(out / f"{model}-{optimizer}-single" / "model.pt", weights_only=True)
         for strategy in ("ddp", "fsdp"):
-            other_loss = launch(out / f"{model}-{optimizer}-{strategy}", common, strategy)
+            other_loss = final_loss(launch(out / f"{model}-{optimizer}-{strategy}", common, strategy))
             two = torch.load(out / f"{model}-{optimizer}-{strategy}" / "model.pt", weights_only=True)
             worst = outside(one, two)
             print(f"{model:5} {optimizer:14} {strategy}x2: {len(worst)} of {len(one)} parameters outside rtol 1e-5 "

@@ -24,6 +24,7 @@ class FSDP(DDP):
     sharded = True
     precision = "fp32"
     units: List[str] = []
+    left: List[str] = []  # default units left to the root, which would have split a tied parameter
 
     def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
         if precision == "fp16":  # the grad scaler's unscale has no kernel for sharded (DTensor) gradients
@@ -39,7 +40,9 @@ class FSDP(DDP):
 
     def wrapped(self) -> List[str]:
         units = ", ".join(self.units) or "none (the root alone)"
-        return [f"fsdp: sharded over {self.placement.world_size} ranks; units {units}"]
+        left = (f" ({', '.join(self.left)} left to the root: it holds a weight tied to one outside it)"
+                if self.left else "")
+        return [f"fsdp: sharded over {self.placement.world_size} ranks; units {units}{left}"]
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -47,6 +50,9 @@ class FSDP(DDP):
 
         names = self.fsdp.units if self.fsdp.units is not None else modules.default_units(model)
         found = modules.by_class(model, names, "fsdp.units") if names else []
+        kept = _keeping_ties(model, found, named=self.fsdp.units is not None)
+        self.left = list(dict.fromkeys(type(m).__name__ for m in found if all(m is not k for k in kept)))
+        found = kept
         self.units = list(dict.fromkeys(type(m).__name__ for m in found))
         # Parameters compute in the recipe's precision (autocast still runs, as under every strategy);
         # gradients are reduced in fsdp.reduce_dtype and kept in fp32 shards for the optimizer.
@@ -72,3 +78,42 @@ class FSDP(DDP):
 
         # Gathered unit by unit into rank 0's CPU memory: no rank holds the whole model on its device.
         return get_model_state_dict(self.unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _keeping_ties(model: nn.Module, units: List[nn.Module], named: bool) -> List[nn.Module]:
+    """The units less those that would split a tied parameter (an input embedding shared with the output
+    layer) between two FSDP groups, which fully_shard refuses: by default such a unit is left to the
+    root, which then holds every use of the parameter; units the recipe names are a mistake, one line."""
+    while True:
+        split = _split_ties(model, units)
+        if split is None:
+            return units
+        names, owners = split
+        if named:
+            where = " and ".join(f"unit {type(o).__name__}" if o is not model else "the root" for o in owners)
+            raise UserError(f"fsdp.units: {' and '.join(repr(n) for n in names)} are one tied parameter, which these "
+                            f"units split between {where}; leave {', '.join(sorted({type(o).__name__ for o in owners if o is not model}))} "
+                            f"out of fsdp.units, or untie the weights")
+        units = [u for u in units if u not in owners]
+
+
+def _split_ties(model: nn.Module, units: List[nn.Module]):
+    """(the names of one parameter, the modules whose groups would hold it) for the first tied parameter
+    whose names fall in different groups; None when none does."""
+    paths = {id(m): path for path, m in model.named_modules() if any(m is u for u in units)}
+    names_of: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    by_path = {path: next(u for u in units if id(u) == key) for key, path in paths.items()}
+    for names in names_of.values():
+        if len(names) < 2:
+            continue
+        owners = []
+        for name in names:
+            inside = [p for p in by_path if name.startswith(p + ".")]
+            owner = by_path[max(inside, key=len)] if inside else model
+            if all(owner is not o for o in owners):
+                owners.append(owner)
+        if len(owners) > 1:
+            return names, owners
+    return None

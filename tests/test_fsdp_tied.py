@@ -1,0 +1,37 @@
+"""Tied weights under fsdp (an input embedding shared with the output layer): the default units never
+split them between two FSDP groups, and units a recipe names that would are one line, exit 2."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.hf_tolerance import RECIPE, launch, outside, overrides
+
+transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("model, units", [
+    ("bert", "units BertLayer (BertEmbeddings left to the root: it holds a weight tied to one outside it)"),
+    ("gpt2", "units GPT2Block\n"), ("llama", "units LlamaDecoderLayer\n")])
+def test_tied_embeddings_under_fsdp_x2_give_one_process_s_weights(model, units, tmp_path):
+    args = overrides(model, "sgd")
+    launch(tmp_path / "one", args)
+    assert units in launch(tmp_path / "two", args, "fsdp").stdout
+    one, two = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("one", "two"))
+    assert outside(one, two) == []
+
+
+def test_units_that_would_split_a_tied_weight_are_one_line_on_every_rank(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "launcher", str(RECIPE), f"run_dir={tmp_path}",
+                           *overrides("llama", "sgd"), "strategy=fsdp", "nproc_per_node=2",
+                           "fsdp.units=[Embedding,LlamaDecoderLayer]"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [x for x in done.stderr.splitlines() if x.startswith("launcher:") or "Traceback" in x]
+    assert lines == ["launcher: fsdp.units: 'model.embed_tokens.weight' and 'lm_head.weight' are one tied parameter, "
+                     "which these units split between unit Embedding and the root; leave Embedding out of "
+                     "fsdp.units, or untie the weights"], done.stderr[-3000:]
