@@ -58,8 +58,31 @@ def own_files(folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
 def read(folder: Path, state: Dict[str, Any]) -> None:
     """Load a sharded checkpoint into `state` (shaped as it was saved: each tensor the destination of its
     values, resharded to this run), in place. Collective when a process group runs."""
+    reader = _Reader(folder)
+    if "model" in state:  # not the run state alone
+        _check_fits(reader.metadata, state["model"])
     with _alone():
-        dcp.load(state, storage_reader=_Reader(folder), planner=_WeightsOnly(), no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=reader, planner=_WeightsOnly(), no_dist=not dist.is_initialized())
+
+
+class DoesNotFit(ValueError):
+    """The checkpoint's keys or shapes differ from the model's (the first difference)."""
+
+
+def _check_fits(metadata: Metadata, model: Dict[str, Any]) -> None:
+    """The model's keys and shapes against those the checkpoint's index holds: the first difference as
+    one line, as for a full checkpoint (DCP itself would say only `CheckpointException ranks:...`). Every
+    rank reads the same index, so every rank stops here, before any collective of the load."""
+    saved = {key[len("model."):]: meta.size for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    for key, tensor in model.items():
+        if key not in saved:
+            raise DoesNotFit(f"'{key}' is missing from the checkpoint")
+        if tuple(saved[key]) != tuple(tensor.shape):  # a DTensor's shape is the whole tensor's
+            raise DoesNotFit(f"'{key}' is {tuple(saved[key])} in the checkpoint, {tuple(tensor.shape)} in the model")
+    extra = [key for key in saved if key not in model]
+    if extra:
+        raise DoesNotFit(f"the checkpoint has '{extra[0]}', which the model lacks")
 
 
 @contextlib.contextmanager

@@ -134,6 +134,9 @@ class Training:
             self.strategy.load_state_dicts(self.model, self.optimizer, model_state, optimizer_state, full=full)
         except UserError:
             raise
+        except sharded.DoesNotFit as e:
+            raise UserError(f"checkpoint.resume: {folder} does not fit this run ({e}); start over with "
+                            f"checkpoint.resume=never") from None
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError, CheckpointException) as e:
             raise does_not_fit(folder, e) from None
         self.run.apply(folder)
