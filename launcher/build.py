@@ -70,14 +70,14 @@ def data_for(cfg: DataConfig, grad_accum: int, placement: Placement, seed: int, 
             raise UserError(f"data.batch_size: {cfg.batch_size} does not divide among {placement.world_size} "
                             f"processes; use a multiple of {placement.world_size}")
         train = stream.StreamData(dataset, cfg.batch_size, placement.world_size, placement.rank, cfg.num_workers,
-                                  device, collate)
+                                  device, collate, seed)
     else:
         train = data.TrainData(dataset, cfg.batch_size, grad_accum, placement.world_size, placement.rank,
                                cfg.shuffle, seed, cfg.num_workers, device, collate)
     val_set = component(cfg.val, "data.val") if cfg.val else None
     if stream.is_stream(val_set):
         val = stream.StreamBatches(val_set, cfg.batch_size, placement.world_size, placement.rank, cfg.num_workers,
-                                   device, collate, data.to_device)
+                                   device, collate, data.to_device, seed)
     else:
         val = data.val_batches(val_set, cfg.batch_size, placement.world_size, placement.rank, cfg.num_workers,
                                device, seed, collate)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
+from launcher import item_rng
 from launcher.collate import default
 from launcher.errors import UserError, first_line
 
@@ -33,35 +34,43 @@ class Position:
 
 class EpochSampler(Sampler[int]):
     """DistributedSampler's order (seed + epoch, rank r takes every W-th index), trimmed to whole
-    optimizer steps and started at a given batch, so a resumed epoch continues where it stopped."""
+    optimizer steps and started at a given batch, so a resumed epoch continues where it stopped.
+    `keyed`: each index comes as (epoch, index), the key its item is seeded from (launcher/item_rng.py)."""
 
     def __init__(self, dataset: Dataset, replicas: int, rank: int, shuffle: bool, seed: int,
-                 per_rank_batch: int, batches_per_epoch: int):
+                 per_rank_batch: int, batches_per_epoch: int, keyed: bool = False):
         self.order = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle,
                                         seed=seed, drop_last=True)
         self.size = batches_per_epoch * per_rank_batch
         self.per_rank_batch = per_rank_batch
         self.start = 0
+        self.keyed = keyed
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.order.set_epoch(epoch)
         self.start = start_batch * self.per_rank_batch
 
     def __iter__(self) -> Iterator[int]:
-        return iter(list(self.order)[self.start:self.size])
+        indices = list(self.order)[self.start:self.size]
+        if self.keyed:
+            epoch = self.order.epoch
+            return iter([(epoch, i) for i in indices])
+        return iter(indices)
 
     def __len__(self) -> int:
         return self.size - self.start
 
 
 class ShardSampler(Sampler[int]):
-    """Validation: every item exactly once across ranks (no padding), rank r takes r, r+W, ..."""
+    """Validation: every item exactly once across ranks (no padding), rank r takes r, r+W, ...
+    `keyed`: as (-1, index), the key its item is seeded from (an epoch of its own)."""
 
-    def __init__(self, n: int, replicas: int, rank: int):
+    def __init__(self, n: int, replicas: int, rank: int, keyed: bool = False):
         self.indices = range(rank, n, replicas)
+        self.keyed = keyed
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
+        return iter([(-1, i) for i in self.indices]) if self.keyed else iter(self.indices)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -82,19 +91,23 @@ class TrainData:
                             f"(data.batch_size {batch_size} x trainer.grad_accum_steps {grad_accum})")
         self.batches_per_epoch = self.steps_per_epoch * grad_accum
         per_rank = batch_size // replicas
-        self.sampler = EpochSampler(dataset, replicas, rank, shuffle, seed, per_rank, self.batches_per_epoch)
+        self.seeded = _draws(dataset)
+        self.sampler = EpochSampler(dataset, replicas, rank, shuffle, seed, per_rank, self.batches_per_epoch,
+                                    keyed=self.seeded)
         self.collate = collate_fn or default
         self.loader = _loader(dataset, per_rank, self.sampler, num_workers, device, seed, self.collate, drop_last=True)
-        self.device = device
+        self.dataset, self.seed, self.device = dataset, seed, device
 
     is_stream = False
 
     def first_items(self) -> Any:
         """This rank's first batch of items, fetched as training fetches them (for the check before training)."""
-        dataset = self.loader.dataset
-        indices = list(range(min(self.loader.batch_size, len(dataset))))
-        fetch = getattr(dataset, "__getitems__", None)
-        return fetch(indices) if fetch else [dataset[i] for i in indices]
+        keys = [(0, i) for i in range(min(self.loader.batch_size, len(self.dataset)))]
+        kept = item_rng.Kept()  # the check leaves the process's generators as they were
+        try:
+            return item_rng.fetched(_batched(self.dataset), keys, self.seed)
+        finally:
+            kept.back()
 
     def stream(self, position: Position) -> Iterator[Any]:
         """Micro-batches on the device from `position` on, across epochs. `position` says which batch
@@ -153,7 +166,7 @@ def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank
     if dataset is None:
         return None
     n = _length(dataset, "data.val")
-    loader = _loader(dataset, max(batch_size // replicas, 1), ShardSampler(n, replicas, rank),
+    loader = _loader(dataset, max(batch_size // replicas, 1), ShardSampler(n, replicas, rank, keyed=_draws(dataset)),
                      num_workers, device, seed, collate_fn or default, drop_last=False)
 
     class Batches:
@@ -180,9 +193,20 @@ class TensorBatches(Dataset):
         return tuple(t[index] for t in self.tensors)
 
 
+def _draws(dataset: Dataset) -> bool:
+    """Whether the dataset's items may draw random numbers: all but an in-memory TensorDataset's."""
+    return type(dataset) is not TensorDataset
+
+
+def _batched(dataset: Dataset) -> Dataset:
+    return TensorBatches(dataset) if type(dataset) is TensorDataset else dataset
+
+
 def _loader(dataset, batch_size, sampler, num_workers, device, seed, collate_fn, drop_last) -> DataLoader:
-    if type(dataset) is TensorDataset:
-        dataset = TensorBatches(dataset)
+    if _draws(dataset):  # the keyed sampler's batches, made and collated under their items' seeds
+        dataset, collate_fn = item_rng.Seeded(dataset, seed, collate_fn), _as_is
+    else:
+        dataset = _batched(dataset)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=drop_last,
         collate_fn=collate_fn,
@@ -190,6 +214,10 @@ def _loader(dataset, batch_size, sampler, num_workers, device, seed, collate_fn,
         # Its own generator: worker seeds never draw from (and so never shift) the global RNG.
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
 
 
 def _length(dataset: Dataset, key: str) -> int:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from launcher import item_rng
 from launcher.collate import default
 from launcher.errors import UserError
 
@@ -60,8 +61,10 @@ def _stateful(dataset: Any) -> bool:
 class Share:
     """What one rank reads of a stream: its items of each epoch, in order, and where it stands."""
 
-    def __init__(self, dataset: Any, key: str, batch_size: int, replicas: int, rank: int, drop_last: bool = True):
-        self.key, self.replicas, self.rank, self.drop_last = key, replicas, rank, drop_last
+    def __init__(self, dataset: Any, key: str, batch_size: int, replicas: int, rank: int, drop_last: bool = True,
+                 seed: int = 0):
+        self.key, self.replicas, self.rank, self.drop_last, self.seed = key, replicas, rank, drop_last, seed
+        self.epoch_of_keys = -1 if key == "data.val" else None  # validation's items: an epoch of their own
         self.per_rank = max(batch_size // replicas, 1)
         self.global_batch = self.per_rank * replicas
         self.own_split = _is_hf_stream(dataset) and replicas > 1
@@ -83,6 +86,26 @@ class Share:
         else:
             yield from dataset
 
+    def _read(self, dataset: Any, epoch: int, start: int, counted_from: int) -> Iterator[tuple]:
+        """(index, item) of the epoch's items from `start` on, each made under the seed of its index in
+        the epoch (launcher/item_rng.py); the iterator's first item is item `counted_from` (0: from the
+        start, the ones before `start` made and dropped)."""
+        items = iter(self._epoch_items(dataset, epoch))
+        epoch_key = epoch if self.epoch_of_keys is None else self.epoch_of_keys
+        for i in itertools.count(counted_from):
+            item_rng.seed(item_rng.key(self.seed, epoch_key, i))
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            if i >= start:
+                yield i, item
+
+    def _collated(self, group: List[Any], epoch: int, first: int, collate: Callable) -> Any:
+        epoch_key = epoch if self.epoch_of_keys is None else self.epoch_of_keys
+        item_rng.seed(item_rng.key(self.seed, epoch_key, first) ^ item_rng.COLLATE)
+        return collate(group)
+
     def _mine(self, index: int) -> bool:
         """Whether the epoch's item `index` is this rank's (streams split by their own hook: all are)."""
         if self.own_split or self.replicas == 1:
@@ -99,16 +122,18 @@ class Share:
         epoch, index, in_epoch, number = start["epoch"], start["index"], start["batch"], start["batches"]
         first = number
         state = start.get("dataset")
+        kept = item_rng.Kept()  # the process's generators, given back while the batch is away
         while True:
             if state is not None:
                 dataset.load_state_dict(state)  # read on from there: its items are counted from `index`
-                items = enumerate(self._epoch_items(dataset, epoch), index)
+                items = self._read(dataset, epoch, index, index)
             else:
-                items = itertools.islice(enumerate(self._epoch_items(dataset, epoch)), index, None)
-            state, group, handed = None, [], 0
+                items = self._read(dataset, epoch, index, 0)
+            state, group, handed, group_start = None, [], 0, None
             for i, item in items:
                 if not self._mine(i):
                     continue
+                group_start = i if not group else group_start
                 group.append(item)
                 if len(group) < self.per_rank:
                     continue
@@ -117,11 +142,18 @@ class Share:
                     place = {"epoch": epoch, "index": i + 1, "batch": in_epoch, "batches": number + 1,
                              "split": "own" if self.own_split else "ours",
                              "dataset": dataset.state_dict() if self.stateful else None}
-                    yield place, collate(group)
+                    batch = self._collated(group, epoch, group_start, collate)
+                    kept.back()
+                    yield place, batch
+                    kept = item_rng.Kept()
                 number, group, handed = number + 1, [], handed + 1
             if not self.drop_last:
                 if group and (number - first) % workers == worker:
-                    yield None, collate(group)
+                    batch = self._collated(group, epoch, group_start, collate)
+                    kept.back()
+                    yield None, batch
+                else:
+                    kept.back()
                 return
             if handed == 0 and in_epoch == 0:
                 raise UserError(f"{self.key}: the stream's epoch {epoch} holds fewer items than one batch "
@@ -133,7 +165,11 @@ class Share:
         Every rank reads the whole first global batch, so a stream shorter than one fails on every rank."""
         dataset = _copy(self.dataset)  # so that training reads the same dataset as it was, untouched
         size = self.per_rank if self.own_split else self.global_batch
-        read = list(itertools.islice(enumerate(self._epoch_items(dataset, 0)), size))
+        kept = item_rng.Kept()  # the check leaves the process's generators as they were
+        try:
+            read = list(itertools.islice(self._read(dataset, 0, 0, 0), size))
+        finally:
+            kept.back()
         if len(read) < size:
             raise UserError(f"{self.key}: the stream ends after {len(read)} items, fewer than one batch "
                             f"(data.batch_size {self.global_batch}"
@@ -181,7 +217,9 @@ def _as_is(x: Any) -> Any:
 
 def loader(share: Share, start: Dict[str, Any], collate: Callable, num_workers: int, device: torch.device) -> DataLoader:
     return DataLoader(_Workers(share, start, collate), batch_size=None, num_workers=num_workers,
-                      collate_fn=_as_is, pin_memory=device.type == "cuda")
+                      collate_fn=_as_is, pin_memory=device.type == "cuda",
+                      # its own generator: starting the iterator (a resume does) draws nothing from the global one
+                      generator=torch.Generator().manual_seed(share.seed))
 
 
 class StreamBatches:
@@ -189,8 +227,8 @@ class StreamBatches:
     last one smaller), read again at each evaluation."""
 
     def __init__(self, dataset: Any, batch_size: int, replicas: int, rank: int, num_workers: int,
-                 device: torch.device, collate: Optional[Callable], to_device: Callable):
-        self.share = Share(dataset, "data.val", batch_size, replicas, rank, drop_last=False)
+                 device: torch.device, collate: Optional[Callable], to_device: Callable, seed: int = 0):
+        self.share = Share(dataset, "data.val", batch_size, replicas, rank, drop_last=False, seed=seed)
         self.collate, self.num_workers, self.device, self.to_device = collate or default, num_workers, device, to_device
 
     def __iter__(self):
@@ -206,8 +244,8 @@ class StreamData:
     is_stream = True
 
     def __init__(self, dataset: Any, batch_size: int, replicas: int, rank: int, num_workers: int,
-                 device: torch.device, collate_fn: Optional[Callable] = None):
-        self.share = Share(dataset, "data.train", batch_size, replicas, rank)
+                 device: torch.device, collate_fn: Optional[Callable] = None, seed: int = 0):
+        self.share = Share(dataset, "data.train", batch_size, replicas, rank, seed=seed)
         self.collate = collate_fn or default
         self.num_workers, self.device = num_workers, device
         self.start: Dict[str, Any] = dict(START)

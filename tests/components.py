@@ -225,3 +225,50 @@ class JustIterable:
 
     def __iter__(self):
         return iter(range(self.n))
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Blobs with random augmentation made in `__getitem__`: noise from torch, a flip from `random`, a
+    scale from numpy's global generator."""
+
+    def __init__(self, n: int = 1024, spread: float = 1.0, **blobs):
+        from recipes.components.synthetic import Blobs
+
+        self.points = Blobs(n=n, spread=spread, **blobs)
+
+    def __len__(self):
+        return len(self.points)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        x = self.points.x[i] + 0.3 * torch.randn(self.points.x.shape[1])
+        if random.random() < 0.5:
+            x = x.flip(0)
+        return x * float(np.random.uniform(0.8, 1.2)), self.points.y[i]
+
+
+class AugmentedStream(torch.utils.data.IterableDataset):
+    """Augmented's items as a stream: each one's draws happen between two yields."""
+
+    def __init__(self, n: int = 1024, spread: float = 1.0, **blobs):
+        self.items = Augmented(n, spread, **blobs)
+
+    def __iter__(self):
+        for i in range(len(self.items)):
+            yield self.items[i]
+
+
+def masked(items):
+    """A collate function that draws: about a tenth of each input's values set to zero (as an MLM collator masks)."""
+    x, y = torch.utils.data.default_collate(items)
+    return x * (torch.rand(x.shape) > 0.1), y
+
+
+class Dropout(MLP):
+    """MLP with dropout on its input: the training process's own generator draws at every step."""
+
+    def forward(self, x):
+        return super().forward(torch.nn.functional.dropout(x, 0.2, self.training))
