@@ -6,6 +6,7 @@ workers are `python -m launcher` with the same recipe and overrides, on one node
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -40,8 +41,9 @@ def torchrun(recipe: Path, overrides: List[str], nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from launcher.stopping import exit_code
+    from launcher.stopping import PARENT, exit_code
 
+    os.environ[PARENT] = str(os.getpid())  # the workers stop when this process is gone (launcher/stopping.py)
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--module", "launcher", str(recipe), *overrides])
     try:

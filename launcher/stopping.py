@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -24,6 +26,8 @@ SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 FIRST_CHECK = 10  # the step of the first check, before any step has been timed
 CHECK_SECONDS = 0.5
 MAX_INTERVAL = 1000
+# Set by launcher/spawn.py for the workers it starts: the pid of the process they must not outlive.
+PARENT = "LAUNCHER_PARENT_PID"
 
 
 class Stopped(Exception):
@@ -40,6 +44,7 @@ class StopFlag:
         self.pending: Optional[Callable[[], List[int]]] = None  # the agreement started at the last check
         self.next_check: Optional[int] = None
         self.last: tuple = (0, 0.0)  # (step, time) of the last check
+        self.watching = False
 
     def install(self) -> "StopFlag":
         for sig in SIGNALS:
@@ -47,7 +52,23 @@ class StopFlag:
                 self.previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: signals cannot be caught here
                 pass
+        parent = os.environ.get(PARENT)
+        if parent and parent.isdigit() and not self.watching:  # started as its child: gone if no longer its parent
+            self.watching = True
+            threading.Thread(target=self._watch_parent, args=(int(parent),), name="launcher-parent", daemon=True).start()
         return self
+
+    def _watch_parent(self, parent: int) -> None:
+        """A worker that `python -m launcher ... strategy=ddp` started: when that process is gone, however
+        it died (kill -9 gives the workers no signal: torchrun starts them in sessions of their own), the
+        worker stops as on SIGTERM, saving at the step every rank agrees on. Two reads of the parent's pid
+        a second."""
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        if not self.signum:
+            print(f"launcher: rank {os.environ.get('RANK', '0')}: the launcher that started this worker (pid "
+                  f"{parent}) is gone; stopping as on SIGTERM", file=sys.stderr, flush=True)
+            self.signum = signal.SIGTERM
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.signum == signal.SIGINT:

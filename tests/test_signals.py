@@ -125,3 +125,47 @@ def test_slurm_refusing_the_requeue_exits_4_with_the_checkpoint_saved(tmp_path):
     assert proc.returncode == 4 and "Traceback" not in output, output  # EXIT_REQUEUE
     assert "launcher: scontrol requeue 41 failed: Requested operation is presently disabled" in output
     assert len(list((tmp_path / "run" / "checkpoints").glob("step_*"))) == 1
+
+
+def test_workers_stop_and_save_when_the_launcher_that_started_them_is_killed(tmp_path):
+    """kill -9 of `python -m launcher ... strategy=ddp` gives its workers no signal (torchrun starts them in
+    sessions of their own): they saw that their parent was gone, agreed on a step, saved and ended, where
+    they used to train on to the end, unsupervised."""
+    import os
+    import time
+
+    proc = start(tmp_path, "strategy=ddp", "nproc_per_node=2", "trainer.max_steps=100000")
+    for line in proc.stdout:
+        if line.startswith("step 10/"):
+            break
+    workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
+    assert len(workers) == 2, workers
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 60
+    while any(os.path.exists(f"/proc/{w}") and _state(w) != "Z" for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [w for w in workers if os.path.exists(f"/proc/{w}") and _state(w) != "Z"]
+    for w in alive:
+        os.kill(w, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert not alive, err[-2000:]
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and 10 <= int(saved[0].name[5:]) < 100000, err[-2000:]
+    assert f"the launcher that started this worker (pid {proc.pid}) is gone; stopping as on SIGTERM" in err
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
