@@ -40,6 +40,7 @@ class Parts:
     save_on_stop: bool = True
     idle: Callable[[], None] = lambda: None  # at log steps: finish what runs in the background (a checkpoint's write)
     watch: Watch = field(default_factory=lambda: Watch([]))  # the recipe's profiler and memory windows
+    between_steps: bool = True  # False from a step's first batch until it is counted: no checkpoint then
 
 
 def total_steps(cfg: TrainerConfig, steps_per_epoch: int) -> int:
@@ -72,6 +73,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         # evaluation is one too, where the steps so far are checked for NaN (the interval goes on).
         log_step = _due(step, cfg.log_every) or step == total
         syncing = log_step or evaluating or saving
+        p.between_steps = False
         weights.start()
         for micro in range(accum):
             batch = next(batches)
@@ -93,6 +95,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         if p.schedule is not None:
             _step_schedule(p.schedule, step)
         pos.step = step
+        p.between_steps = True
         p.meter.step_done(norm)
         p.console.advance()
         stopping = p.stop.agreed(step, p.strategy.max_over_ranks) if step < total else None

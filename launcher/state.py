@@ -104,6 +104,7 @@ class Training:
         self.strategy, self.model, self.optimizer, self.run = strategy, model, optimizer, run
         self.checkpointer, self.consolidate = checkpointer, consolidate
         self.async_save = async_save and strategy.sharded
+        self.saved_step: Optional[int] = None  # the newest checkpoint of this line of training: saved or resumed
         self.pending: Optional[tuple] = None  # (step, folder, future, model.pt's entry) of a save being written
 
     # ---- resume ----------------------------------------------------------------------------------
@@ -140,6 +141,7 @@ class Training:
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError, CheckpointException) as e:
             raise does_not_fit(folder, e) from None
         self.run.apply(folder)
+        self.saved_step = self.run.position.step
 
     # ---- save --------------------------------------------------------------------------------------
 
@@ -151,6 +153,7 @@ class Training:
             self._save_shards(step, final)
         else:
             self._save_full(step, final)
+        self.saved_step = step
         # Kept after the last agreement (a gather): without it, about one run in twelve under torchrun
         # (gloo, torch 2.13) aborted at exit after its last save ("terminate called without an active
         # exception"; 4 of 51 runs, 0 of 40 with it).

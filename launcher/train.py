@@ -13,7 +13,7 @@ from launcher import (build, checkpoint, data, first_batch, loggers, recompute, 
                       hang, throughput, watch)
 from launcher.checkpoint import Checkpointer
 from launcher.state import RunState, Training
-from launcher.errors import OutOfMemory, UserError
+from launcher.errors import Hung, OutOfMemory, TrainingDiverged, UserError
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
 from launcher.precision import Precision
@@ -211,35 +211,60 @@ def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dic
         console.info(f"training {recipe.name}: {total} steps of {samples} samples, {per_epoch}, "
                      f"on {strategy.device} ({strategy.name})")
         parts.stop.install()
+        started = position.step
         try:
-            results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
-        except Stopped as stopped:
-            training.finish_pending()  # a checkpoint still being written is completed before the exit
-            logger.close("stopped")
-            saved = f"saved {run_dir / 'checkpoints' / f'step_{stopped.step}'}" if recipe.checkpoint.on_signal else "not saved"
-            console.info(f"{stopped}: {saved}")
-            if strategy.placement.is_main and recipe.checkpoint.on_signal:
-                said = requeue()  # raises RequeueFailed when Slurm refuses
-                if said:
-                    console.info(said)
-            raise
-        except RuntimeError as e:  # a wrapper's own error that a recipe key fixes (DDP's unused parameters)
-            if watch.is_out_of_memory(e):
-                raise OutOfMemory(parts.watch.out_of_memory(position.step + 1, strategy.device,
-                                                            strategy.placement.rank)) from None
-            explained = strategy.explain(e)
-            if explained is None:
+            try:
+                results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
+            except Stopped as stopped:
+                training.finish_pending()  # a checkpoint still being written is completed before the exit
+                logger.close("stopped")
+                saved = f"saved {run_dir / 'checkpoints' / f'step_{stopped.step}'}" if recipe.checkpoint.on_signal else "not saved"
+                console.info(f"{stopped}: {saved}")
+                if strategy.placement.is_main and recipe.checkpoint.on_signal:
+                    said = requeue()  # raises RequeueFailed when Slurm refuses
+                    if said:
+                        console.info(said)
                 raise
-            raise UserError(explained) from None
-        finally:
-            parts.stop.restore()
-            parts.watch.close(position.step)
+            except RuntimeError as e:  # a wrapper's own error that a recipe key fixes (DDP's unused parameters)
+                if watch.is_out_of_memory(e):
+                    raise OutOfMemory(parts.watch.out_of_memory(position.step + 1, strategy.device,
+                                                                strategy.placement.rank)) from None
+                explained = strategy.explain(e)
+                if explained is None:
+                    raise
+                raise UserError(explained) from None
+            finally:
+                parts.stop.restore()
+                parts.watch.close(position.step)
+        except (Stopped, TrainingDiverged, OutOfMemory, Hung):
+            raise  # nothing is saved after a NaN, out of memory or a lost rank; a signal saved already
+        except Exception:  # a mistake met mid-run, a full disk, a bug in a component
+            _save_before_failing(training, parts, started, run_dir, console)
+            raise
     logger.close("finished")
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
     model = f"model: {run_dir / 'model.pt'}" if recipe.checkpoint.consolidate != "never" or not strategy.sharded else \
         "model: not gathered (checkpoint.consolidate=never; python -m launcher.export makes one from a checkpoint)"
     console.info(" | ".join(x for x in (f"done: step {position.step}", final, model) if x))
     return results
+
+
+def _save_before_failing(training: Training, parts: Parts, started: int, run_dir: Path, console) -> None:
+    """Before an error ends the run after its first step: a checkpoint of the last whole step, where one
+    process trains (several cannot agree on one once a rank has failed: there, the newest checkpoint),
+    and a line saying which step the same command resumes from. The error stays the last line."""
+    step = training.run.position.step
+    if (step > started and parts.between_steps and training.saved_step != step
+            and training.strategy.placement.world_size == 1):
+        try:
+            training.save(final=False)
+        except Exception:  # noqa: BLE001 - the disk may be what failed: the error that stops the run says so
+            pass
+    if training.saved_step:
+        console.info(f"the newest checkpoint is {run_dir / 'checkpoints' / f'step_{training.saved_step}'}: the same "
+                     f"command resumes from step {training.saved_step}")
+    elif step > started:
+        console.info(f"no checkpoint was saved: the same command starts over")
 
 
 def _refuse_changed_parts(saved: Dict[str, Any], current, resume: Path) -> None:
@@ -268,6 +293,9 @@ def _innermost(e: BaseException) -> str:
     import traceback
 
     frames = traceback.extract_tb(e.__traceback__)
+    # sys.exit wrapped by a library's hook (wandb replaces it once a run was started): its caller
+    while len(frames) > 1 and frames[-1].name == "exit":
+        frames.pop()
     return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "a component"
 
 

@@ -272,3 +272,34 @@ class Dropout(MLP):
 
     def forward(self, x):
         return super().forward(torch.nn.functional.dropout(x, 0.2, self.training))
+
+
+class Deletes(MLP):
+    """An MLP that deletes a folder (a run's tensorboard/, as a user tidying up would) at its `at`-th
+    forward pass in training mode."""
+
+    def __init__(self, path: str, at: int, **mlp):
+        super().__init__(**mlp)
+        self.path, self.at, self.calls = path, at, 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at:
+                import shutil
+
+                shutil.rmtree(self.path, ignore_errors=True)
+        return super().forward(x)
+
+
+class BreaksAt:
+    """A metric (`metric(output, target)`) with a bug that shows at its `at`-th call: at an evaluation mid-run."""
+
+    def __init__(self, at: int):
+        self.at, self.calls = at, 0
+
+    def __call__(self, output, target):
+        self.calls += 1
+        if self.calls == self.at:
+            raise ZeroDivisionError("a metric's bug at an evaluation")
+        return (output.argmax(1) == target).float()

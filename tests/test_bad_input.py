@@ -3,6 +3,7 @@ no traceback, on every rank."""
 
 import builtins
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -350,33 +351,34 @@ def leave_free(folder, size: int) -> None:
 
 
 def test_a_full_disk_while_tensorboard_writes(tiny_disk, capsys):
-    """Its writer thread meets the full disk; the next log step says so in one line, naming the folder."""
+    """Its writer thread meets the full disk: the next log step drops TensorBoard with one line naming the
+    folder, and training goes on to the end (it used to stop there, unsaved), where the disk, still full,
+    refuses the final save with one line."""
     full, _ = tiny_disk
     leave_free(full, 16384)  # the recipe and TensorBoard's first pages; the scalars fill the rest
     code = main([Q, *SMALL, f"run_dir={full}/run", "logging.tensorboard=true", "trainer.max_steps=400",
                  "trainer.log_every=1"])
-    err = capsys.readouterr().err.splitlines()
-    assert code == 2 and err == [f"launcher: logging.tensorboard: cannot write {full}/run/tensorboard: No space left "
-                                 f"on device (errno 28). HINT: free some space, point run_dir=... at a writable "
-                                 f"folder, or set logging.tensorboard=false"], err
+    out, err = capsys.readouterr()
+    dropped = re.findall(rf"^logging.tensorboard: cannot write {full}/run/tensorboard: No space left on device "
+                         rf"\(errno 28\); dropped at step (\d+), training goes on without it$", out, re.M)
+    assert len(dropped) == 1 and "step 400/400" in out, out[-3000:]
+    assert code == 2 and err.splitlines() == [f"launcher: cannot write {full}/run/checkpoints: No space left on device "
+                                              f"(errno 28); the newest complete checkpoint is kept. HINT: free some "
+                                              f"space, or point run_dir=... at a writable folder"], err
 
 
-def test_a_full_disk_while_tensorboard_writes_under_ddp_stops_both_ranks(tiny_disk):
-    """Rank 0's logger fails between two agreements: it marks the run's store and exits; rank 1, whose
-    collective then fails, finds the mark and stops with one line. The same outcome, three times."""
+def test_a_full_disk_while_tensorboard_writes_under_ddp_drops_it_on_rank_0_alone(tiny_disk):
+    """Rank 0's logger fails between two collectives: it is dropped there, and both ranks train on to the
+    final save, which the full disk refuses on rank 0; rank 1 learns of it in the save's agreement. The
+    same outcome, three times."""
     full, _ = tiny_disk
     for _ in range(3):
         subprocess.run(["rm", "-rf", str(full / "run"), str(full / "filler")], check=True)
         leave_free(full, 16384)
         done = ddp2(*SMALL, f"run_dir={full}/run", "logging.tensorboard=true", "trainer.max_steps=400",
                     "trainer.log_every=1")
-        assert done.returncode == 2, done.stderr[-3000:]
-        ours = [l for l in done.stderr.splitlines() if "launcher:" in l]
-        assert ours[0] == (f"launcher: logging.tensorboard: cannot write {full}/run/tensorboard: No space left on "
-                           f"device (errno 28). HINT: free some space, point run_dir=... at a writable folder, or "
-                           f"set logging.tensorboard=false"), done.stderr[-3000:]
-        assert ours[1:] in ([], ["[rank 1] launcher: stopped: rank 0 reported a mistake"]), done.stderr[-3000:]
-        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert "; dropped at step " in done.stdout and "step 400/400" in done.stdout, done.stdout[-3000:]
+        assert_one_line(done, f"cannot write {full}/run/checkpoints: No space left on device (errno 28)")
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from launcher.errors import UserError
+from launcher.errors import UserError, first_line
 from launcher.loggers.console import Console, NullConsole, bar_values, format_values  # noqa: F401
 
 RECORD = "trackers.json"  # the tracker runs this run continues
@@ -57,10 +57,12 @@ class Loggers:
         self.backends, self.run_dir = backends, run_dir
         self.kept: Dict[str, Any] = {}
         self.closed = False
+        self.say: Callable[[str], None] = print
         # Only trackers continue a run elsewhere; TensorBoard and jsonl rewrite their own files.
         self.tracking = any(getattr(b, "continues", False) for b in backends)
 
     def start(self, run: Start) -> None:
+        self.say = run.say
         record = self._read() if run.step > 0 and self.backends else {}
         for backend in self.backends:
             run.kept = record.get(backend.key, {})
@@ -71,15 +73,41 @@ class Loggers:
             self._write()
 
     def scalars(self, values: Dict[str, float], step: int) -> None:
-        for backend in self.backends:
-            backend.scalars(values, step)
+        for backend in list(self.backends):
+            try:
+                backend.scalars(values, step)
+            except Exception as e:  # after the start: the backend's loss, not the run's
+                self._recover(backend, e, step, lambda: backend.scalars(values, step))
+
+    def _recover(self, backend: Any, e: Exception, step: int, again: Callable[[], None]) -> None:
+        """A backend that fails after the start (its folder deleted, a full disk, its server gone) is opened
+        again where it can be (`reopen()`) and the values sent again; otherwise it is dropped, with one line
+        naming the cause, and training goes on."""
+        cause = _cause(backend, e)
+        reopen = getattr(backend, "reopen", None)
+        if reopen is not None:
+            try:
+                where = reopen()
+                again()
+                self.say(f"logging.{backend.key}: {cause}; opened it again at step {step} ({where})")
+                return
+            except Exception as again_failed:  # noqa: BLE001 - whatever it is, it is dropped
+                cause = _cause(backend, again_failed)
+        self.backends.remove(backend)
+        with contextlib.suppress(Exception):
+            backend.close("failed")
+        self.say(f"logging.{backend.key}: {cause}; dropped at step {step}, training goes on without it")
 
     def close(self, status: str = "finished") -> None:
         if self.closed:
             return
         self.closed = True
-        for backend in self.backends:
-            kept = backend.close(status)
+        for backend in list(self.backends):
+            try:
+                kept = backend.close(status)
+            except Exception as e:  # what it had not written is its loss; the model is written after this
+                self.say(f"logging.{backend.key}: {_cause(backend, e)}; not closed cleanly")
+                continue
             if kept:
                 self.kept[backend.key] = kept
         if self.tracking:
@@ -105,6 +133,11 @@ class Loggers:
         except OSError as e:
             raise UserError(f"logging: cannot write {path}: {e.strerror or e} (errno {e.errno}). HINT: free some "
                             f"space, or point run_dir=... at a writable folder") from None
+
+
+def _cause(backend: Any, e: Exception) -> str:
+    """What went wrong, for a line that starts with the backend's key and says what happens next."""
+    return first_line(e).removeprefix(f"logging.{backend.key}: ").split(". HINT:")[0]
 
 
 @contextlib.contextmanager

@@ -56,6 +56,18 @@ class Jsonl:
         with writing(self.key, self.path):
             self.file.write(json.dumps({"step": step, "time": round(time.time(), 3), **values}) + "\n")
 
+    def reopen(self) -> str:
+        """After a failed write: the file opened again (made again if it was deleted), appending."""
+        old, self.file = self.file, None
+        try:
+            old.close()
+        except OSError:
+            pass
+        with writing(self.key, self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a", buffering=1)
+        return f"appending to {self.path}"
+
     def close(self, status: str) -> None:
         if self.file is not None:
             with writing(self.key, self.path):

@@ -40,6 +40,21 @@ class TensorBoard:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
 
+    def reopen(self) -> str:
+        """After a failed write (its folder deleted): the folder made again and a new event file started
+        in it, which TensorBoard reads with the others."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        old, self.writer = self.writer, None
+        try:
+            old.close()  # raises the write that failed again
+        except OSError:
+            pass
+        with writing(self.key, self.folder):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=str(self.folder))
+        return f"a new event file in {self.folder}"
+
     def close(self, status: str) -> None:
         if self.writer is not None:
             with writing(self.key, self.folder):
