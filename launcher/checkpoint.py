@@ -379,14 +379,16 @@ def fitting_state(expected: Dict[str, Any], path: Path, map_location: Any = "cpu
     if Path(path).is_dir():  # a checkpoint folder of either kind, or a run folder (checked as export checks them)
         from launcher.export import model_state
 
-        state = {k: v.to(map_location) for k, v in model_state(Path(path))[0].items()}
+        weights, source = model_state(Path(path))
+        state = {k: v.to(map_location) for k, v in weights.items()}
+        where = f"its weights in {source}" if Path(source) != Path(path) else None  # a run folder's newest
     else:
+        where = None
         if not verified:
             check_against_manifest(path)
         state = load_file(path, map_location)
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise UserError(f"{path}: not a model state_dict (a mapping of parameter names to tensors)")
-    where = None
     if not all(isinstance(v, torch.Tensor) for v in state.values()):
         key = next((k for k in NESTINGS if isinstance(state.get(k), dict) and state[k]
                     and all(isinstance(v, torch.Tensor) for v in state[k].values())), None)

@@ -5,7 +5,7 @@ state_dict, which loads into the plain model with load_state_dict(strict=True). 
 is started: a sharded checkpoint's shards are read and joined in this process.
 
 CHECKPOINT is a checkpoint folder (runs/<name>/checkpoints/step_<N>, written by any strategy), a run
-folder (its model.pt, else its newest complete checkpoint) or a model state_dict file. OUT ends in
+folder (its newest complete checkpoint, else its model.pt) or a model state_dict file. OUT ends in
 .pt (torch.save) or .safetensors. The checkpoint's CRC-32s are checked before anything is read.
 """
 
@@ -53,13 +53,15 @@ def checkpoint_weights(folder: Path) -> Dict[str, torch.Tensor]:
 
 
 def _in_run_folder(folder: Path) -> Path:
-    """A run folder's final model.pt, else its newest complete checkpoint."""
+    """A run folder's newest weights: its newest complete checkpoint (a finished run's last one holds what its
+    model.pt holds; a run continued and killed later holds newer ones than a model.pt left from before), else
+    its model.pt."""
+    found = checkpoint.complete(folder / "checkpoints")
+    if found:
+        return found[-1]
     if (folder / "model.pt").is_file():
         return folder / "model.pt"
-    found = checkpoint.complete(folder / "checkpoints")
-    if not found:
-        raise UserError(f"{folder}: a run folder without a model.pt or a complete checkpoint")
-    return found[-1]
+    raise UserError(f"{folder}: a run folder without a model.pt or a complete checkpoint")
 
 
 def write(state: Dict[str, torch.Tensor], out: Path) -> None:

@@ -114,6 +114,21 @@ class RunFolder:
         names = ", ".join(str(p.relative_to(self.path)) for p in moving)
         return [f"{why}: moved what an earlier run left in {self.path} ({names}) to {target}", *moves]
 
+    def set_aside_model(self, step: int) -> Optional[str]:
+        """A run that continues from step_<step> and will train past it: the model.pt an earlier run left
+        (the weights where it ended, at that step or before) moves to replaced/<time>/, so that a model.pt
+        in a run folder is never older than its newest checkpoint. A line saying so, or None."""
+        model = self.path / "model.pt"
+        if not model.exists():
+            return None
+        target = self._replaced_folder() / "model.pt"
+        try:
+            model.rename(target)
+        except OSError as e:
+            raise _unwritable(self.path, e) from None
+        return (f"{model} holds the weights where an earlier run ended, at step {step} or before: moved to {target}; "
+                f"this run writes its own at its end")
+
     def _replaced_folder(self) -> Path:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         target, n = self.path / REPLACED / stamp, 1

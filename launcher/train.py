@@ -210,6 +210,10 @@ def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dic
         per_epoch = f"{parts.data.steps_per_epoch} steps per epoch" if parts.data.steps_per_epoch else "from a stream"
         console.info(f"training {recipe.name}: {total} steps of {samples} samples, {per_epoch}, "
                      f"on {strategy.device} ({strategy.name})")
+        if training.saved_step is not None:  # continued, and training on: the old model.pt is not this run's end
+            said = strategy.agree(lambda: RunFolder(run_dir).set_aside_model(position.step) if strategy.placement.is_main else None)
+            if said:
+                console.info(said)
         parts.stop.install()
         started = position.step
         try:

@@ -123,3 +123,29 @@ def test_init_from_a_sharded_checkpoint(runs, tmp_path):
                    "trainer.max_steps=1", "optimizer.lr=0.0")
     assert values
     assert_same_weights(runs / "sharded" / "checkpoints" / "step_40" / "model.pt", tmp_path / "model.pt")
+
+
+def test_a_run_folder_continued_and_killed_gives_its_newest_weights(tmp_path):
+    """Finished at step 20, continued to 60 and killed (SIGKILL) at step 45: export and init_from of the run
+    folder used to give the step-20 model.pt. The continued run moved that model.pt aside as it began, and
+    a run folder's weights are its newest complete checkpoint, step 40, which both name."""
+    from tests.conftest import QUICKSTART, SMALL, launch
+
+    run = tmp_path / "run"
+    common = [str(QUICKSTART), *SMALL, f"run_dir={run}", "checkpoint.every=20"]
+    assert launch(*common, "trainer.max_steps=20").returncode == 0
+    ended = state_dict(run / "model.pt")
+    killed = launch(*common, "trainer.max_steps=60",
+                    f"model={{_target_: tests.components.KilledOnce, at: 25, marker: '{tmp_path / 'killed'}'}}")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    moved = list(run.glob("replaced/*/model.pt"))
+    assert len(moved) == 1 and not (run / "model.pt").exists(), killed.stdout[-2000:]
+    assert f"{run / 'model.pt'} holds the weights where an earlier run ended, at step 20 or before: moved to {moved[0]}" \
+           in killed.stdout
+    assert all(torch.equal(ended[k], v) for k, v in state_dict(moved[0]).items())
+    done = export(run, tmp_path / "out.pt")
+    assert done.returncode == 0 and done.stdout.strip().endswith(f"from {run / 'checkpoints' / 'step_40'}"), done.stderr
+    assert_same_weights(run / "checkpoints" / "step_40" / "model.pt", tmp_path / "out.pt")
+    started = launch(*common[:-1], f"run_dir={tmp_path / 'other'}", "trainer.max_steps=1", f"checkpoint.init_from={run}")
+    assert f"initialised the model from {run} (its weights in {run / 'checkpoints' / 'step_40'})" in started.stdout, \
+        started.stderr[-2000:]
