@@ -195,12 +195,19 @@ def cannot_write(where: Path, e: OSError) -> UserError:
 
 
 def is_complete(folder: Path) -> bool:
-    """The manifest is there and names files of the sizes it lists."""
+    """The manifest is there and lists the checkpoint's files: it is written last, so the save finished
+    (whether its files are still as written is verify()'s question)."""
+    return _manifest(folder) is not None
+
+
+def _manifest(folder: Path) -> Optional[Dict[str, Any]]:
+    """The files a checkpoint's manifest lists, {name: entry}, or None where it has no readable one."""
     try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        return all((folder / name).stat().st_size == _entry(entry)["size"] for name, entry in manifest["files"].items())
+        files = json.loads((folder / "manifest.json").read_text())["files"]
+        return files if isinstance(files, dict) and all(isinstance(e, (int, dict)) and "size" in _entry(e)
+                                                        for e in files.values()) else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+        return None
 
 
 def _entry(entry: Any) -> Dict[str, Any]:
@@ -208,10 +215,15 @@ def _entry(entry: Any) -> Dict[str, Any]:
 
 
 def verify(folder: Path) -> Optional[str]:
-    """What is wrong with a complete checkpoint's files (a CRC-32 that differs from the manifest's),
-    or None. Checkpoints written before checksums were recorded pass on their sizes alone."""
-    manifest = json.loads((folder / "manifest.json").read_text())
-    for name, entry in manifest["files"].items():
+    """What is wrong with a complete checkpoint's files (a file missing, of another size or with another
+    CRC-32 than the manifest lists), naming the file, or None. Checkpoints written before checksums were recorded pass on their sizes alone."""
+    for name, entry in (_manifest(folder) or {}).items():
+        try:
+            size = (folder / name).stat().st_size
+        except OSError as e:
+            return f"{name}: {e.strerror or e}, the manifest lists it"
+        if size != _entry(entry)["size"]:
+            return f"{name}: {size} bytes, the manifest says {_entry(entry)['size']}"
         problem = _crc_problem(folder / name, entry)
         if problem:
             return problem

@@ -3,6 +3,7 @@ optimizer's state, keyed by parameter names, so a checkpoint of any strategy res
 In-process runs: fsdp as a torchrun world of one (gloo)."""
 
 import json
+import re
 
 import pytest
 
@@ -64,3 +65,34 @@ def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path, one_rank):
     with pytest.raises(UserError, match=r"checkpoint.resume: .*step_40 does not fit this run \("):
         train(tmp_path / "b", "strategy=fsdp", "devices=cpu", "model.hidden=64",
               f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_40'}")
+
+
+@pytest.mark.parametrize("damaged", [".metadata", "__0_0.distcp"])
+def test_a_truncated_sharded_file_is_named_by_resume_auto_explicit_resume_and_export(tmp_path, one_rank, capsys, damaged):
+    """A sharded checkpoint whose .metadata or shard lost its end (the manifest intact): explicit resume and
+    export said "no valid manifest.json", and resume=auto passed over it without a word. Now each names the
+    file, its size and the manifest's, and auto resumes from the checkpoint before it, as for a flipped bit."""
+    import subprocess
+    import sys
+
+    from launcher.errors import UserError
+    from tests.conftest import REPO
+
+    run = tmp_path / "run"
+    common = ["strategy=fsdp", "devices=cpu", "checkpoint.every=20", "checkpoint.keep=5"]
+    train(run, *common, "trainer.max_steps=40")
+    step = run / "checkpoints" / "step_40"
+    size = (step / damaged).stat().st_size
+    with open(step / damaged, "r+b") as f:
+        f.truncate(size - 10)
+    says = f"damaged ({damaged}: {size - 10} bytes, the manifest says {size})"
+    with pytest.raises(UserError, match=rf"^checkpoint.resume: {step} is {re.escape(says)}; pick another folder"):
+        train(tmp_path / "other", *common, f"checkpoint.resume={step}")
+    exported = subprocess.run([sys.executable, "-m", "launcher.export", str(step), str(tmp_path / "o.pt")], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 2 and exported.stderr.strip() == f"launcher: {step}: {says}; use another checkpoint"
+    capsys.readouterr()
+    train(run, *common, "trainer.max_steps=60")
+    out = capsys.readouterr().out
+    assert f"{step} is {says}; resuming from the checkpoint before it" in out and \
+        f"resumed from {run / 'checkpoints' / 'step_20'}" in out, out
