@@ -19,8 +19,8 @@ import sys
 import time
 from typing import List, Optional
 
-from launcher.errors import (EXIT_DIVERGED, EXIT_HUNG, EXIT_OOM, EXIT_REQUEUE, EXIT_USER, Hung, OutOfMemory,
-                             TrainingDiverged, UserError)
+from launcher.errors import (EXIT_BUG, EXIT_DIVERGED, EXIT_HUNG, EXIT_OOM, EXIT_REQUEUE, EXIT_USER, Hung, OutOfMemory,
+                             PeerFailed, TrainingDiverged, UserError)
 from launcher.stopping import RequeueFailed, Stopped, exit_code
 
 USAGE = "python -m launcher RECIPE.yaml [key=value ...] [--print-config]"
@@ -77,6 +77,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RequeueFailed as e:
         _say(str(e))
         return EXIT_REQUEUE
+    except PeerFailed as e:
+        # For torchrun's report, dated after the failed rank's exit so that it stays the root cause there;
+        # the screen keeps the cause last.
+        _for_torchrun([f"launcher: rank {_rank()}: {e}"], later=60)
+        return EXIT_BUG
     except Hung as e:
         _say(str(e), every_rank=True)
         _for_torchrun([f"launcher: rank {_rank()}: {e}"])

@@ -64,3 +64,8 @@ class OutOfMemory(Exception):
 class Hung(Exception):
     """A collective did not finish within dist_timeout (another rank stopped, hung or died); the message
     is this rank's one line (exit code 6)."""
+
+
+class PeerFailed(Exception):
+    """Another rank failed first and said why; this rank's collective then failed for want of it. Nothing is
+    printed (the cause stays the last error on the screen); the exit code is a bug's, 1."""

@@ -54,6 +54,21 @@ def test_a_rank_that_raises_takes_the_others_down_quickly(tmp_path):
     assert ours == [f"[rank1]: {error}"], done.stderr[-3000:]  # once, prefixed by its rank
 
 
+def test_the_rank_that_raised_first_is_the_last_error_on_the_screen(tmp_path):
+    """torchrun looking at its workers every 3 s: rank 0's collective fails first ("Connection closed by
+    peer") and it used to print a second full traceback after rank 1's, the cause. It now stops without
+    one, and torchrun's report names rank 1 as the root cause."""
+    dies = "model={_target_: tests.components.DiesOnce, at: 15, rank: 1, how: raise}"
+    done = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "--monitor-interval=3", "-m", "launcher",
+                           *COMMON, dies, f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    errors = [l for l in done.stderr.splitlines() if l.startswith("[rank") and "Error: " in l]
+    assert errors == ["[rank1]: RuntimeError: rank 1 broke at forward 15"], done.stderr[-3000:]
+    assert "Connection closed by peer" not in done.stderr, done.stderr[-3000:]
+    root = done.stderr.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root, done.stderr[-3000:]
+
+
 def test_a_crash_inside_a_save_never_loses_the_newest_complete_checkpoint(tmp_path):
     """Three seeded instants (python -m tests.save_crash --trials 20 is the stress run)."""
     from tests.save_crash import count_events, run, trial

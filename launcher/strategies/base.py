@@ -8,12 +8,13 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from launcher.errors import UserError
+from launcher.errors import PeerFailed, UserError
 from launcher.recipe.schema import DDPConfig, FSDPConfig
 from launcher.scheduler import Placement
 
 T = TypeVar("T")
 MISTAKE_KEY = "launcher/mistake"  # in the run's c10d store: the rank that stopped for a user mistake
+FAILED_KEY = "launcher/failed"  # the first rank that stopped for any other error
 STORE_SECONDS = 5.0
 
 
@@ -182,9 +183,18 @@ class Strategy:
             raise
         except RuntimeError:  # gloo and nccl (DistError is one) when a peer has gone
             who = _marked()
-            if who is None:
-                raise
-            raise UserError(f"stopped: rank {who} reported a mistake", every_rank=True) from None
+            if who is not None:
+                raise UserError(f"stopped: rank {who} reported a mistake", every_rank=True) from None
+            failed = _marked(FAILED_KEY)
+            if failed is not None and failed != str(self.placement.rank):
+                # Its traceback is the cause; this rank's ("Connection closed by peer") would follow it
+                # and be the last thing on the screen.
+                raise PeerFailed(f"stopped: rank {failed} failed (its error is above)") from None
+            _mark(self.placement.rank, FAILED_KEY)
+            raise
+        except Exception:  # a bug, or an error with a line of its own: the others stop without a second one
+            _mark(self.placement.rank, FAILED_KEY)
+            raise
 
     def teardown(self) -> None:
         pass
@@ -232,16 +242,17 @@ def _store():
     return _get_default_store() if dist.is_initialized() else None
 
 
-def _mark(rank: int) -> None:
+def _mark(rank: int, key: str = MISTAKE_KEY) -> None:
     # Under torchrun the store outlives the ranks: its agent hosts it.
     store = _store()
     if store is not None:
-        _within(STORE_SECONDS, lambda: store.set(MISTAKE_KEY, str(rank)))
+        _within(STORE_SECONDS, lambda: store.set(key, str(rank)))
 
 
-def _marked() -> Optional[str]:
-    """The rank that marked a mistake in the run's store, or None (none did, or the store is unreachable)."""
+def _marked(key: str = MISTAKE_KEY) -> Optional[str]:
+    """The rank that marked a mistake (or a failure) in the run's store, or None (none did, or the store is
+    unreachable)."""
     store = _store()
     if store is None:
         return None
-    return _within(STORE_SECONDS, lambda: store.get(MISTAKE_KEY).decode() if store.check([MISTAKE_KEY]) else None)
+    return _within(STORE_SECONDS, lambda: store.get(key).decode() if store.check([key]) else None)
