@@ -14,54 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
-from launcher import checkpoint, sharded
+from launcher.checkpoint import files, weights
 from launcher.errors import UserError
+from launcher.report import say
 
 SUFFIXES = (".pt", ".safetensors")
-
-
-def model_state(path: Path) -> Tuple[Dict[str, torch.Tensor], str]:
-    """The plain model's weights in `path` (a checkpoint folder, a run folder or a file), and what they were
-    read from."""
-    path = Path(path)
-    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "recipe.yaml").is_file()):
-        path = _in_run_folder(path)
-    if path.is_dir():
-        return checkpoint_weights(path), str(path)
-    state = checkpoint.load_file(path)
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise UserError(f"{path}: not a model state_dict (a mapping of parameter names to tensors)")
-    checkpoint.check_against_manifest(path)
-    return checkpoint.strip_prefixes(state), str(path)
-
-
-def checkpoint_weights(folder: Path) -> Dict[str, torch.Tensor]:
-    """The model's weights of a checkpoint folder of either kind, once its files match their CRC-32s."""
-    if not checkpoint.is_complete(folder):
-        raise UserError(f"{folder}: not a complete checkpoint (no valid manifest.json); name a step_<N> folder that "
-                        f"has one")
-    problem = checkpoint.verify(folder)
-    if problem is not None:
-        raise UserError(f"{folder}: damaged ({problem}); use another checkpoint")
-    if not sharded.is_sharded(folder):
-        return checkpoint.strip_prefixes(checkpoint.load_file(folder / "model.pt"))
-    return sharded.model_weights(folder)
-
-
-def _in_run_folder(folder: Path) -> Path:
-    """A run folder's newest weights: its newest complete checkpoint (a finished run's last one holds what its
-    model.pt holds; a run continued and killed later holds newer ones than a model.pt left from before), else
-    its model.pt."""
-    found = checkpoint.complete(folder / "checkpoints")
-    if found:
-        return found[-1]
-    if (folder / "model.pt").is_file():
-        return folder / "model.pt"
-    raise UserError(f"{folder}: a run folder without a model.pt or a complete checkpoint")
 
 
 def write(state: Dict[str, torch.Tensor], out: Path) -> None:
@@ -73,9 +34,9 @@ def write(state: Dict[str, torch.Tensor], out: Path) -> None:
             raise UserError("a .safetensors file needs the safetensors package: pip install 'launcher[export]' "
                             "(or pip install safetensors)") from None
         data = save(_unshared(state), metadata={"format": "pt"})
-        checkpoint.write_file(out, lambda f: f.write(data))
+        files.write(out, lambda f: f.write(data), atomic=True)
     else:
-        checkpoint.write_file(out, lambda f: torch.save(state, f))
+        files.save(out, state, atomic=True)
 
 
 def _unshared(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -90,8 +51,6 @@ def _unshared(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from launcher.cli import _say
-
     parser = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (step_<N>, sharded or not), a run folder, "
@@ -103,14 +62,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError(f"{args.out}: the output must end in .pt or .safetensors")
         if not args.checkpoint.exists():
             raise UserError(f"{args.checkpoint}: no such file or folder")
-        state, source = model_state(args.checkpoint)
+        state, source = weights.read(args.checkpoint)
         try:
             write(state, args.out)
         except OSError as e:
             raise UserError(f"cannot write {args.out}: {e.strerror or e} (errno {e.errno})") from None
     except UserError as e:
         for problem in e.problems:
-            _say(problem)
+            say(problem)
         return 2
     parameters = sum(t.numel() for t in state.values())
     print(f"wrote {args.out}: {len(state)} tensors, {parameters:,} values, from {source}")

@@ -51,16 +51,9 @@ def total_steps(cfg: TrainerConfig, steps_per_epoch: int) -> int:
 def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) -> Dict[str, float]:
     """Train from `pos` to the end; returns the last logged values (train and val)."""
     total = total_steps(cfg, p.data.steps_per_epoch)
-    accum = cfg.grad_accum_steps
     params = [q for q in p.model.parameters() if q.requires_grad]
-    # Where the gradients are freed (set to None). On CUDA right after the optimizer step: the caching
-    # allocator reuses the memory and the forward runs without them (a lower peak). On the CPU after
-    # the first forward, as hand-written loops do: freed right after the step, they would sit at the
-    # top of glibc's heap, go back to the OS and be faulted in again by the next backward (measured:
-    # twice the page faults, 5% of a compute-bound DDP step).
-    free_after_step = p.strategy.device.type == "cuda"
     batches = p.data.stream(pos)
-    weights = Weights(accum, p.strategy, params)
+    weights = Weights(cfg.grad_accum_steps, p.strategy, params)
     p.console.start(total, pos.step)
     p.meter.start(pos.step)
     last: Dict[str, float] = {}
@@ -74,53 +67,17 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         log_step = _due(step, cfg.log_every) or step == total
         syncing = log_step or evaluating or saving
         p.between_steps = False
-        weights.start()
-        for micro in range(accum):
-            batch = next(batches)
-            syncs = micro + 1 == accum  # the micro-batch whose backward synchronises the gradients
-            with p.strategy.no_sync(p.model, skip=not syncs), p.precision.autocast():
-                out = result(p.step(p.model, batch))
-            loss, count = weights.loss(out, syncs)
-            if micro == 0 and not free_after_step:
-                p.optimizer.zero_grad(set_to_none=True)
-            p.precision.backward(loss)
-            p.meter.add(out.loss * count if count is not None else loss, count, out)
-        weights.finish()
-        p.precision.unscale(p.optimizer)
-        norm = p.strategy.clip(params, cfg.clip_grad_norm) if cfg.clip_grad_norm or syncing else None
-        lr = p.optimizer.param_groups[0]["lr"]
-        p.precision.step(p.optimizer)
-        if free_after_step:
-            p.optimizer.zero_grad(set_to_none=True)
+        lr = _train_step(p, cfg, batches, weights, params, syncing)
         if p.schedule is not None:
             _step_schedule(p.schedule, step)
         pos.step = step
         p.between_steps = True
-        p.meter.step_done(norm)
         p.console.advance()
         stopping = p.stop.agreed(step, p.strategy.max_over_ranks) if step < total else None
         if stopping and p.save_on_stop:
             saving = syncing = True
         if syncing:
-            values: Dict[str, float] = {}
-            if log_step or stopping:  # a stop logs what it trained since the last log step
-                values = p.meter.read(p.strategy.all_reduce_mean, float(lr))  # host sync: once per interval
-                last.update(values)
-            else:
-                p.meter.check(p.strategy.all_reduce_mean)  # no checkpoint or evaluation after a NaN
-            p.idle()
-            if log_step:
-                p.console.progress(step, total, pos.epoch, values)
-            if evaluating:
-                began = time.perf_counter()
-                results = evaluate(p.model, p.val, p.step, p.metrics, p.precision.autocast,
-                                   p.strategy.all_reduce_sum, p.strategy.device)
-                p.meter.exclude(time.perf_counter() - began)
-                p.console.info(f"eval at step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
-                values = {**values, **results}
-                last.update(results)
-            if values:
-                p.logger.scalars(values, step)  # one call per step logged: a tracker's step holds train and val
+            last.update(_sync_point(p, pos, total, lr, log_step or stopping, log_step, evaluating))
         if saving:
             began = time.perf_counter()
             p.save(pos, step == total)
@@ -133,6 +90,61 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     p.console.close()
     batches.close()
     return last
+
+
+def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "Weights", params: list, syncing: bool) -> float:
+    """One optimizer step over grad_accum_steps micro-batches; the learning rate it stepped with."""
+    # Where the gradients are freed (set to None). On CUDA right after the optimizer step: the caching
+    # allocator reuses the memory and the forward runs without them (a lower peak). On the CPU after
+    # the first forward, as hand-written loops do: freed right after the step, they would sit at the
+    # top of glibc's heap, go back to the OS and be faulted in again by the next backward.
+    free_after_step = p.strategy.device.type == "cuda"
+    accum = cfg.grad_accum_steps
+    weights.start()
+    for micro in range(accum):
+        batch = next(batches)
+        syncs = micro + 1 == accum  # the micro-batch whose backward synchronises the gradients
+        with p.strategy.no_sync(p.model, skip=not syncs), p.precision.autocast():
+            out = result(p.step(p.model, batch))
+        loss, count = weights.loss(out, syncs)
+        if micro == 0 and not free_after_step:
+            p.optimizer.zero_grad(set_to_none=True)
+        p.precision.backward(loss)
+        p.meter.add(out.loss * count if count is not None else loss, count, out)
+    weights.finish()
+    p.precision.unscale(p.optimizer)
+    norm = p.strategy.clip(params, cfg.clip_grad_norm) if cfg.clip_grad_norm or syncing else None
+    lr = p.optimizer.param_groups[0]["lr"]
+    p.precision.step(p.optimizer)
+    if free_after_step:
+        p.optimizer.zero_grad(set_to_none=True)
+    p.meter.step_done(norm)
+    return lr
+
+
+def _sync_point(p: Parts, pos: Position, total: int, lr: float, reading: bool, log_step: bool,
+                evaluating: bool) -> Dict[str, float]:
+    """A step where the host reads device values: the train values since the last log step (`reading`;
+    else only a NaN check before a checkpoint or an evaluation), the evaluation, the loggers."""
+    step = pos.step
+    values: Dict[str, float] = {}
+    if reading:  # a stop logs what it trained since the last log step
+        values = p.meter.read(p.strategy.all_reduce_mean, float(lr))  # host sync: once per interval
+    else:
+        p.meter.check(p.strategy.all_reduce_mean)  # no checkpoint or evaluation after a NaN
+    p.idle()
+    if log_step:
+        p.console.progress(step, total, pos.epoch, values)
+    if evaluating:
+        began = time.perf_counter()
+        results = evaluate(p.model, p.val, p.step, p.metrics, p.precision.autocast,
+                           p.strategy.all_reduce_sum, p.strategy.device)
+        p.meter.exclude(time.perf_counter() - began)
+        p.console.info(f"eval at step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
+        values = {**values, **results}
+    if values:
+        p.logger.scalars(values, step)  # one call per step logged: a tracker's step holds train and val
+    return values
 
 
 class Weights:

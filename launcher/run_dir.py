@@ -89,7 +89,7 @@ class RunFolder:
     def _set_aside(self, found: Optional[Path]) -> list:
         """Move what is not this run's history into replaced/<time>/. Returns a line that says so,
         then (from, to) for each move; nothing if nothing moved."""
-        steps = checkpoint.step_folders(self.checkpoints)
+        steps = checkpoint.steps(self.checkpoints)
         continued = found is not None and found.resolve().parent == self.checkpoints.resolve()
         if continued:
             moving = [p for step, p in steps if step > checkpoint.step_of(found)]
@@ -110,7 +110,7 @@ class RunFolder:
             p.rename(target / relative)
             moves.append((p, target / relative))
         if continued:
-            checkpoint.write_text(self.checkpoints / "latest", f"{found.name}\n")
+            checkpoint.settle(self.checkpoints, found)
         names = ", ".join(str(p.relative_to(self.path)) for p in moving)
         return [f"{why}: moved what an earlier run left in {self.path} ({names}) to {target}", *moves]
 

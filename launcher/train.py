@@ -11,14 +11,13 @@ from omegaconf import OmegaConf
 
 from launcher import (build, checkpoint, data, first_batch, loggers, recompute, scheduler, seeding, spawn, strategies,
                       hang, throughput, watch)
-from launcher.checkpoint import Checkpointer
-from launcher.state import RunState, Training
+from launcher.checkpoint import Checkpoints, RunState
 from launcher.errors import Hung, OutOfMemory, TrainingDiverged, UserError
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
 from launcher.precision import Precision
 from launcher.recipe import Loaded
-from launcher.recipe.flat import differences, hparams
+from launcher.recipe.flat import hparams
 from launcher.run_dir import RunFolder
 from launcher.stopping import StopFlag, Stopped, requeue
 
@@ -73,12 +72,13 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     resume, init_from, logger, console = _open(loaded, strategy, folder, notes)
     position = None
     try:
-        training, parts = _build(loaded, strategy, folder.path, logger, console, init_from)
-        position = training.run.position
+        checkpoints, parts = _build(loaded, strategy, folder.path, logger, console, init_from)
+        position = checkpoints.run.position
         if resume is not None:
-            _resume(training, resume, loaded, console)
-        strategy.agree(lambda: logger.start(_tracked(loaded, strategy, folder.path, training, parts)))
-        return _fit(loaded, training, parts, folder.path)
+            for line in checkpoints.resume(resume, loaded.config):
+                console.info(line)
+        strategy.agree(lambda: logger.start(_tracked(loaded, strategy, folder.path, checkpoints, parts)))
+        return _fit(loaded, checkpoints, parts, folder.path)
     except RuntimeError as e:  # a collective that waited dist_timeout for a rank that stopped or died
         if not hang.timed_out(e):
             raise
@@ -88,7 +88,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
         logger.close("failed")  # unless closed already, as finished or stopped
 
 
-def _tracked(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, training: Training, parts: Parts):
+def _tracked(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, checkpoints: Checkpoints, parts: Parts):
     """What the loggers record of this run: the recipe as resolved, and what actually runs."""
     recipe = loaded.recipe
     effective = {"strategy": strategy.name, "world_size": strategy.placement.world_size,
@@ -98,7 +98,7 @@ def _tracked(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, train
     config = {**OmegaConf.to_container(loaded.config, resolve=True), "effective": effective}
     flat = {**hparams(loaded.config), **{f"effective.{k}": v for k, v in effective.items()}}
     summary = ["train/loss", "val/loss"] + [f"val/{m}" for m in parts.metrics]
-    return loggers.Start(run_dir, recipe.name, training.run.position.step, OmegaConf.to_yaml(loaded.config),
+    return loggers.Start(run_dir, recipe.name, checkpoints.run.position.step, OmegaConf.to_yaml(loaded.config),
                          config, flat, summary, say=parts.console.info)
 
 
@@ -154,9 +154,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     optimizer = build.component(recipe.optimizer, "optimizer", [q for q in model.parameters() if q.requires_grad])
     schedule = build.component(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
     run = RunState(data.Position(), schedule, precision, strategy, OmegaConf.to_yaml(loaded.config), train_data)
-    training = Training(strategy, wrapped, optimizer, run,
-                        Checkpointer(run_dir, recipe.checkpoint.keep, writer=placement.is_main),
-                        recipe.checkpoint.consolidate, recipe.checkpoint.async_save)
+    checkpoints = Checkpoints(strategy, wrapped, optimizer, run, run_dir, recipe.checkpoint)
 
     if recipe.checkpoint.async_save and not strategy.sharded:
         console.info(f"checkpoint.async_save: strategy {strategy.name} writes full checkpoints from rank 0, "
@@ -171,46 +169,27 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     parts = Parts(wrapped, optimizer, schedule, step=step, metrics=metrics,
                   precision=precision, strategy=strategy, data=train_data, val=val,
                   meter=TrainMeter(metrics, device, rates), logger=logger, console=console,
-                  save=lambda pos, final: training.save(final), stop=StopFlag(placement.world_size),
-                  save_on_stop=recipe.checkpoint.on_signal, idle=lambda: training.finish_pending(wait=False),
+                  save=lambda pos, final: checkpoints.save(final), stop=StopFlag(placement.world_size),
+                  save_on_stop=recipe.checkpoint.on_signal, idle=lambda: checkpoints.finish_pending(wait=False),
                   watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
-    return training, parts
+    return checkpoints, parts
 
 
-def _resume(training: Training, resume: Path, loaded: Loaded, console) -> None:
-    """Continue from a checkpoint (its CRC-32s were checked when rank 0 chose it), written by any strategy
-    at any world size."""
-    saved = training.read_run_state(resume)
-    old_recipe = checkpoint.saved_recipe(saved)
-    _refuse_changed_parts(old_recipe, loaded.config, resume)
-    training.resume(resume)
-    position = training.run.position
-    world, now = saved.get("world_size"), training.strategy.placement.world_size
-    elsewhere = f"; written by {world} process{'es' * (world > 1)}, resharded to {now}" if world and world != now else ""
-    console.info(f"resumed from {resume} (step {position.step}, epoch {position.epoch}){elsewhere}")
-    if training.run.note:
-        console.info(training.run.note)
-    changed = differences(old_recipe, loaded.config)
-    if changed:
-        console.info(f"the recipe differs from the checkpoint's in {', '.join(changed)}; the optimizer and "
-                     f"LR schedule continue from their saved state (checkpoint.resume=never starts over)")
-
-
-def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dict[str, float]:
+def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) -> Dict[str, float]:
     """Train to the end (or to a signal), then close the loggers and say where the model is."""
-    recipe, strategy, console, logger = loaded.recipe, training.strategy, parts.console, parts.logger
-    position = training.run.position
+    recipe, strategy, console, logger = loaded.recipe, checkpoints.strategy, parts.console, parts.logger
+    position = checkpoints.run.position
     total = total_steps(recipe.trainer, parts.data.steps_per_epoch)
     if position.step >= total:
         console.info(f"{run_dir} already finished at step {position.step}; nothing to train")
-        training.save(final=True)
+        checkpoints.save(final=True)
         results: Dict[str, float] = {}
     else:
         samples = recipe.data.batch_size * recipe.trainer.grad_accum_steps
         per_epoch = f"{parts.data.steps_per_epoch} steps per epoch" if parts.data.steps_per_epoch else "from a stream"
         console.info(f"training {recipe.name}: {total} steps of {samples} samples, {per_epoch}, "
                      f"on {strategy.device} ({strategy.name})")
-        if training.saved_step is not None:  # continued, and training on: the old model.pt is not this run's end
+        if checkpoints.saved_step is not None:  # continued, and training on: the old model.pt is not this run's end
             said = strategy.agree(lambda: RunFolder(run_dir).set_aside_model(position.step) if strategy.placement.is_main else None)
             if said:
                 console.info(said)
@@ -220,7 +199,7 @@ def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dic
             try:
                 results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
             except Stopped as stopped:
-                training.finish_pending()  # a checkpoint still being written is completed before the exit
+                checkpoints.finish_pending()  # a checkpoint still being written is completed before the exit
                 logger.close("stopped")
                 saved = f"saved {run_dir / 'checkpoints' / f'step_{stopped.step}'}" if recipe.checkpoint.on_signal else "not saved"
                 console.info(f"{stopped}: {saved}")
@@ -243,7 +222,7 @@ def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dic
         except (Stopped, TrainingDiverged, OutOfMemory, Hung):
             raise  # nothing is saved after a NaN, out of memory or a lost rank; a signal saved already
         except Exception:  # a mistake met mid-run, a full disk, a bug in a component
-            _save_before_failing(training, parts, started, run_dir, console)
+            _save_before_failing(checkpoints, parts, started, run_dir, console)
             raise
     logger.close("finished")
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
@@ -253,38 +232,22 @@ def _fit(loaded: Loaded, training: Training, parts: Parts, run_dir: Path) -> Dic
     return results
 
 
-def _save_before_failing(training: Training, parts: Parts, started: int, run_dir: Path, console) -> None:
+def _save_before_failing(checkpoints: Checkpoints, parts: Parts, started: int, run_dir: Path, console) -> None:
     """Before an error ends the run after its first step: a checkpoint of the last whole step, where one
     process trains (several cannot agree on one once a rank has failed: there, the newest checkpoint),
     and a line saying which step the same command resumes from. The error stays the last line."""
-    step = training.run.position.step
-    if (step > started and parts.between_steps and training.saved_step != step
-            and training.strategy.placement.world_size == 1):
+    step = checkpoints.run.position.step
+    if (step > started and parts.between_steps and checkpoints.saved_step != step
+            and checkpoints.strategy.placement.world_size == 1):
         try:
-            training.save(final=False)
+            checkpoints.save(final=False)
         except Exception:  # noqa: BLE001 - the disk may be what failed: the error that stops the run says so
             pass
-    if training.saved_step:
-        console.info(f"the newest checkpoint is {run_dir / 'checkpoints' / f'step_{training.saved_step}'}: the same "
-                     f"command resumes from step {training.saved_step}")
+    if checkpoints.saved_step:
+        console.info(f"the newest checkpoint is {run_dir / 'checkpoints' / f'step_{checkpoints.saved_step}'}: the same "
+                     f"command resumes from step {checkpoints.saved_step}")
     elif step > started:
-        console.info(f"no checkpoint was saved: the same command starts over")
-
-
-def _refuse_changed_parts(saved: Dict[str, Any], current, resume: Path) -> None:
-    """The saved optimizer and schedule states belong to the classes that wrote them: another
-    optimizer, or a schedule added or removed, cannot continue them."""
-    changed = []
-    for key in ("optimizer", "lr_schedule"):
-        old, new = saved.get(key), current[key]
-        old = old.get("_target_") if isinstance(old, dict) else old
-        new = new["_target_"] if new is not None else None
-        if old != new:
-            changed.append(f"{key} ({old or 'none'} -> {new or 'none'})")
-    if changed:
-        raise UserError(f"checkpoint.resume: the recipe changed {' and '.join(changed)} since {resume}, whose saved "
-                        f"state cannot continue under it; start over with checkpoint.resume=never (add "
-                        f"checkpoint.init_from={resume / 'model.pt'} to keep its weights)")
+        console.info("no checkpoint was saved: the same command starts over")
 
 
 def _cpus() -> int:

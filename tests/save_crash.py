@@ -37,7 +37,7 @@ def _instrumented(kill_at: int, kill_rank: int) -> None:
     (This process only trains, so patching os, shutil and Path here patches the saves alone.)"""
     import atexit
 
-    import launcher.checkpoint as ck
+    import launcher.checkpoint.files as ck
 
     events = {"n": 0}
 
@@ -66,8 +66,8 @@ def _instrumented(kill_at: int, kill_rank: int) -> None:
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    write = ck._write
-    ck._write = lambda path, fn, atomic=False: write(path, lambda f: fn(Ticking(f)), atomic)
+    write = ck.write
+    ck.write = lambda path, fn, atomic=False: write(path, lambda f: fn(Ticking(f)), atomic)
     os.replace, os.fsync, shutil.rmtree, Path.rename = (counted(f) for f in (os.replace, os.fsync, shutil.rmtree, Path.rename))
     import torch.distributed.checkpoint.filesystem as dcp_files
 

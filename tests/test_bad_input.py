@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from launcher.checkpoint import Checkpointer
+from launcher.checkpoint import full
 from launcher.cli import main
 from recipes.components.mlp import MLP
 from tests.conftest import REPO, SMALL, launch
@@ -35,7 +35,7 @@ def files(tmp):
     torch.save({"epoch": 3, "global_step": 30}, tmp / "meta.ckpt")
     (tmp / "with_file").mkdir(exist_ok=True)
     (tmp / "with_file" / "checkpoints").write_text("not a folder")
-    Checkpointer(tmp / "damaged", keep=1, writer=True).save(1, MLP().state_dict(), {})
+    full.write(tmp / "damaged" / "checkpoints", 1, MLP().state_dict(), {}, keep=1)
     model = tmp / "damaged" / "checkpoints" / "step_1" / "model.pt"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 1

@@ -11,9 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.checkpoint import Checkpointer, choose, complete, load_model_state
+from launcher.checkpoint import Checkpoints, RunState, choose, complete, load_model_state
+from launcher.checkpoint import full
 from launcher.cli import main
+from launcher.data import Position
 from launcher.errors import UserError
+from launcher.precision import Precision
+from launcher.recipe.schema import CheckpointConfig
+from launcher.scheduler import Placement
+from launcher.strategies import Strategy
 from recipes.components.mlp import MLP
 from tests.conftest import SMALL, assert_same_weights, launch, state_dict, train
 from tests.test_loop import stop_after
@@ -44,8 +50,21 @@ def test_model_file_is_the_plain_state_dict(tmp_path):
         MLP(in_dim=32, hidden=128, classes=10).load_state_dict(saved, strict=True)
 
 
+class Keeper:
+    """Rank 0's writes of full checkpoints into <run_dir>/checkpoints, as a run makes them."""
+
+    def __init__(self, run_dir, keep):
+        self.folder, self.keep = run_dir / "checkpoints", keep
+
+    def save(self, step, model_state, state):
+        return full.write(self.folder, step, model_state, state, self.keep)
+
+    def complete(self):
+        return complete(self.folder)
+
+
 def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
-    keeper = Checkpointer(tmp_path, keep=5, writer=True)
+    keeper = Keeper(tmp_path, keep=5)
     model = MLP()
     keeper.save(10, model.state_dict(), {"x": 1})
     keeper.save(20, model.state_dict(), {"x": 2})
@@ -58,7 +77,7 @@ def test_resume_takes_the_newest_complete_checkpoint(tmp_path):
 
 
 def test_a_truncated_file_makes_its_checkpoint_incomplete(tmp_path):
-    keeper = Checkpointer(tmp_path, keep=5, writer=True)
+    keeper = Keeper(tmp_path, keep=5)
     keeper.save(10, MLP().state_dict(), {})
     keeper.save(20, MLP().state_dict(), {})
     model_file = tmp_path / "checkpoints" / "step_20" / "model.pt"
@@ -67,16 +86,20 @@ def test_a_truncated_file_makes_its_checkpoint_incomplete(tmp_path):
 
 
 def test_retention_never_deletes_the_newest_complete(tmp_path):
-    keeper = Checkpointer(tmp_path, keep=1, writer=True)
+    keeper = Keeper(tmp_path, keep=1)
     for step in (1, 2, 3):
         keeper.save(step, MLP().state_dict(), {})
     assert [p.name for p in keeper.complete()] == ["step_3"]
 
 
 def test_non_writers_write_nothing(tmp_path):
-    keeper = Checkpointer(tmp_path, keep=1, writer=False)
-    assert keeper.save(1, MLP().state_dict(), {}) is None and keeper.save_final({}) is None
-    assert not any(tmp_path.iterdir())
+    strategy = Strategy(Placement(rank=1, world_size=2))  # not rank 0: its collectives are this process's alone
+    model = MLP()
+    run = RunState(Position(), None, Precision("fp32", torch.device("cpu")), strategy, "name: x\n")
+    checkpoints = Checkpoints(strategy, model, torch.optim.SGD(model.parameters(), lr=0.1), run, tmp_path,
+                              CheckpointConfig(keep=1))
+    checkpoints.save(final=True)
+    assert checkpoints.saved_step == 0 and not any(tmp_path.iterdir())
 
 
 class Compiled(nn.Module):
@@ -201,7 +224,7 @@ def test_an_explicit_earlier_checkpoint_of_the_same_folder(tmp_path):
 
 
 def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
-    keeper = Checkpointer(tmp_path, keep=1, writer=True)
+    keeper = Keeper(tmp_path, keep=1)
     keeper.save(20, MLP().state_dict(), {})
     keeper.save(8, MLP().state_dict(), {})  # a folder that holds a higher step (made by hand)
     assert (tmp_path / "checkpoints" / "step_8").is_dir()
@@ -256,7 +279,7 @@ def test_a_flipped_bit_falls_back_to_the_checkpoint_before(tmp_path, capsys, nam
 
 
 def test_a_damaged_checkpoint_named_explicitly_or_as_init_from_is_refused(tmp_path):
-    keeper = Checkpointer(tmp_path, keep=2, writer=True)
+    keeper = Keeper(tmp_path, keep=2)
     keeper.save(10, MLP().state_dict(), {})
     flip_a_bit(tmp_path / "checkpoints" / "step_10" / "model.pt")
     with pytest.raises(UserError, match=r"step_10 is damaged \(model.pt: CRC-32 [0-9a-f]{8}, the manifest says"):

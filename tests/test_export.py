@@ -113,7 +113,7 @@ def test_a_crafted_metadata_file_is_refused_and_never_run(runs, tmp_path):
     from launcher.errors import UserError
 
     with pytest.raises(UserError, match="not part of DCP's metadata"):  # resume reads it the same way
-        from launcher import sharded
+        from launcher.checkpoint import sharded
 
         sharded.read(crafted, {"model": {}})
 

@@ -9,7 +9,7 @@ import pytest
 
 import torch
 
-from launcher.state import named_optimizer_state
+from launcher.checkpoint.full import named_optimizer_state
 from recipes.components.mlp import MLP
 from tests.conftest import assert_same_weights, state_dict, train
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from launcher import checkpoint
+from launcher.checkpoint import files
 from recipes.components.gpt import GPT
 
 SIZES = {"recipe": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
@@ -66,13 +66,13 @@ def main() -> None:
                 plain_save(obj, path)
                 times["plain save"].append(time.perf_counter() - started)
                 started = time.perf_counter()
-                checkpoint._write(path, lambda f, obj=obj: torch.save(obj, f))
+                files.save(path, obj)
                 times["save with CRC-32"].append(time.perf_counter() - started)
                 started = time.perf_counter()
                 torch.load(path, weights_only=True)
                 times["torch.load"].append(time.perf_counter() - started)
                 started = time.perf_counter()
-                checkpoint.crc32(path)
+                files.crc32(path)
                 times["CRC-32 check"].append(time.perf_counter() - started)
         sizes = {name: (folder / name).stat().st_size for name in ("model.pt", "state.pt")}
     total = sum(sizes.values())

@@ -7,21 +7,20 @@ them at once; the loader prefixes each with the file and line it came from.
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
 from launcher.errors import short
+from launcher.recipe.checks import at_least, devices_valid, int64_problems, positive, target_problems
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp", "accelerate")
 CONSOLIDATE = ("final", "every", "never")
 WANDB_MODES = ("online", "offline")
 REDUCE_DTYPES = ("fp32", "bf16")
 PRECISIONS = ("fp32", "bf16", "fp16")
-INT64 = (-2**63, 2**63 - 1)  # torch takes integers (seeds, sizes, counts) in 64 bits; OmegaConf's are unbounded
 MAX_WORKERS = 256  # loader processes per rank: more is a typo, and would fork until the system refuses
 DEVICES_HELP = "auto, cpu, cuda, cuda:N, auto:N (N free GPUs) or a list of physical GPU ids such as [0, 3]"
 
@@ -40,13 +39,13 @@ class DataConfig:
     collate: Optional[Target] = None  # collate(list of items) -> batch, e.g. padding; null: torch's default_collate
 
     def problems(self) -> List[tuple[str, str]]:
-        out = _target_problems("data.train", self.train) + _target_problems("data.val", self.val)
-        out += _target_problems("data.collate", self.collate)
-        out += _at_least("data.batch_size", self.batch_size, 1)
-        out += _at_least("data.num_workers", self.num_workers, 0)
+        out = target_problems("data.train", self.train) + target_problems("data.val", self.val)
+        out += target_problems("data.collate", self.collate)
+        out += at_least("data.batch_size", self.batch_size, 1)
+        out += at_least("data.num_workers", self.num_workers, 0)
         if self.num_workers > MAX_WORKERS:
             out.append(("data.num_workers", f"at most {MAX_WORKERS} loader processes per rank, got {self.num_workers}"))
-        out += _at_least("data.tokens_per_sample", self.tokens_per_sample, 1)
+        out += at_least("data.tokens_per_sample", self.tokens_per_sample, 1)
         return out
 
 
@@ -62,7 +61,7 @@ class DDPConfig:
 
     def problems(self) -> List[tuple[str, str]]:
         cap = self.bucket_cap_mb
-        if cap is not None and not (_positive(cap) and cap < 2**43):  # DDP takes the cap in bytes, in 64 bits
+        if cap is not None and not (positive(cap) and cap < 2**43):  # DDP takes the cap in bytes, in 64 bits
             return [("ddp.bucket_cap_mb", f"must be a positive number of MiB below 2^43 or null, got {cap}")]
         return []
 
@@ -101,12 +100,12 @@ class TrainerConfig:
         out = []
         if self.max_steps is None and self.max_epochs is None:
             out.append(("trainer.max_steps", "set trainer.max_steps or trainer.max_epochs (or both)"))
-        out += _at_least("trainer.max_steps", self.max_steps, 1)
-        out += _at_least("trainer.max_epochs", self.max_epochs, 1)
-        out += _at_least("trainer.grad_accum_steps", self.grad_accum_steps, 1)
-        out += _at_least("trainer.log_every", self.log_every, 1)
-        out += _at_least("trainer.eval_every", self.eval_every, 1)
-        if self.clip_grad_norm is not None and not _positive(self.clip_grad_norm):
+        out += at_least("trainer.max_steps", self.max_steps, 1)
+        out += at_least("trainer.max_epochs", self.max_epochs, 1)
+        out += at_least("trainer.grad_accum_steps", self.grad_accum_steps, 1)
+        out += at_least("trainer.log_every", self.log_every, 1)
+        out += at_least("trainer.eval_every", self.eval_every, 1)
+        if self.clip_grad_norm is not None and not positive(self.clip_grad_norm):
             out.append(("trainer.clip_grad_norm", f"must be a positive number or null, got {self.clip_grad_norm}"))
         return out
 
@@ -122,7 +121,7 @@ class CheckpointConfig:
     async_save: bool = False  # sharded runs: write a checkpoint's shards while training goes on
 
     def problems(self) -> List[tuple[str, str]]:
-        out = _at_least("checkpoint.every", self.every, 1) + _at_least("checkpoint.keep", self.keep, 1)
+        out = at_least("checkpoint.every", self.every, 1) + at_least("checkpoint.keep", self.keep, 1)
         if self.consolidate not in CONSOLIDATE:
             out.append(("checkpoint.consolidate", f"got {short(self.consolidate)}; valid: {', '.join(CONSOLIDATE)}"))
         return out
@@ -137,7 +136,7 @@ class ProfileConfig:
     ranks: List[int] = field(default_factory=lambda: [0])  # global ranks that record
 
     def problems(self) -> List[tuple[str, str]]:
-        out = _at_least("profile.at_step", self.at_step, 1) + _at_least("profile.steps", self.steps, 1)
+        out = at_least("profile.at_step", self.at_step, 1) + at_least("profile.steps", self.steps, 1)
         if not self.ranks or any(r < 0 for r in self.ranks):
             out.append(("profile.ranks", f"must be a non-empty list of global ranks (0, 1, ...), got {short(self.ranks)}"))
         return out
@@ -151,7 +150,7 @@ class MemorySnapshotConfig:
     steps: int = 3  # optimizer steps whose allocations the snapshot records
 
     def problems(self) -> List[tuple[str, str]]:
-        return _at_least("memory_snapshot.at_step", self.at_step, 1) + _at_least("memory_snapshot.steps", self.steps, 1)
+        return at_least("memory_snapshot.at_step", self.at_step, 1) + at_least("memory_snapshot.steps", self.steps, 1)
 
 
 @dataclass
@@ -180,7 +179,7 @@ class LoggingConfig:
 
     def problems(self) -> List[tuple[str, str]]:
         out = []
-        if self.peak_tflops is not None and not _positive(self.peak_tflops):
+        if self.peak_tflops is not None and not positive(self.peak_tflops):
             out.append(("logging.peak_tflops", f"must be a positive number of TFLOP/s or null, got {self.peak_tflops}"))
         if self.wandb is not None and self.wandb.mode not in WANDB_MODES:
             out.append(("logging.wandb.mode", f"got {short(self.wandb.mode)}; valid: {', '.join(WANDB_MODES)}"))
@@ -210,9 +209,9 @@ class SlurmConfig:
     setup: List[str] = field(default_factory=list)  # shell lines before the run: module loads, activations
 
     def problems(self) -> List[tuple[str, str]]:
-        out = _at_least("slurm.nodes", self.nodes, 1) + _at_least("slurm.gpus_per_node", self.gpus_per_node, 0)
-        out += _at_least("slurm.tasks_per_node", self.tasks_per_node, 1) + _at_least("slurm.cpus_per_task", self.cpus_per_task, 1)
-        out += _at_least("slurm.signal_seconds", self.signal_seconds, 0)
+        out = at_least("slurm.nodes", self.nodes, 1) + at_least("slurm.gpus_per_node", self.gpus_per_node, 0)
+        out += at_least("slurm.tasks_per_node", self.tasks_per_node, 1) + at_least("slurm.cpus_per_task", self.cpus_per_task, 1)
+        out += at_least("slurm.signal_seconds", self.signal_seconds, 0)
         if self.layout not in ("torchrun", "srun"):
             out.append(("slurm.layout", f"got {short(self.layout)}; valid: torchrun, srun"))
         if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", self.time):
@@ -252,7 +251,7 @@ class Recipe:
         sections = {"": self, "data.": self.data, "ddp.": self.ddp, "fsdp.": self.fsdp, "trainer.": self.trainer,
                     "checkpoint.": self.checkpoint, "logging.": self.logging, "profile.": self.profile,
                     "memory_snapshot.": self.memory_snapshot, "slurm.": self.slurm}
-        huge = [p for prefix, section in sections.items() for p in _int64_problems(prefix, section)]
+        huge = [p for prefix, section in sections.items() for p in int64_problems(prefix, section)]
         out = []
         if self.strategy not in STRATEGIES:
             out.append(("strategy", f"got {short(self.strategy)}; valid: {', '.join(STRATEGIES)}"))
@@ -263,68 +262,13 @@ class Recipe:
         if not re.fullmatch(r"[\w.\-]+", self.name) or self.name in (".", "..") or len(self.name.encode()) > 255:
             out.append(("name", f"got {short(self.name)}; use up to 255 letters, digits, '.', '_' or '-' (it names "
                                 f"the run folder)"))
-        out += _at_least("nproc_per_node", self.nproc_per_node, 1) + _at_least("dist_timeout", self.dist_timeout, 1)
+        out += at_least("nproc_per_node", self.nproc_per_node, 1) + at_least("dist_timeout", self.dist_timeout, 1)
         for key in TARGETS:
-            out += _target_problems(key, getattr(self, key))
+            out += target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
-            out += _target_problems(f"metrics.{metric}", spec)
+            out += target_problems(f"metrics.{metric}", spec)
         for section in (self.data, self.ddp, self.fsdp, self.trainer, self.checkpoint, self.logging, self.profile,
                         self.memory_snapshot, self.slurm):
             out += section.problems()
         # A value past 64 bits is reported once, not again by the range checks of its own key.
         return huge + [p for p in out if p[0] not in {key for key, _ in huge}]
-
-
-def devices_valid(devices: Any) -> bool:
-    if isinstance(devices, str):
-        return bool(re.fullmatch(r"auto|cpu|cuda|cuda:\d+|auto:[1-9]\d*", devices))
-    if isinstance(devices, (list, tuple)) and devices:
-        return all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
-    return False
-
-
-def _at_least(key: str, value: Optional[int], low: int) -> List[tuple[str, str]]:
-    if value is None or value >= low:
-        return []
-    return [(key, f"must be {low} or more, got {value}")]
-
-
-def _int64_problems(prefix: str, section: Any) -> List[tuple[str, str]]:
-    out = []
-    for f in fields(section):
-        value = getattr(section, f.name)
-        if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
-            out.append((prefix + f.name, f"must fit in 64 bits ({INT64[0]} to {INT64[1]}), got {short(value)}"))
-    return out
-
-
-def _positive(x: float) -> bool:
-    return math.isfinite(x) and x > 0  # nan and inf are numbers to OmegaConf, not a norm or a rate
-
-
-def _target_problems(key: str, spec: Optional[Target]) -> List[tuple[str, str]]:
-    if spec is None:
-        return []
-    if not isinstance(spec, dict) or not isinstance(spec.get("_target_"), str):
-        return [(key, "needs a _target_ naming an importable callable, e.g. {_target_: torch.nn.CrossEntropyLoss}")]
-    return _partial_problems(key, spec)
-
-
-def _partial_problems(key: str, spec: Any) -> List[tuple[str, str]]:
-    """`_partial_`, here or in a nested spec, is true or false, beside a `_target_`."""
-    out = []
-    if isinstance(spec, dict):
-        if "_partial_" in spec:
-            flag = spec["_partial_"]
-            if not isinstance(flag, bool):
-                out.append((f"{key}._partial_", f"must be true or false, got {short(flag)}"))
-            elif "_target_" not in spec:
-                out.append((f"{key}._partial_", "only means something beside a _target_ (it makes the target "
-                                                "a functools.partial instead of calling it)"))
-        for k, v in spec.items():
-            if k not in ("_target_", "_partial_"):
-                out += _partial_problems(f"{key}.{k}", v)
-    elif isinstance(spec, list):
-        for i, v in enumerate(spec):
-            out += _partial_problems(f"{key}.{i}", v)
-    return out

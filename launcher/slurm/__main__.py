@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from launcher.errors import UserError
+from launcher.report import say
 from launcher.recipe.schema import SlurmConfig
 
 USAGE = "python -m launcher.slurm {submit,render} RECIPE [--nodes N --gpus-per-node G ...] [key=value ...]"
@@ -117,8 +118,6 @@ def _quoted(value: str) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from launcher.cli import _say
-
     try:
         command, recipe, slurm, training = parse(sys.argv[1:] if argv is None else argv)
         if command == "help":
@@ -138,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return submit(script, run_dir)
     except UserError as e:
         for problem in e.problems:
-            _say(_as_flag(problem))
+            say(_as_flag(problem))
         return 2
 
 

@@ -9,7 +9,8 @@ from typing import Callable, Dict, Optional
 from launcher.errors import UserError
 from launcher.recipe.schema import DDPConfig, FSDPConfig
 from launcher.scheduler import Placement
-from launcher.strategies.base import Strategy, unwrap
+from launcher.plain import unwrap
+from launcher.strategies.base import Strategy
 from launcher.strategies.ddp import DDP
 from launcher.strategies.dp import DP
 from launcher.strategies.fsdp import FSDP

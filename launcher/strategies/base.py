@@ -1,4 +1,4 @@
-"""The strategy contract, and unwrapping through every wrapper layer."""
+"""The strategy contract: what every strategy does, with the defaults of a single process."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from launcher.errors import PeerFailed, UserError
+from launcher.plain import to_cpu, unwrap
 from launcher.recipe.schema import DDPConfig, FSDPConfig
 from launcher.scheduler import Placement
 
@@ -16,17 +17,6 @@ T = TypeVar("T")
 MISTAKE_KEY = "launcher/mistake"  # in the run's c10d store: the rank that stopped for a user mistake
 FAILED_KEY = "launcher/failed"  # the first rank that stopped for any other error
 STORE_SECONDS = 5.0
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside DataParallel, DistributedDataParallel and torch.compile, however nested."""
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 # Set once this process has ended a process group: python -m launcher then exits without the interpreter's
@@ -89,8 +79,6 @@ class Strategy:
     def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         """The plain model's full state_dict on the CPU, for model.pt: on rank 0 (others may get an empty
         one). Collective for a sharded strategy: every rank calls it."""
-        from launcher.checkpoint import to_cpu
-
         return to_cpu(self.unwrap(model).state_dict())
 
     def state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -1,0 +1,29 @@
+"""Checkpoints: written so that a crash at any instant leaves the newest complete one readable, read
+without running anything in them, resumed under any strategy at any world size.
+
+    <run_dir>/checkpoints/step_<N>/   one complete checkpoint, in a format of formats.py (full, sharded),
+                                      its manifest.json written last
+    <run_dir>/checkpoints/latest      names the newest complete checkpoint
+    <run_dir>/model.pt                the final model
+
+This face is what the rest of the launcher uses; one file per concern behind it:
+    manager.py    Checkpoints: save, resume, finish an asynchronous save (train.py uses it)
+    formats.py    the formats, in the order a folder is recognised: full.py, sharded.py
+    layout.py     step folders, `latest`, choosing one to resume, sealing, retention
+    manifest.py   manifest.json: complete and undamaged
+    files.py      atomic writes with CRC-32 and fsync; weights-only reads
+    run_state.py  the run state beside the model and optimizer, checked field by field
+    weights.py    the plain model's weights from any checkpoint, run folder or file (export, init_from)
+    fitting.py    whether weights fit a model, naming the first difference
+    dcp_safe.py   DCP's files read without unpickling anything but data
+"""
+
+from launcher.checkpoint.files import crc32, write_text
+from launcher.checkpoint.layout import choose, complete, settle, step_of, steps
+from launcher.checkpoint.manager import Checkpoints
+from launcher.checkpoint.manifest import is_complete, verify
+from launcher.checkpoint.run_state import RunState
+from launcher.checkpoint.weights import load_model_state
+
+__all__ = ["Checkpoints", "RunState", "choose", "complete", "crc32", "is_complete", "load_model_state", "settle",
+           "step_of", "steps", "verify", "write_text"]

@@ -1,0 +1,30 @@
+"""The checkpoint formats, in the order a folder is recognised: a new format is a module with the same
+functions (see full.py) and one entry here.
+
+Each format module has NAME and holds(folder) (is this folder of mine?); model_weights(folder) (the plain
+model's weights, for export and init_from); and, where runs write and resume it, save(checkpoints, step,
+final), read_run_state(checkpoints, folder) and load(checkpoints, folder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from launcher.checkpoint import full, sharded
+from launcher.errors import UserError
+
+FORMATS = (sharded, full)
+
+
+def of(folder: Path) -> ModuleType:
+    """The format of a checkpoint folder."""
+    for kind in FORMATS:
+        if kind.holds(folder):
+            return kind
+    raise UserError(f"{folder}: holds no checkpoint of a format the launcher reads "
+                    f"({', '.join(f.NAME for f in FORMATS)})")
+
+
+def written_by(strategy) -> ModuleType:
+    """The format a strategy's runs write: shards where the state is sharded, else rank 0's full files."""
+    return sharded if strategy.sharded else full

@@ -1,0 +1,76 @@
+"""The full format: rank 0 writes the whole state, gathered, as two files any process can read.
+
+    checkpoints/step_<N>/model.pt   the plain model's state_dict
+    checkpoints/step_<N>/state.pt   the optimizer's state keyed by parameter names, and the run state"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+from launcher.checkpoint import files, fitting, layout, run_state
+from launcher.plain import strip_prefixes
+
+NAME = "full"
+
+
+def holds(folder: Path) -> bool:
+    return (folder / "model.pt").is_file() or (folder / "state.pt").is_file()
+
+
+def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
+    return strip_prefixes(files.load(folder / "model.pt"))
+
+
+def write(folder: Path, step: int, model_state: Dict[str, torch.Tensor], state: Dict[str, Any], keep: int) -> Path:
+    """The checkpoint of `step` in the checkpoints `folder`, complete (rank 0)."""
+    partial = layout.prepare(folder, step)
+    with layout.guarding(folder, step):
+        listed = {"model.pt": files.save(partial / "model.pt", model_state),
+                  "state.pt": files.save(partial / "state.pt", state)}
+        return layout.seal(folder, step, listed, keep)
+
+
+def save(checkpoints, step: int, final: bool) -> None:
+    """Every rank takes part in gathering the state; rank 0 writes it, and, when final, model.pt too."""
+    strategy = checkpoints.strategy
+    fields = checkpoints.run.fields()  # a collective
+    model_state = strategy.model_state(checkpoints.model)
+    _, optimizer_state = strategy.state_dicts(checkpoints.model, checkpoints.optimizer)
+
+    def written() -> None:
+        if checkpoints.writer:
+            write(checkpoints.folder, step, model_state, {**fields, "optimizer": optimizer_state}, checkpoints.keep)
+            if final:
+                checkpoints.write_model(model_state)
+
+    strategy.agree(written)  # no rank goes on before the checkpoint is complete, or all stop with its mistake
+
+
+def read_run_state(checkpoints, folder: Path) -> None:
+    checkpoints.run.loaded = run_state.load(folder / "state.pt", map_location=checkpoints.strategy.device)
+
+
+def load(checkpoints, folder: Path) -> None:
+    """The model's and optimizer's state, on every rank (its CRC-32s were checked when the folder was chosen)."""
+    strategy, path = checkpoints.strategy, folder / "model.pt"
+    plain = strategy.unwrap(checkpoints.model)
+    model_state, _ = fitting.fit(files.load(path, strategy.device), plain.state_dict(), path)
+    optimizer_state = named_optimizer_state(checkpoints.run.loaded.pop("optimizer"), plain, checkpoints.optimizer)
+    strategy.load_state_dicts(checkpoints.model, checkpoints.optimizer, model_state, optimizer_state, full=True)
+
+
+def named_optimizer_state(state: Dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """An optimizer state_dict keyed by parameter names, as torch's set_state_dict takes it. Checkpoints
+    written before the strategies owned their state hold optimizer.state_dict()'s indices instead: the
+    i-th parameter of the optimizer's groups is the i-th index."""
+    if all(isinstance(k, str) for k in state["state"]) and all(
+            isinstance(p, str) for g in state["param_groups"] for p in g["params"]):
+        return state
+    names = {id(p): n for n, p in model.named_parameters()}
+    order: List[str] = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    return {"state": {order[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}

@@ -1,0 +1,145 @@
+"""The checkpoints folder of a run: one history, written so that a crash at any instant leaves the newest
+complete checkpoint readable.
+
+    checkpoints/step_<N>/          a complete checkpoint: its files, then manifest.json (written last)
+    checkpoints/.step_<N>.partial/ one being written; renamed to step_<N> once its manifest is in
+    checkpoints/latest             names the newest complete checkpoint
+
+Only this file names, seals, chooses, keeps and removes step folders, and writes `latest`."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+from launcher.checkpoint import files, manifest
+from launcher.errors import UserError, first_line
+
+_STEP = re.compile(r"step_(\d+)")
+
+
+def steps(folder: Path) -> List[tuple[int, Path]]:
+    """(step, folder) of every step_<N> folder, complete or not, by step."""
+    if not folder.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.fullmatch(p.name)))
+
+
+def step_of(folder: Path) -> int:
+    m = _STEP.fullmatch(Path(folder).name)
+    return int(m.group(1)) if m else -1
+
+
+def complete(folder: Path) -> List[Path]:
+    """Complete checkpoints, oldest first."""
+    return [p for _, p in steps(folder) if manifest.is_complete(p)]
+
+
+def choose(folder: Path, resume: str) -> tuple[Optional[Path], List[str]]:
+    """The checkpoint to resume from (None: start over) and lines to say: `auto` the newest complete
+    one whose files match their checksums, `never` none, else the folder named, which must match."""
+    if resume == "never":
+        return None, []
+    if resume == "auto":
+        notes = []
+        for candidate in reversed(complete(folder)):
+            problem = manifest.verify(candidate)
+            if problem is None:
+                return candidate, notes
+            notes.append(f"{candidate} is damaged ({problem}); resuming from the checkpoint before it")
+        return None, notes
+    path = Path(resume)
+    if not path.is_dir():
+        raise UserError(f"checkpoint.resume: {path} is not a checkpoint folder; use auto, never, "
+                        f"or a folder such as {folder}/step_<N>")
+    if not manifest.is_complete(path):
+        raise UserError(f"checkpoint.resume: {path} is incomplete (no valid manifest.json); "
+                        f"pick another folder, or resume=auto for the newest complete one")
+    problem = manifest.verify(path)
+    if problem is not None:
+        raise UserError(f"checkpoint.resume: {path} is damaged ({problem}); pick another folder, or "
+                        f"resume=auto for the newest undamaged one")
+    return path, []
+
+
+def settle(folder: Path, found: Path) -> None:
+    """`latest` names `found` again (a run continues from it after newer ones were moved aside)."""
+    files.write_text(folder / "latest", f"{found.name}\n")
+
+
+def partial(folder: Path, step: int) -> Path:
+    """Where the checkpoint of `step` is written before it is complete."""
+    return folder / f".step_{step}.partial"
+
+
+def prepare(folder: Path, step: int) -> Path:
+    """An empty partial folder for the checkpoint of `step`."""
+    where = partial(folder, step)
+    shutil.rmtree(where, ignore_errors=True)
+    try:
+        where.mkdir(parents=True)
+    except OSError as e:
+        raise files.cannot_write(folder, e) from None
+    return where
+
+
+@contextlib.contextmanager
+def guarding(folder: Path, step: int) -> Iterator[None]:
+    """Where the disk refuses a write (full, read-only), the partial folder removed and one line: the
+    complete checkpoints stay as they were."""
+    try:
+        yield
+    except Exception as e:  # OSError, or DCP's CheckpointException gathering every rank's failures
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        shutil.rmtree(partial(folder, step), ignore_errors=True)
+        raise files.cannot_write(folder, cause) from None
+
+
+def _os_error(e: BaseException) -> Optional[OSError]:
+    """The OSError behind an error (DCP's CheckpointException gathers every rank's failures): None when it
+    is neither, a stand-in for a CheckpointException without one."""
+    if isinstance(e, OSError):
+        return e
+    failures = getattr(e, "failures", None)
+    if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict):
+        return None
+    for failure in failures.values():
+        cause = failure if isinstance(failure, BaseException) else getattr(failure, "exc", None)
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            return cause
+    return OSError(first_line(e))
+
+
+def seal(folder: Path, step: int, listed: Dict[str, Any], keep: int, **about: Any) -> Path:
+    """Once every file of the checkpoint of `step` is written: the manifest last, then the rename that
+    makes it complete, `latest`, and the old ones removed (all but the newest `keep`)."""
+    written, final = partial(folder, step), folder / f"step_{step}"
+    manifest.write(written, step, listed, **about)
+    files.fsync_dir(written)
+    if final.exists():  # a re-save of the same step (say, after a resume): replace it whole
+        stale = folder / f".step_{step}.stale"
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        shutil.rmtree(stale)
+    written.rename(final)
+    files.fsync_dir(folder)
+    settle(folder, final)
+    _retain(folder, final, keep)
+    return final
+
+
+def _retain(folder: Path, written: Path, keep: int) -> None:
+    # The run folder holds one history (run_dir.py moves any other aside), so the highest steps are the
+    # newest; the checkpoint just written is never deleted, whatever else is there.
+    for old in complete(folder)[:-keep]:
+        if old != written:
+            shutil.rmtree(old, ignore_errors=True)
+    for leftover in folder.glob(".step_*"):  # partial saves of a crashed run
+        shutil.rmtree(leftover, ignore_errors=True)

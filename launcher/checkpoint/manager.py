@@ -1,0 +1,104 @@
+"""The checkpoints of one run: save() at a step (every rank calls it), resume() once at the start, and
+an asynchronous save finished before the next. The strategy knows whether the state is whole on rank 0
+or in shards on every rank; the format (formats.py) writes and reads it; this file decides nothing else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from launcher.checkpoint import files, formats, run_state
+from launcher.checkpoint.run_state import RunState
+from launcher.errors import UserError
+from launcher.recipe.flat import differences
+
+
+class Checkpoints:
+    """The model, the optimizer and the run state of one run, and the checkpoints it writes into
+    `<run_dir>/checkpoints` (rank 0 writes what is written once; `keep` complete ones are kept)."""
+
+    def __init__(self, strategy: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunState,
+                 run_dir: Path, section: Any):
+        self.strategy, self.model, self.optimizer, self.run = strategy, model, optimizer, run
+        self.run_dir, self.folder = Path(run_dir), Path(run_dir) / "checkpoints"
+        self.writer = strategy.placement.is_main
+        self.keep, self.consolidate = section.keep, section.consolidate
+        self.async_save = section.async_save and strategy.sharded
+        self.format = formats.written_by(strategy)
+        self.saved_step: Optional[int] = None  # the newest checkpoint of this line of training: saved or resumed
+        self.pending: Optional[Any] = None  # a save being written in the background: ready(), seal()
+
+    def save(self, final: bool) -> None:
+        """A checkpoint of the current step (and, when final, model.pt). Every rank calls it."""
+        self.finish_pending()
+        step = self.run.position.step
+        self.format.save(self, step, final)
+        self.saved_step = step
+        # Kept after the last agreement (a gather): without it, runs under torchrun (gloo, torch 2.13)
+        # now and then aborted at exit after their last save ("terminate called without an active exception").
+        self.strategy.barrier()
+
+    def write_model(self, state: Dict[str, torch.Tensor]) -> Path:
+        """<run_dir>/model.pt, atomically (rank 0)."""
+        path = self.run_dir / "model.pt"
+        try:
+            files.save(path, state, atomic=True)
+        except OSError as e:
+            raise files.cannot_write(path, e) from None
+        return path
+
+    def finish_pending(self, wait: bool = True) -> None:
+        """Seal the asynchronous save still being written, once it is written on every rank (without
+        `wait`: only if it is already; a collective either way)."""
+        pending = self.pending
+        if pending is None or (not wait and not pending.ready()):
+            return
+        self.pending = None
+        pending.seal()
+
+    def resume(self, folder: Path, recipe: Any) -> List[str]:
+        """Continue from a checkpoint of any format, written by any strategy at any world size (its CRC-32s
+        were checked when rank 0 chose it). The run state is read first, so that a recipe whose optimizer or
+        schedule changed is refused before anything is loaded. Returns the lines to say."""
+        kind = formats.of(folder)
+        kind.read_run_state(self, folder)
+        saved = self.run.loaded
+        old_recipe = run_state.saved_recipe(saved)
+        _refuse_changed_parts(old_recipe, recipe, folder)
+        try:
+            kind.load(self, folder)
+        except UserError:
+            raise
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
+            raise run_state.does_not_fit(folder, e) from None
+        self.run.apply(folder)
+        position = self.run.position
+        self.saved_step = position.step
+        world, now = saved.get("world_size"), self.strategy.placement.world_size
+        elsewhere = f"; written by {world} process{'es' * (world > 1)}, resharded to {now}" if world and world != now else ""
+        lines = [f"resumed from {folder} (step {position.step}, epoch {position.epoch}){elsewhere}"]
+        lines += [self.run.note] if self.run.note else []
+        changed = differences(old_recipe, recipe)
+        if changed:
+            lines.append(f"the recipe differs from the checkpoint's in {', '.join(changed)}; the optimizer and "
+                         f"LR schedule continue from their saved state (checkpoint.resume=never starts over)")
+        return lines
+
+
+def _refuse_changed_parts(saved: Dict[str, Any], current: Any, resume: Path) -> None:
+    """The saved optimizer and schedule states belong to the classes that wrote them: another
+    optimizer, or a schedule added or removed, cannot continue them."""
+    changed = []
+    for key in ("optimizer", "lr_schedule"):
+        old, new = saved.get(key), current[key]
+        old = old.get("_target_") if isinstance(old, dict) else old
+        new = new["_target_"] if new is not None else None
+        if old != new:
+            changed.append(f"{key} ({old or 'none'} -> {new or 'none'})")
+    if changed:
+        raise UserError(f"checkpoint.resume: the recipe changed {' and '.join(changed)} since {resume}, whose saved "
+                        f"state cannot continue under it; start over with checkpoint.resume=never (add "
+                        f"checkpoint.init_from={resume / 'model.pt'} to keep its weights)")

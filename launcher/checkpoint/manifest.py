@@ -1,0 +1,77 @@
+"""A checkpoint's manifest.json: written last, it lists each file's size and CRC-32. A step folder with a
+readable manifest is complete (the save finished); its files matching the manifest make it undamaged."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from launcher.checkpoint import files
+from launcher.errors import UserError
+
+NAME = "manifest.json"
+
+
+def write(folder: Path, step: int, listed: Dict[str, Any], **about: Any) -> None:
+    """The manifest of a checkpoint whose files are all written (format 3: sharded, 2: full state)."""
+    manifest = {"format": 3 if about.get("sharded") else 2, "step": step, **about, "files": listed, "time": time.time()}
+    files.write(folder / NAME, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+def read(folder: Path) -> Optional[Dict[str, Any]]:
+    """The files a checkpoint's manifest lists, {name: entry}, or None where it has no readable one."""
+    try:
+        listed = json.loads((folder / NAME).read_text())["files"]
+        return listed if isinstance(listed, dict) and all(isinstance(e, (int, dict)) and "size" in _entry(e)
+                                                          for e in listed.values()) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def is_complete(folder: Path) -> bool:
+    """The manifest is there and lists the checkpoint's files: it is written last, so the save finished
+    (whether its files are still as written is verify()'s question)."""
+    return read(folder) is not None
+
+
+def _entry(entry: Any) -> Dict[str, Any]:
+    return {"size": entry} if isinstance(entry, int) else entry  # format 1 manifests listed sizes alone
+
+
+def verify(folder: Path) -> Optional[str]:
+    """What is wrong with a complete checkpoint's files (a file missing, of another size or with another
+    CRC-32 than the manifest lists), naming the file, or None. Checkpoints written before checksums were
+    recorded pass on their sizes alone."""
+    for name, entry in (read(folder) or {}).items():
+        try:
+            size = (folder / name).stat().st_size
+        except OSError as e:
+            return f"{name}: {e.strerror or e}, the manifest lists it"
+        if size != _entry(entry)["size"]:
+            return f"{name}: {size} bytes, the manifest says {_entry(entry)['size']}"
+        problem = _crc_problem(folder / name, entry)
+        if problem:
+            return problem
+    return None
+
+
+def _crc_problem(path: Path, entry: Any) -> Optional[str]:
+    """How the file's CRC-32 differs from its manifest entry's, or None (also for an entry without one)."""
+    want = _entry(entry).get("crc32")
+    got = files.crc32(path) if want is not None else want
+    return None if got == want else f"{path.name}: CRC-32 {got}, the manifest says {want}"
+
+
+def check_file(path: Path) -> None:
+    """A file inside a checkpoint folder is checked against that folder's manifest before it is used."""
+    manifest = path.parent / NAME
+    if path.is_file() and manifest.is_file():
+        try:
+            entry = json.loads(manifest.read_text())["files"].get(path.name)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return
+        if entry is not None and _crc_problem(path, entry):
+            raise UserError(f"{path}: damaged: its CRC-32 differs from the one {manifest} recorded; use another "
+                            f"checkpoint's file")

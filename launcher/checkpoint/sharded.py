@@ -1,0 +1,214 @@
+"""The sharded format: every rank writes its own shards with torch.distributed.checkpoint (DCP).
+
+    checkpoints/step_<N>/.metadata          DCP's index of every tensor's shards (rank 0)
+    checkpoints/step_<N>/__<rank>_0.distcp   each rank's shards: model, optimizer, and rank 0's run state
+    checkpoints/step_<N>/model.pt            the gathered model too, where checkpoint.consolidate asks
+
+The state saved is {"model": ..., "optimizer": ..., "run": RunState}, keyed by the plain model's
+parameter names, so DCP reshards it on load: any world size, any strategy, reads it. DCP is imported
+here only when a sharded checkpoint is written or read (dcp_safe.py reads its files)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from launcher.checkpoint import files, layout, run_state
+from launcher.errors import UserError
+
+NAME = "sharded"
+METADATA = ".metadata"
+
+
+def holds(folder: Path) -> bool:
+    return (folder / METADATA).is_file()
+
+
+def save(checkpoints, step: int, final: bool) -> None:
+    """Every rank writes its shards (in the background with async_save, but for the final save); rank 0
+    seals the checkpoint once every rank's are written."""
+    strategy, folder, writer = checkpoints.strategy, checkpoints.folder, checkpoints.writer
+    agree = strategy.agree
+    partial = layout.partial(folder, step)
+    agree(lambda: layout.prepare(folder, step) if writer else None)
+    model_state, optimizer_state = strategy.state_dicts(checkpoints.model, checkpoints.optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state, "run": checkpoints.run}
+    background = checkpoints.async_save and not final
+    if background:  # the state is copied to host memory before start() returns
+        future = agree(lambda: _guarded(folder, step, lambda: start(partial, state, strategy.checkpoint_group())))
+    else:
+        agree(lambda: _guarded(folder, step, lambda: write(partial, state)))
+    # model.pt of this step's weights, gathered now (a collective), before training changes them
+    whole = checkpoints.consolidate == "every" or (final and checkpoints.consolidate == "final")
+    full = strategy.model_state(checkpoints.model) if whole else None
+    gathered = agree(lambda: _guarded(folder, step, lambda: {"model.pt": files.save(partial / "model.pt", full)})
+                     if writer and full is not None else {})
+    if background:
+        checkpoints.pending = _Pending(checkpoints, step, future, gathered)
+        return
+    _seal(checkpoints, step, gathered, full if final else None)
+
+
+def _guarded(folder: Path, step: int, write_: Any) -> Any:
+    with layout.guarding(folder, step):
+        return write_()
+
+
+def _seal(checkpoints, step: int, gathered: Dict[str, Any], final: Optional[Dict[str, torch.Tensor]]) -> None:
+    """Once every rank's shards are written: rank 0's manifest (every rank's files) and rename, then the
+    final model.pt when given."""
+    strategy, folder = checkpoints.strategy, checkpoints.folder
+    partial, rank = layout.partial(folder, step), strategy.placement.rank
+    mine = strategy.agree(lambda: _guarded(folder, step, lambda: own_files(partial, rank)))
+    listed: Dict[str, Any] = dict(gathered)
+    for theirs in strategy.all_gather_object(mine):
+        listed.update(theirs)
+
+    def seal() -> None:
+        with layout.guarding(folder, step):
+            layout.seal(folder, step, listed, checkpoints.keep, sharded=True, world_size=strategy.placement.world_size)
+        if final is not None:
+            checkpoints.write_model(final)
+
+    strategy.agree(lambda: seal() if checkpoints.writer else None)
+
+
+class _Pending:
+    """A save whose shards are being written in the background."""
+
+    def __init__(self, checkpoints, step: int, future: Any, gathered: Dict[str, Any]):
+        self.checkpoints, self.step, self.future, self.gathered = checkpoints, step, future, gathered
+
+    def ready(self) -> bool:
+        """Written on every rank (a collective)."""
+        return all(self.checkpoints.strategy.all_gather_object(self.future.done()))
+
+    def seal(self) -> None:
+        folder = self.checkpoints.folder
+        self.checkpoints.strategy.agree(lambda: _guarded(folder, self.step, self.future.result))
+        _seal(self.checkpoints, self.step, self.gathered, None)
+
+
+def write(folder: Path, state: Dict[str, Any], group: Optional[Any] = None) -> None:
+    """Every rank's shards of `state` into `folder` (collective: every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _alone():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=group,
+                 no_dist=not dist.is_initialized())
+
+
+def start(folder: Path, state: Dict[str, Any], group: Any):
+    """The same, in the background: returns a future. The tensors are copied to host memory before it
+    returns, so training may change them; the files are written on a thread, its collectives on `group`."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=group)
+
+
+def own_files(folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
+    """The size and CRC-32 of each file this rank wrote (rank 0: DCP's index too), for the manifest."""
+    names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + ([METADATA] if rank == 0 else [])
+    return {name: {"size": (folder / name).stat().st_size, "crc32": files.crc32(folder / name)} for name in names}
+
+
+def read_run_state(checkpoints, folder: Path) -> None:
+    read(folder, {"run": _Reading(checkpoints.run)})
+
+
+def load(checkpoints, folder: Path) -> None:
+    """The model's and optimizer's state, resharded to this run's (collective)."""
+    strategy = checkpoints.strategy
+    model_state, optimizer_state = strategy.state_dicts(checkpoints.model, checkpoints.optimizer)
+    try:
+        read(folder, {"model": model_state, "optimizer": optimizer_state})
+    except DoesNotFit as e:
+        raise UserError(f"checkpoint.resume: {folder} does not fit this run ({e}); start over with "
+                        f"checkpoint.resume=never") from None
+    except Exception as e:
+        if type(e).__name__ != "CheckpointException":
+            raise
+        raise run_state.does_not_fit(folder, e) from None
+    strategy.load_state_dicts(checkpoints.model, checkpoints.optimizer, model_state, optimizer_state, full=False)
+
+
+class _Reading:
+    """The run state as DCP's load sees it: a destination for its one value, without gathering RNG states."""
+
+    def __init__(self, run: run_state.RunState):
+        self.run = run
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"fields": b""}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.run.load_state_dict(state)
+
+
+def read(folder: Path, state: Dict[str, Any]) -> None:
+    """Load a sharded checkpoint into `state` (shaped as it was saved: each tensor the destination of its
+    values, resharded to this run), in place. Collective when a process group runs."""
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.checkpoint import dcp_safe
+
+    reader = dcp_safe.Reader(folder)
+    if "model" in state:  # not the run state alone
+        _check_fits(reader.metadata, state["model"])
+    with _alone():
+        dcp.load(state, storage_reader=reader, planner=dcp_safe.WeightsOnly(), no_dist=not dist.is_initialized())
+
+
+class DoesNotFit(ValueError):
+    """The checkpoint's keys or shapes differ from the model's (the first difference)."""
+
+
+def _check_fits(metadata: Any, model: Dict[str, Any]) -> None:
+    """The model's keys and shapes against those the checkpoint's index holds: the first difference as
+    one line, as for a full checkpoint (DCP itself would say only `CheckpointException ranks:...`). Every
+    rank reads the same index, so every rank stops here, before any collective of the load."""
+    saved = _tensors(metadata, "model.")
+    for key, tensor in model.items():
+        if key not in saved:
+            raise DoesNotFit(f"'{key}' is missing from the checkpoint")
+        if tuple(saved[key].size) != tuple(tensor.shape):  # a DTensor's shape is the whole tensor's
+            raise DoesNotFit(f"'{key}' is {tuple(saved[key].size)} in the checkpoint, {tuple(tensor.shape)} in the model")
+    extra = [key for key in saved if key not in model]
+    if extra:
+        raise DoesNotFit(f"the checkpoint has '{extra[0]}', which the model lacks")
+
+
+def _tensors(metadata: Any, prefix: str) -> Dict[str, Any]:
+    """The index entries of the tensors whose keys start with `prefix`, by key without it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {key[len(prefix):]: meta for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+
+
+@contextlib.contextmanager
+def _alone() -> Iterator[None]:
+    """DCP warns at every call without a process group that it assumes one process: that is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        yield
+
+
+def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
+    """The full model of a sharded checkpoint, joined from every rank's shards in this process: tensors
+    only, each allocated from DCP's index and filled by DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.checkpoint import dcp_safe
+
+    reader = dcp_safe.Reader(folder)
+    index = _tensors(reader.metadata, "model.")
+    state = {f"model.{key}": torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in index.items()}
+    with _alone():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key[len("model."):]: tensor for key, tensor in state.items()}

@@ -1,0 +1,80 @@
+"""The plain model's weights from whatever a user names: a checkpoint folder of any format, a run folder
+(its newest weights) or a state_dict file, checked against the manifest first. export and
+checkpoint.init_from read weights through here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from launcher.checkpoint import files, fitting, formats, layout, manifest
+from launcher.errors import UserError
+from launcher.plain import strip_prefixes
+
+
+def read(path: Path) -> Tuple[Dict[str, torch.Tensor], str]:
+    """The plain model's weights in `path` (a checkpoint folder, a run folder or a file), and what they were
+    read from."""
+    path = Path(path)
+    files.file_or_folder(path)
+    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "recipe.yaml").is_file()):
+        path = newest_in_run_folder(path)
+    if path.is_dir():
+        return of_checkpoint(path), str(path)
+    state = files.load(path)
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise UserError(f"{path}: not a model state_dict (a mapping of parameter names to tensors)")
+    manifest.check_file(path)
+    return strip_prefixes(state), str(path)
+
+
+def of_checkpoint(folder: Path) -> Dict[str, torch.Tensor]:
+    """The model's weights of a checkpoint folder of any format, once its files match their CRC-32s."""
+    if not manifest.is_complete(folder):
+        raise UserError(f"{folder}: not a complete checkpoint (no valid manifest.json); name a step_<N> folder that "
+                        f"has one")
+    problem = manifest.verify(folder)
+    if problem is not None:
+        raise UserError(f"{folder}: damaged ({problem}); use another checkpoint")
+    return formats.of(folder).model_weights(folder)
+
+
+def newest_in_run_folder(folder: Path) -> Path:
+    """A run folder's newest weights: its newest complete checkpoint (a finished run's last one holds what its
+    model.pt holds; a run continued and killed later holds newer ones than a model.pt left from before), else
+    its model.pt."""
+    found = layout.complete(folder / "checkpoints")
+    if found:
+        return found[-1]
+    if (folder / "model.pt").is_file():
+        return folder / "model.pt"
+    raise UserError(f"{folder}: a run folder without a model.pt or a complete checkpoint")
+
+
+def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cpu") -> Optional[str]:
+    """Load a state_dict file, a checkpoint folder or a run folder into the plain model with strict=True,
+    naming the first difference if it does not fit. Weights nested under a key (a Lightning .ckpt's
+    state_dict, {"model": ...}) load too, with a common prefix such as Lightning's `model.` removed when
+    that makes them fit; the return value then says where they were found. A file in a checkpoint folder is
+    first checked against the manifest's CRC-32."""
+    state, where = _fitting(model.state_dict(), path, map_location)
+    model.load_state_dict(state, strict=True)
+    return where
+
+
+def _fitting(expected: Dict[str, Any], path: Path,
+                  map_location: Any = "cpu") -> Tuple[Dict[str, torch.Tensor], Optional[str]]:
+    """The weights in `path`, found and checked against the model's `expected` keys and shapes as
+    load_model_state says, and where in the file they were."""
+    path = Path(path)
+    files.file_or_folder(path)
+    if path.is_dir():  # a checkpoint folder of any format, or a run folder (checked as export checks them)
+        weights, source = read(path)
+        state = {k: v.to(map_location) for k, v in weights.items()}
+        where = f"its weights in {source}" if Path(source) != path else None  # a run folder's newest
+    else:
+        manifest.check_file(path)
+        state, where = files.load(path, map_location), None
+    return fitting.fit(state, expected, path, where)

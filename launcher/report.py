@@ -1,0 +1,64 @@
+"""How a line reaches the user: which rank says it, its `launcher:` prefix on stderr, and the error file
+torchrun's failure report reads. Every command (training, export, slurm) says things through here."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import List
+
+from launcher.errors import UserError
+
+
+def rank() -> str:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
+def mistake(e: UserError) -> None:
+    """Say a mistake once per run: rank 0 says it, and another rank too unless it knows rank 0 says the same."""
+    here = rank()
+    # Under a real torchrun every rank meets the same recipe problem; an agreed one every rank learnt of.
+    rank0_says_it = not e.every_rank and (e.agreed or "TORCHELASTIC_RUN_ID" in os.environ)
+    if here != "0" and rank0_says_it:
+        # Dated later than rank 0's: torchrun names the earliest error file as the root cause, and both
+        # are written within the same second or two.
+        for_torchrun(["launcher: rank 0 reports the mistake"], later=60)
+        # torchrun stops every rank as soon as one exits: give rank 0, busy with the same work,
+        # the moment it needs to say it.
+        time.sleep(3)
+        return
+    for problem in e.problems:
+        _print(problem, prefixed=here != "0" or (e.every_rank and _several()))
+    for_torchrun([f"launcher: {p}" for p in e.problems])
+
+
+def say(message: str, every_rank: bool = False) -> None:
+    """A line that rank 0 says for every rank, or with every_rank, each rank for itself."""
+    if rank() == "0" or every_rank:
+        _print(message, prefixed=every_rank and _several())
+
+
+def _several() -> bool:
+    return os.environ.get("WORLD_SIZE", "1") != "1"
+
+
+def _print(message: str, prefixed: bool) -> None:
+    prefix = f"[rank {rank()}] " if prefixed else ""
+    print(f"{prefix}launcher: {message}", file=sys.stderr, flush=True)
+
+
+def for_torchrun(lines: List[str], later: int = 0) -> None:
+    """torchrun's failure report shows a worker's error file, else "To enable traceback see: ...": give it
+    our lines, in the format of torch's own ErrorHandler, so the report names the mistake."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = "\n".join(lines)
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()) + later)}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the report then says what it says without it; our line is on stderr already
