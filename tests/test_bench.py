@@ -14,7 +14,7 @@ from tests.conftest import REPO
 @pytest.mark.slow
 def test_benchmark_prints_every_row():
     done = subprocess.run([sys.executable, "-m", "launcher.bench", "--steps", "120", "--reps", "1",
-                           "--scaling-steps", "12", "--hf-steps", "60", "--fsdp-steps", "20"], cwd=REPO, capture_output=True, text=True,
+                           "--scaling-steps", "12", "--hf-steps", "60", "--fsdp-steps", "20", "--startup-reps", "1"], cwd=REPO, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
@@ -44,6 +44,9 @@ def test_benchmark_prints_every_row():
         assert 0.1 < efficiency < 1.5
     if importlib.util.find_spec("accelerate"):
         assert "peer accelerate:" in out
+    for name in ("off", "on"):  # the start-up rows: whole one-step processes against the hand-written loop's
+        started = re.search(rf"^launcher, TensorBoard {name} +\d+\.\d\d (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\)$", out, re.M)
+        assert started and 0.2 < float(started.group(1)) < 5, out  # a sanity bound on what was measured, not a target
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--fsdp-steps 100] [--no-ddp]
                           [--no-peers] [--no-hf] [--no-fsdp] [--no-loggers] [--no-scaling] [--loggers]
+                          [--no-startup] [--startup [--startup-reps 9]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -27,6 +28,12 @@ reduce-scatter and all-gather are slow, and FSDP's worth is memory.
 The loggers row: the reference workload with TensorBoard alone and with TensorBoard, MLflow (a local
 file store) and metrics.jsonl at once (and a profiler window set beyond the last step), against the hand-written loop, as the mean step (log steps
 included) and the median; `--loggers` runs this row alone.
+
+The start-up row: a one-step run of the reference workload, `python -m launcher recipes/bench.yaml
+trainer.max_steps=1` as a user types it (recipe, run folder, the final checkpoint and model.pt), with
+TensorBoard off and on, against the hand-written loop's whole process for one step: wall time from
+start to exit, alternating, as the median over repetitions of (ours / raw); `--startup` runs this row
+alone.
 
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 """
@@ -202,6 +209,40 @@ def loggers(args) -> list[str]:
     return out
 
 
+def _wall(command: list[str]) -> float:
+    """Seconds from the start of a fresh process to its exit."""
+    began = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"benchmark run failed (exit {done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
+    return time.perf_counter() - began
+
+
+def startup(args) -> list[str]:
+    """A one-step run through the command line, TensorBoard off and on, against the hand-written loop's one
+    step: whole processes, alternating."""
+    recipe = [PY, "-m", "launcher", "recipes/bench.yaml", "trainer.max_steps=1"]
+    sides = {"raw": lambda i: [PY, "-m", "launcher.bench.raw", "1"],
+             "off": lambda i: [*recipe, f"run_dir={args.run_dir}/startup/off{i}"],
+             "on": lambda i: [*recipe, "logging.tensorboard=true", f"run_dir={args.run_dir}/startup/on{i}"]}
+    _wall(sides["off"](-1))  # once first: the files it reads are in the page cache for every side alike
+    times: dict = {name: [] for name in sides}
+    for rep in range(args.startup_reps):
+        order = list(sides.items())
+        for name, command in order if rep % 2 == 0 else reversed(order):
+            times[name].append(_wall(command(rep)))
+    out = [f"start-up: a one-step run, whole processes, {args.startup_reps} alternating repetitions "
+           f"(python -m launcher.bench --startup --startup-reps {args.startup_reps})",
+           f"{'':24} {'seconds':>8} {'ratio to raw (range)':<22}",
+           f"{'hand-written loop':24} {statistics.median(times['raw']):8.2f}"]
+    for name, label in (("off", "launcher, TensorBoard off"), ("on", "launcher, TensorBoard on")):
+        r = [ours / raw for ours, raw in zip(times[name], times["raw"])]
+        out.append(f"{label:24} {statistics.median(times[name]):8.2f} {statistics.median(r):5.3f} "
+                   f"({min(r):.3f}-{max(r):.3f})")
+    return out
+
+
 def scaling(args) -> list[str]:
     steps, batch, width = str(args.scaling_steps), str(SCALING["batch"]), str(SCALING["width"])
     recipe = ["recipes/bench.yaml", f"trainer.max_steps={steps}", f"data.batch_size={batch}",
@@ -239,15 +280,23 @@ def main() -> int:
     parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the fsdp row")
     parser.add_argument("--no-loggers", dest="loggers", action="store_false", help="skip the loggers row")
     parser.add_argument("--loggers", dest="loggers_only", action="store_true", help="the loggers row alone")
+    parser.add_argument("--no-startup", dest="startup", action="store_false", help="skip the start-up row")
+    parser.add_argument("--startup", dest="startup_only", action="store_true", help="the start-up row alone")
+    parser.add_argument("--startup-reps", type=int, default=9, help="repetitions of the start-up row (default 9)")
     args = parser.parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
         if args.loggers_only:
             print("\n".join(loggers(args)), flush=True)
             return 0
+        if args.startup_only:
+            print("\n".join(startup(args)), flush=True)
+            return 0
         print("\n".join(workload(args)), flush=True)
         if args.loggers:
             print("\n".join(loggers(args)), flush=True)
+        if args.startup:
+            print("\n".join(startup(args)), flush=True)
         if args.hf:
             print("\n".join(hf(args)), flush=True)
         if args.fsdp:

@@ -46,8 +46,9 @@ class StepClock:
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # a run on the GPU: its peak allocated
             extra = {"max_memory_gib": torch.cuda.max_memory_allocated() / 2**30, **extra}
         print("BENCH " + json.dumps({
-            "median_step_us": statistics.median(durations) * 1e6,
-            "mean_step_us": statistics.fmean(durations) * 1e6,  # with the log steps' own cost, spread over all
+            # (a one-step run, the start-up row's, has no step between two ends to time)
+            "median_step_us": statistics.median(durations) * 1e6 if durations else None,
+            "mean_step_us": statistics.fmean(durations) * 1e6 if durations else None,  # log steps' cost spread over all
             "first_step_s": self.first_wall - t0 if t0 else None,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "steps": len(self.ends), **extra}), flush=True)

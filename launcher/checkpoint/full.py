@@ -35,11 +35,13 @@ def write(folder: Path, step: int, model_state: Dict[str, torch.Tensor], state: 
 
 
 def save(checkpoints, step: int, final: bool) -> None:
-    """Every rank takes part in gathering the state; rank 0 writes it, and, when final, model.pt too."""
-    strategy = checkpoints.strategy
+    """Every rank takes part in gathering the run state; rank 0 writes it all, and, when final, model.pt too."""
+    strategy, optimizer = checkpoints.strategy, checkpoints.optimizer
     fields = checkpoints.run.fields()  # a collective
     model_state = strategy.model_state(checkpoints.model)
-    _, optimizer_state = strategy.state_dicts(checkpoints.model, checkpoints.optimizer)
+    # Whole on every rank (runs that write this format hold their state whole): keyed by parameter names
+    # as DCP's get_state_dict keys it, without importing DCP for a run that never reads a shard.
+    optimizer_state = named_optimizer_state(optimizer.state_dict(), strategy.unwrap(checkpoints.model), optimizer)
 
     def written() -> None:
         if checkpoints.writer:
