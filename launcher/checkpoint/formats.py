@@ -2,8 +2,10 @@
 functions (see full.py) and one entry here.
 
 Each format module has NAME and holds(folder) (is this folder of mine?); model_weights(folder) (the plain
-model's weights, for export and init_from); and, where runs write and resume it, save(checkpoints, step,
-final), read_run_state(checkpoints, folder) and load(checkpoints, folder)."""
+model's weights, for export and init_from, once the folder's files are checked as the format checks
+them); and, where runs write and resume it, save(checkpoints, step, final), read_run_state(checkpoints,
+folder) and load(checkpoints, folder). A format that runs only read (an HF model folder, say) has the
+first three alone."""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ def of(folder: Path) -> ModuleType:
     for kind in FORMATS:
         if kind.holds(folder):
             return kind
-    raise UserError(f"{folder}: holds no checkpoint of a format the launcher reads "
-                    f"({', '.join(f.NAME for f in FORMATS)})")
+    raise UserError(f"{folder}: not a complete checkpoint (no valid manifest.json); name a step_<N> folder that has "
+                    f"one (formats read: {', '.join(f.NAME for f in FORMATS)})")
 
 
 def written_by(strategy) -> ModuleType:

@@ -11,7 +11,7 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-from launcher.checkpoint import files, fitting, layout, run_state
+from launcher.checkpoint import files, fitting, layout, manifest, run_state
 from launcher.plain import strip_prefixes
 
 NAME = "full"
@@ -22,6 +22,7 @@ def holds(folder: Path) -> bool:
 
 
 def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
+    manifest.verified(folder)
     return strip_prefixes(files.load(folder / "model.pt"))
 
 

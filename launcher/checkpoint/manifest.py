@@ -36,6 +36,16 @@ def is_complete(folder: Path) -> bool:
     return read(folder) is not None
 
 
+def verified(folder: Path) -> None:
+    """A checkpoint folder whose save finished and whose files match their manifest entries, or one line."""
+    if not is_complete(folder):
+        raise UserError(f"{folder}: not a complete checkpoint (no valid manifest.json); name a step_<N> folder that "
+                        f"has one")
+    problem = verify(folder)
+    if problem is not None:
+        raise UserError(f"{folder}: damaged ({problem}); use another checkpoint")
+
+
 def _entry(entry: Any) -> Dict[str, Any]:
     return {"size": entry} if isinstance(entry, int) else entry  # format 1 manifests listed sizes alone
 

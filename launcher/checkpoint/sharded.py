@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint import files, layout, run_state
+from launcher.checkpoint import files, layout, manifest, run_state
 from launcher.errors import UserError
 
 NAME = "sharded"
@@ -206,6 +206,7 @@ def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
 
     from launcher.checkpoint import dcp_safe
 
+    manifest.verified(folder)
     reader = dcp_safe.Reader(folder)
     index = _tensors(reader.metadata, "model.")
     state = {f"model.{key}": torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in index.items()}

@@ -31,13 +31,7 @@ def read(path: Path) -> Tuple[Dict[str, torch.Tensor], str]:
 
 
 def of_checkpoint(folder: Path) -> Dict[str, torch.Tensor]:
-    """The model's weights of a checkpoint folder of any format, once its files match their CRC-32s."""
-    if not manifest.is_complete(folder):
-        raise UserError(f"{folder}: not a complete checkpoint (no valid manifest.json); name a step_<N> folder that "
-                        f"has one")
-    problem = manifest.verify(folder)
-    if problem is not None:
-        raise UserError(f"{folder}: damaged ({problem}); use another checkpoint")
+    """The model's weights of a checkpoint folder of any format (checked as the format checks its files)."""
     return formats.of(folder).model_weights(folder)
 
 
