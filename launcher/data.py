@@ -1,4 +1,4 @@
-"""The data path: the sample order of DESIGN (one permutation per (seed, epoch), each rank its share),
+"""The data path: the sample order (one permutation per (seed, epoch), each rank its share),
 resumable in the middle of an epoch, batches fetched whole where the dataset allows it, and moved
 to the device.
 

@@ -1,4 +1,4 @@
-"""The run state in one place (launcher/state.py): the strategy reads and writes the model's and the
+"""The run state in one place (launcher/checkpoint/): the strategy reads and writes the model's and the
 optimizer's state, keyed by parameter names, so a checkpoint of any strategy resumes under any other.
 In-process runs: fsdp as a torchrun world of one (gloo)."""
 

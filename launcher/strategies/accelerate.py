@@ -2,7 +2,7 @@
 plain process. Only this module imports accelerate.
 
 Accelerate prepares the model (device, DDP), skips gradient sync, reduces, gathers and unwraps.
-The sample order stays the launcher's (DESIGN: one permutation per (seed, epoch), interleaved), so
+The sample order stays the launcher's (one permutation per (seed, epoch), interleaved), so
 the loader is not prepared: Accelerate's sharding would give each process other samples. Autocast,
 the grad scaler and accumulation stay the launcher's too, with the values `accelerate launch` sets
 (flags or its config file) when they differ from the recipe's, as one console line says.
