@@ -76,12 +76,8 @@ def _crc_problem(path: Path, entry: Any) -> Optional[str]:
 
 def check_file(path: Path) -> None:
     """A file inside a checkpoint folder is checked against that folder's manifest before it is used."""
-    manifest = path.parent / NAME
-    if path.is_file() and manifest.is_file():
-        try:
-            entry = json.loads(manifest.read_text())["files"].get(path.name)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return
-        if entry is not None and _crc_problem(path, entry):
-            raise UserError(f"{path}: damaged: its CRC-32 differs from the one {manifest} recorded; use another "
-                            f"checkpoint's file")
+    listed = read(path.parent) if path.is_file() else None
+    entry = listed.get(path.name) if listed else None
+    if entry is not None and _crc_problem(path, entry):
+        raise UserError(f"{path}: damaged: its CRC-32 differs from the one {path.parent / NAME} recorded; use another "
+                        f"checkpoint's file")
