@@ -40,7 +40,8 @@ def save(checkpoints, step: int, final: bool) -> None:
     state = {"model": model_state, "optimizer": optimizer_state, "run": checkpoints.run}
     background = checkpoints.async_save and not final
     if background:  # the state is copied to host memory before start() returns
-        future = agree(lambda: _guarded(folder, step, lambda: start(partial, state, strategy.checkpoint_group())))
+        group = strategy.checkpoint_group()
+        future = agree(lambda: _guarded(folder, step, lambda: start(partial, state, group)))
     else:
         agree(lambda: _guarded(folder, step, lambda: write(partial, state)))
     # model.pt of this step's weights, gathered now (a collective), before training changes them
