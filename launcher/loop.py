@@ -53,7 +53,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     total = total_steps(cfg, p.data.steps_per_epoch)
     params = [q for q in p.model.parameters() if q.requires_grad]
     batches = p.data.stream(pos)
-    weights = Weights(cfg.grad_accum_steps, p.strategy, params)
+    weights = LossWeights(cfg.grad_accum_steps, p.strategy, params)
     p.console.start(total, pos.step)
     p.meter.start(pos.step)
     last: Dict[str, float] = {}
@@ -92,7 +92,7 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     return last
 
 
-def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "Weights", params: list, syncing: bool) -> float:
+def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", params: list, syncing: bool) -> float:
     """One optimizer step over grad_accum_steps micro-batches; the learning rate it stepped with."""
     # Where the gradients are freed (set to None). On CUDA right after the optimizer step: the caching
     # allocator reuses the memory and the forward runs without them (a lower peak). On the CPU after
@@ -147,7 +147,7 @@ def _sync_point(p: Parts, pos: Position, total: int, lr: float, reading: bool, l
     return values
 
 
-class Weights:
+class LossWeights:
     """How each micro-batch's loss enters the gradient of one optimizer step.
 
     Without item counts, each micro-batch's mean loss counts alike (divided by the accumulation steps).
