@@ -129,6 +129,9 @@ class TrainData:
     def state(self) -> None:
         return None  # the position says it all
 
+    def close(self) -> None:
+        shut(self.loader)
+
 
 def placed(data, position: Position) -> Iterator[Any]:
     """`data`'s batches on the device; as each is handed out, `position` (and the data's own place) moves
@@ -169,11 +172,33 @@ def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank
     loader = _loader(dataset, max(batch_size // replicas, 1), ShardSampler(n, replicas, rank, keyed=_draws(dataset)),
                      num_workers, device, seed, collate_fn or default, drop_last=False)
 
-    class Batches:
-        def __iter__(self):
-            return (to_device(b, device) for b in loader)
+    return ValBatches(loader, device)
 
-    return Batches()
+
+class ValBatches:
+    def __init__(self, loader: DataLoader, device: torch.device):
+        self.loader, self.device = loader, device
+
+    def __iter__(self) -> Iterator[Any]:
+        return (to_device(b, self.device) for b in self.loader)
+
+    def close(self) -> None:
+        shut(self.loader)
+
+
+def shut(loader: DataLoader) -> None:
+    """Stop a loader's worker processes now (persistent workers wait between epochs). Left to the garbage
+    collector, a loader in a reference cycle has its queues closed before its workers are told to stop,
+    and each worker is then waited for 5 s before it is killed (10 s at the end of a DDP run)."""
+    iterator, loader._iterator = getattr(loader, "_iterator", None), None
+    stop_workers(iterator)
+
+
+def stop_workers(iterator: Any) -> None:
+    """End a DataLoader iterator's worker processes (none where it has none)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 class TensorBatches(Dataset):

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from launcher import item_rng
 from launcher.collate import default
+from launcher.data import placed, stop_workers
 from launcher.errors import UserError
 
 
@@ -235,6 +236,9 @@ class StreamBatches:
         for _, batch in loader(self.share, START, self.collate, self.num_workers, self.device):
             yield self.to_device(batch, self.device)
 
+    def close(self) -> None:
+        pass  # each evaluation's loader ends with its stream
+
 
 class StreamData:
     """The training data of one rank when data.train is a stream: TrainData's interface (launcher/data.py)
@@ -250,12 +254,18 @@ class StreamData:
         self.num_workers, self.device = num_workers, device
         self.start: Dict[str, Any] = dict(START)
         self.last: Optional[Dict[str, Any]] = None
+        self.batches: Optional[Iterator[tuple]] = None  # the loader's iterator: its workers stop on close()
 
     def first_items(self) -> List[Any]:
         return self.share.first_items()
 
     def host_batches(self, position) -> Iterator[tuple]:
-        return iter(loader(self.share, self.start, self.collate, self.num_workers, self.device))
+        self.batches = iter(loader(self.share, self.start, self.collate, self.num_workers, self.device))
+        return self.batches
+
+    def close(self) -> None:
+        if self.batches is not None:
+            stop_workers(self.batches)
 
     def arrive(self, place: Dict[str, Any], position) -> None:
         position.epoch, position.batch = place["epoch"], place["batch"]
@@ -272,6 +282,4 @@ class StreamData:
 
     def stream(self, position) -> Iterator[Any]:
         """Micro-batches on the device, endlessly; each moves `position` and this rank's place in the stream."""
-        from launcher.data import placed
-
         return placed(self, position)

@@ -70,7 +70,7 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
 
 def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, notes: list) -> Dict[str, float]:
     resume, init_from, logger, console = _open(loaded, strategy, folder, notes)
-    position = None
+    position = parts = None
     try:
         checkpoints, parts = _build(loaded, strategy, folder.path, logger, console, init_from)
         position = checkpoints.run.position
@@ -85,6 +85,10 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
         raise hang.report(e, position.step + 1 if position else None, loaded.recipe.dist_timeout,
                           strategy.flight_recorder()) from None
     finally:
+        if parts is not None:  # the loaders' workers end now, not when the garbage collector finds them
+            for batches in (parts.data, parts.val):
+                if batches is not None:
+                    batches.close()
         logger.close("failed")  # unless closed already, as finished or stopped
 
 
