@@ -131,6 +131,20 @@ def test_every_logger_at_once(tmp_path):
     assert [values["train/loss"] for _, values in rows] == [line["train/loss"] for line in lines]
 
 
+def test_a_run_started_again_within_the_second_sorts_its_event_file_last(tmp_path):
+    """TensorBoard reads event files in the order of their names (second, host, pid, an unpadded count):
+    a resume within the second of the last file could sort first (.10 < .9), and its purge of the steps
+    it logs again came before them (seen: a resumed run in the same process read [50, ..., 80, 10, ...])."""
+    import time
+
+    folder = tmp_path / "tensorboard"
+    folder.mkdir()
+    earlier = folder / f"events.out.tfevents.{int(time.time()) + 3}.vm.1.9"  # as if the clock were behind
+    earlier.write_bytes(b"")
+    train(tmp_path, "logging.tensorboard=true", "trainer.max_steps=10")
+    assert sorted(p.name for p in folder.iterdir())[0] == earlier.name
+
+
 def test_tensorboard_hparams_say_what_ran(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2

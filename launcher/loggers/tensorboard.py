@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from pathlib import Path
 from typing import Dict, Iterator
 
@@ -27,6 +28,7 @@ class TensorBoard:
             from torch.utils.tensorboard.summary import hparams
 
             _quiet_writer_thread()
+            _after_the_last_file(self.folder)
             # Resumed: TensorBoard hides what earlier event files hold from the next step on, which
             # this run logs again (a run killed after its checkpoint would otherwise show those twice).
             self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=run.step + 1 if run.step else None)
@@ -61,6 +63,17 @@ class TensorBoard:
         if self.writer is not None:
             with writing(self.key, self.folder):
                 self.writer.close()
+
+
+def _after_the_last_file(folder: Path) -> None:
+    """TensorBoard reads a folder's event files in the order of their names, `events.out.tfevents.<second>.
+    <host>.<pid>.<count>`, and the count is not padded: a run started again within the second its last file
+    was started (a resume in the same process) could sort before it (.10 < .9), and its purge of the steps
+    it logs again would come first. Start in a later second than every file there."""
+    seconds = [int(p.name.split(".")[3]) for p in folder.glob("events.out.tfevents.*")
+               if p.name.split(".")[3:4] and p.name.split(".")[3].isdigit()]
+    while seconds and time.time() < max(seconds) + 1:
+        time.sleep(max(seconds) + 1 - time.time())
 
 
 @contextlib.contextmanager
