@@ -31,8 +31,30 @@ def signal_after_first_log(proc, sig) -> str:
     return "".join(lines) + out + err
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "launcher",
+            "recipes/quickstart.yaml", *SMALL, *SLOW]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The run no signal stops, in one process: what every stopped and resumed one-process run ends as."""
+    folder = tmp_path_factory.mktemp("whole")
+    done = launch("recipes/quickstart.yaml", *SMALL, *SLOW, f"run_dir={folder}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return folder / "model.pt"
+
+
+@pytest.fixture(scope="module")
+def whole_ddp(tmp_path_factory):
+    """The same under DDP x2 (torchrun): what every stopped and resumed two-process run ends as, bitwise."""
+    folder = tmp_path_factory.mktemp("whole-ddp")
+    done = subprocess.run([*TORCHRUN, f"run_dir={folder}"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return folder / "model.pt"
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, sig, code):
+def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, whole, sig, code):
     proc = start(tmp_path / "stopped")
     output = signal_after_first_log(proc, sig)
     assert proc.returncode == code, output
@@ -43,9 +65,7 @@ def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, sig, code):
 
     resumed = launch("recipes/quickstart.yaml", *SMALL, *SLOW, f"run_dir={tmp_path / 'stopped'}")
     assert resumed.returncode == 0 and f"resumed from {saved[0]}" in resumed.stdout
-    whole = launch("recipes/quickstart.yaml", *SMALL, *SLOW, f"run_dir={tmp_path / 'whole'}")
-    assert whole.returncode == 0
-    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "stopped" / "model.pt")
+    assert_same_weights(whole, tmp_path / "stopped" / "model.pt")
 
 
 def test_the_recipe_can_turn_the_save_off(tmp_path):
@@ -56,27 +76,24 @@ def test_the_recipe_can_turn_the_save_off(tmp_path):
     assert "not saved" in output
 
 
-def test_sigterm_under_torchrun_two_ranks_agree_save_and_resume_exactly(tmp_path):
+def test_sigterm_under_torchrun_two_ranks_agree_save_and_resume_exactly(tmp_path, whole_ddp):
     """torchrun forwards SIGTERM to both workers; they agree on one step (a host collective every 10
     steps), save once, and stop; resuming under torchrun finishes bitwise equal."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "launcher",
-                "recipes/quickstart.yaml", *SMALL, *SLOW]
-    proc = subprocess.Popen([*torchrun, f"run_dir={tmp_path / 'stopped'}"], cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*TORCHRUN, f"run_dir={tmp_path / 'stopped'}"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     output = signal_after_first_log(proc, signal.SIGTERM)
     assert proc.returncode != 0, output
     saved = sorted((tmp_path / "stopped" / "checkpoints").glob("step_*"))
     assert len(saved) == 1 and int(saved[0].name[5:]) % 10 == 0, output
     assert f"stopped by SIGTERM after step {saved[0].name[5:]}: saved" in output
-    for run_dir in ("stopped", "whole"):
-        done = subprocess.run([*torchrun, f"run_dir={tmp_path / run_dir}"], cwd=REPO, capture_output=True,
-                              text=True, timeout=180)
-        assert done.returncode == 0, done.stderr[-2000:]
-    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "stopped" / "model.pt")
+    done = subprocess.run([*TORCHRUN, f"run_dir={tmp_path / 'stopped'}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_weights(whole_ddp, tmp_path / "stopped" / "model.pt")
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_to_the_launcher_that_started_torchrun_exits_as_the_plain_path(tmp_path, sig, code):
+def test_signal_to_the_launcher_that_started_torchrun_exits_as_the_plain_path(tmp_path, whole_ddp, sig, code):
     """`python -m launcher ... strategy=ddp` runs torchrun in its own process: torchrun passes the signal on,
     the workers save once and stop, and the launcher exits 128+N without torchrun's SignalException."""
     spawn = ["strategy=ddp", "nproc_per_node=2"]
@@ -86,11 +103,9 @@ def test_signal_to_the_launcher_that_started_torchrun_exits_as_the_plain_path(tm
     saved = sorted((tmp_path / "stopped" / "checkpoints").glob("step_*"))
     assert len(saved) == 1 and 10 <= int(saved[0].name[5:]) < 300, output
     assert f"stopped by {sig.name} after step {saved[0].name[5:]}: saved" in output
-    resumed, whole = (launch("recipes/quickstart.yaml", *SMALL, *SLOW, *spawn, f"run_dir={tmp_path / run_dir}",
-                             timeout=180) for run_dir in ("stopped", "whole"))
+    resumed = launch("recipes/quickstart.yaml", *SMALL, *SLOW, *spawn, f"run_dir={tmp_path / 'stopped'}", timeout=180)
     assert resumed.returncode == 0 and f"resumed from {saved[0]}" in resumed.stdout, resumed.stderr[-2000:]
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "stopped" / "model.pt")
+    assert_same_weights(whole_ddp, tmp_path / "stopped" / "model.pt")  # torchrun's own run: the same weights
 
 
 @pytest.mark.parametrize("env, job", [
