@@ -91,15 +91,11 @@ def run(run_dir: Path, kill_at: int = 0, extra: list = (), kill_rank: int = 0) -
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def events_per_rank(folder: Path, extra: list = ()) -> dict:
-    """How many file-system events each rank's saves make in one whole run."""
-    done = run(folder / "count", extra=extra)
+def reference(folder: Path, extra: list = ()) -> dict:
+    """The whole run, in `folder`/reference, and how many file-system events each rank's saves made in it."""
+    done = run(folder / "reference", extra=extra)
     assert done.returncode == 0, done.stderr
     return {int(m.group(1)): int(m.group(2)) for m in re.finditer(r"save_crash: rank (\d+) events=(\d+)", done.stderr)}
-
-
-def count_events(folder: Path) -> int:
-    return events_per_rank(folder)[0]
 
 
 def trial(folder: Path, kill_at: int, reference: Path, extra: list = (), kill_rank: int = 0) -> str:
@@ -143,10 +139,8 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.randrange(10**6)
     extra = (SHARDED if args.fsdp else []) + (ASYNC if args.fsdp and args.background else [])
     folder = Path(tempfile.mkdtemp(prefix="save_crash_"))
-    reference = run(folder / "reference", extra=extra)
-    assert reference.returncode == 0, reference.stderr
     ranks = [0, 1] if args.fsdp else [0]
-    totals = events_per_rank(folder, extra)
+    totals = reference(folder, extra)
     rng = random.Random(seed)  # the trials split evenly over the ranks, each rank's instants without repeats
     share = [args.trials // len(ranks) + (i < args.trials % len(ranks)) for i in range(len(ranks))]
     picks = [(rank, k) for rank, n in zip(ranks, share) for k in rng.sample(range(1, totals[rank] + 1), min(n, totals[rank]))]

@@ -71,10 +71,9 @@ def test_the_rank_that_raised_first_is_the_last_error_on_the_screen(tmp_path):
 
 def test_a_crash_inside_a_save_never_loses_the_newest_complete_checkpoint(tmp_path):
     """Three seeded instants (python -m tests.save_crash --trials 20 is the stress run)."""
-    from tests.save_crash import count_events, run, trial
+    from tests.save_crash import reference, trial
 
-    assert run(tmp_path / "reference").returncode == 0
-    total = count_events(tmp_path)
+    total = reference(tmp_path)[0]
     for kill_at in random.Random(0).sample(range(1, total + 1), 3):
         assert trial(tmp_path, kill_at, tmp_path / "reference" / "model.pt").endswith("exact")
 
@@ -83,48 +82,60 @@ def test_a_crash_inside_a_sharded_save_never_loses_the_newest_complete_checkpoin
     """fsdp x2, one seeded instant per rank: rank 1 killed inside a synchronous save, rank 0 inside one written
     in the background (python -m tests.save_crash --trials 20 --fsdp [--async] are the stress runs). The
     background save writes the same files and weights, so one reference and one count serve both."""
-    from tests.save_crash import ASYNC, SHARDED, events_per_rank, run, trial
+    from tests.save_crash import ASYNC, SHARDED, reference, trial
 
-    assert run(tmp_path / "reference", extra=SHARDED).returncode == 0
-    totals = events_per_rank(tmp_path, SHARDED)
+    totals = reference(tmp_path, SHARDED)
     for rank, extra in ((1, SHARDED), (0, SHARDED + ASYNC)):
         kill_at = random.Random(rank).randrange(1, totals[rank] + 1)
         assert trial(tmp_path, kill_at, tmp_path / "reference" / "model.pt", extra, rank).endswith("exact")
 
 
+SLOW = ["model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_steps=150"]
+
+
+def nodes(run_dir, extra):
+    """Two torchrun agents standing for two nodes, one process each. Node 0 starts first and hosts the
+    rendezvous store; node 1 joins once the store listens."""
+    import socket
+
+    from tests.test_strategies import free_port
+
+    port = free_port()
+    command = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodeloss", "-m", "launcher", *COMMON, *extra,
+               f"run_dir={run_dir}"]
+    started = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)]
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.time() < deadline, "node 0's rendezvous store never listened"
+            time.sleep(0.1)
+    started.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True))
+    return started
+
+
+@pytest.fixture(scope="module")
+def two_nodes_whole(tmp_path_factory):
+    """The two-node run that loses no node."""
+    folder = tmp_path_factory.mktemp("two-nodes-whole")
+    whole = nodes(folder, SLOW)
+    outputs = [n.communicate(timeout=180)[0] for n in whole]
+    assert [n.returncode for n in whole] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    return folder / "model.pt"
+
+
 @pytest.mark.parametrize("lost", [0, 1], ids=["the-rendezvous-host", "the-other-node"])
-def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path, lost):
+def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path, two_nodes_whole, lost):
     """Two torchrun agents stand for two nodes; one node is lost whole (agent and worker SIGKILLed)."""
     import os
     import signal
 
-    from tests.test_strategies import free_port
-
-    slow = ["model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_steps=150"]
-
-    def nodes(run_dir, extra):
-        """Node 0 starts first and hosts the rendezvous store; node 1 joins once the store listens."""
-        import socket
-
-        port = free_port()
-        command = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                   f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodeloss", "-m", "launcher", *COMMON, *extra,
-                   f"run_dir={run_dir}"]
-        started = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)]
-        deadline = time.time() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.time() < deadline, "node 0's rendezvous store never listened"
-                time.sleep(0.1)
-        started.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True))
-        return started
-
-    first = nodes(tmp_path, slow)
+    first = nodes(tmp_path, SLOW)
     deadline = time.time() + 120
     while not list(tmp_path.glob("checkpoints/step_20")):
         assert time.time() < deadline and all(n.poll() is None for n in first)
@@ -139,11 +150,8 @@ def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path, lost
     assert survivor.returncode != 0 and time.time() - killed < 60
     assert not (tmp_path / "model.pt").exists()
     # The node is back (or the job is resubmitted): the same command resumes from the newest checkpoint.
-    again = nodes(tmp_path, slow)
+    again = nodes(tmp_path, SLOW)
     outputs = [n.communicate(timeout=180)[0] for n in again]
     assert [n.returncode for n in again] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     assert any("resumed from" in o for o in outputs)
-    reference = tmp_path.parent / "reference_nodes"
-    whole = nodes(reference, slow)
-    assert [n.communicate(timeout=180) and n.returncode for n in whole] == [0, 0]
-    assert_same_weights(reference / "model.pt", tmp_path / "model.pt")
+    assert_same_weights(two_nodes_whole, tmp_path / "model.pt")
