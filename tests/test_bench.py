@@ -11,18 +11,45 @@ import pytest
 from tests.conftest import REPO
 
 
-@pytest.mark.slow
-def test_benchmark_prints_every_row():
-    done = subprocess.run([sys.executable, "-m", "launcher.bench", "--steps", "120", "--reps", "1",
-                           "--scaling-steps", "12", "--hf-steps", "60", "--fsdp-steps", "20", "--startup-reps", "1"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+def bench(*args: str) -> str:
+    """`python -m launcher.bench ARGS` at the smallest sizes whose figures still mean something; its output."""
+    done = subprocess.run([sys.executable, "-m", "launcher.bench", "--steps", "120", "--reps", "1", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    out = done.stdout
+    return done.stdout
+
+
+# The rows, split three ways so that two pytest workers share them; together they are every row.
+@pytest.mark.slow
+def test_the_reference_workload_rows():
+    out = bench("--no-loggers", "--no-startup", "--no-hf", "--no-fsdp", "--no-scaling")
     for name in ("1 process", "DDP x2 (gloo)"):
         row = [l for l in out.splitlines() if l.startswith(name)]
         assert len(row) == 1 and "us" in row[0] and "MiB" in row[0], out
         ratio, per_item = map(float, re.search(r"us +(\d+\.\d+) \(\S+\) +(\d+\.\d+) ", row[0]).groups())
         assert 0.2 < ratio < 5 and 0.2 < per_item < 5, row  # sanity bounds on what was measured, not targets
+    if importlib.util.find_spec("accelerate"):
+        assert out.count("peer accelerate:") == 2, out
+
+
+@pytest.mark.slow
+def test_the_loggers_and_start_up_rows():
+    out = bench("--loggers")
+    for name in ("TensorBoard", "TB+MLflow+jsonl+profile"):  # the loggers rows: mean step, its ratio to raw
+        logged = re.search(rf"^{re.escape(name)} +\d+us (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\) +\d+us +\d\.\d{{3}}$",
+                           out, re.M)
+        assert logged and 0.2 < float(logged.group(1)) < 5, out  # a sanity bound on what was measured, not a target
+    out = bench("--startup", "--startup-reps", "1")
+    for name in ("off", "on"):  # the start-up rows: whole one-step processes against the hand-written loop's
+        started = re.search(rf"^launcher, TensorBoard {name} +\d+\.\d\d (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\)$", out, re.M)
+        assert started and 0.2 < float(started.group(1)) < 5, out  # a sanity bound on what was measured, not a target
+
+
+@pytest.mark.slow
+def test_the_hf_fsdp_and_scaling_rows():
+    out = bench("--no-workload", "--no-loggers", "--no-startup", "--scaling-steps", "6", "--hf-steps", "30",
+                "--fsdp-steps", "20")
+    assert "reference workload" not in out, out
     if importlib.util.find_spec("transformers"):
         row = [l for l in out.splitlines() if l.startswith("HF GPT-2 1 proc")]
         assert len(row) == 1 and "MiB" in row[0], out
@@ -30,10 +57,6 @@ def test_benchmark_prints_every_row():
         assert 0.2 < ratio < 5, row  # a sanity bound on what was measured, not a target
     else:
         assert "HF row skipped: transformers is not installed" in out, out
-    for name in ("TensorBoard", "TB+MLflow+jsonl+profile"):  # the loggers rows: mean step, its ratio to raw
-        logged = re.search(rf"^{re.escape(name)} +\d+us (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\) +\d+us +\d\.\d{{3}}$",
-                           out, re.M)
-        assert logged and 0.2 < float(logged.group(1)) < 5, out  # a sanity bound on what was measured, not a target
     held = re.search(r"^fsdp / ddp +held per rank (\d\.\d{3}) \(target <= 0.525: (met|NOT met)\); step time "
                      r"(\d+\.\d{3}) ", out, re.M)
     assert held and float(held.group(1)) <= 0.525 and held.group(2) == "met", out  # every Block sharded in two
@@ -42,11 +65,6 @@ def test_benchmark_prints_every_row():
     for loop in ("raw", "ours"):
         efficiency = float(re.search(rf"^{loop} .* (\d\.\d{{3}})$", out, re.M).group(1))
         assert 0.1 < efficiency < 1.5
-    if importlib.util.find_spec("accelerate"):
-        assert "peer accelerate:" in out
-    for name in ("off", "on"):  # the start-up rows: whole one-step processes against the hand-written loop's
-        started = re.search(rf"^launcher, TensorBoard {name} +\d+\.\d\d (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\)$", out, re.M)
-        assert started and 0.2 < float(started.group(1)) < 5, out  # a sanity bound on what was measured, not a target
 
 
 @pytest.mark.slow

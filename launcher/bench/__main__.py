@@ -1,5 +1,5 @@
-"""python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--fsdp-steps 100] [--no-ddp]
-                          [--no-peers] [--no-hf] [--no-fsdp] [--no-loggers] [--no-scaling] [--loggers]
+"""python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--fsdp-steps 100] [--no-workload]
+                          [--no-ddp] [--no-peers] [--no-hf] [--no-fsdp] [--no-loggers] [--no-scaling] [--loggers]
                           [--no-startup] [--startup [--startup-reps 9]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
@@ -240,6 +240,8 @@ def main() -> int:
                                                             "median and range (default 5)")
     parser.add_argument("--scaling-steps", type=int, default=100, help="steps per run of the scaling rows (default 100)")
     parser.add_argument("--hf-steps", type=int, default=200, help="steps per run of the HF row (default 200)")
+    parser.add_argument("--no-workload", dest="workload", action="store_false",
+                        help="skip the reference workload's rows (1 process, DDP x2)")
     parser.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP x2 rows")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="skip the Accelerate and Lightning peers")
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF row")
@@ -260,7 +262,8 @@ def main() -> int:
         if args.startup_only:
             print("\n".join(startup(args)), flush=True)
             return 0
-        print("\n".join(workload(args)), flush=True)
+        if args.workload:
+            print("\n".join(workload(args)), flush=True)
         if args.loggers:
             print("\n".join(loggers(args)), flush=True)
         if args.startup:
