@@ -43,6 +43,14 @@ def launch(run_dir: Path, args: List[str], strategy: str = "single", timeout: fl
     return done
 
 
+def in_process(run_dir: Path, args: List[str]) -> None:
+    """Train one process here, in the caller's process (a test's: transformers is imported already)."""
+    from launcher.recipe import load
+    from launcher.train import train
+
+    train(load(RECIPE, [f"run_dir={run_dir}", *args]))
+
+
 def final_loss(done: subprocess.CompletedProcess) -> float:
     return float(re.search(r"train/loss ([0-9.e+-]+)", done.stdout.splitlines()[-1]).group(1))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.hf_tolerance import RECIPE, launch, outside, overrides
+from tests.hf_tolerance import RECIPE, in_process, launch, outside, overrides
 
 transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
     ("gpt2", "units GPT2Block\n"), ("llama", "units LlamaDecoderLayer\n")])
 def test_tied_embeddings_under_fsdp_x2_give_one_process_s_weights(model, units, tmp_path):
     args = overrides(model, "sgd")
-    launch(tmp_path / "one", args)
+    in_process(tmp_path / "one", args)
     assert units in launch(tmp_path / "two", args, "fsdp").stdout
     one, two = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("one", "two"))
     assert outside(one, two) == []

@@ -7,7 +7,7 @@ measures by how much."""
 import pytest
 import torch
 
-from tests.hf_tolerance import RECIPE, launch, outside, overrides
+from tests.hf_tolerance import in_process, launch, outside, overrides
 
 transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
 pytestmark = pytest.mark.slow
@@ -18,11 +18,8 @@ pytestmark = pytest.mark.slow
     ("t5", "adamw", "ddp"), ("vit", "adamw-eps1e-5", "fsdp"), ("bert", "adamw-eps1e-5", "ddp"),
 ])
 def test_two_processes_end_within_rtol_1e_5_of_one(model, optimizer, strategy, tmp_path):
-    from launcher.recipe import load
-    from launcher.train import train
-
     args = overrides(model, optimizer)
-    train(load(RECIPE, [f"run_dir={tmp_path / 'one'}", *args]))  # one process: this one (transformers is imported)
+    in_process(tmp_path / "one", args)
     launch(tmp_path / "two", args, strategy)
     one, two = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("one", "two"))
     assert outside(one, two) == []
