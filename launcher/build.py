@@ -4,7 +4,7 @@ it is built; the step; the data."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -59,6 +59,51 @@ def component(spec: Dict[str, Any], key: str, *args: Any) -> Any:
         raise
     check_built(key, spec["_target_"], built)
     return built
+
+
+def optimizer(spec: Dict[str, Any], params: list) -> Tuple[Any, Optional[str]]:
+    """The recipe's optimizer over `params`, and a line naming its implementation when the launcher chose it.
+
+    A torch optimizer with a fused implementation (Adam, AdamW, SGD, Adagrad), where the recipe names neither
+    `fused` nor `foreach`, gets `fused=True` when every parameter allows it (floating point, on a device torch
+    has fused kernels for, the CPU included): HF Trainer picks adamw_torch_fused for its users, torchtitan
+    `implementation: fused`. torch's own default is a loop over the tensors on the CPU and `foreach` on
+    CUDA. Every strategy meets parameters of the same devices and dtypes, so every one chooses alike; a
+    checkpoint's optimizer state says how its run stepped, and a resumed run steps the same way."""
+    if _fusable(spec, params):
+        built = component({**spec, "fused": True}, "optimizer", params)
+        where = sorted({q.device.type for q in params})
+        return built, (f"optimizer: {spec['_target_']} with fused=True, torch's fastest implementation on "
+                       f"{', '.join(where)} (optimizer.fused=false keeps torch's default)")
+    return component(spec, "optimizer", params), None
+
+
+def implementation_resumed(optimizer: Any) -> Optional[str]:
+    """After a resume: a line when the checkpoint's optimizer stepped otherwise than this one was built to
+    (its param groups, loaded, carry `fused`): the run goes on as it started, so that it ends exactly."""
+    built, groups = getattr(optimizer, "defaults", {}).get("fused"), getattr(optimizer, "param_groups", [{}])
+    loaded = groups[0].get("fused") if groups else None
+    if bool(built) == bool(loaded):
+        return None
+    return (f"optimizer: resumed with its checkpoint's implementation (fused={bool(loaded)}), as the run "
+            f"started, so that it continues exactly")
+
+
+def _fusable(spec: Dict[str, Any], params: list) -> bool:
+    if not params or any(key in spec for key in ("fused", "foreach", "differentiable")):
+        return False
+    target = locate(spec["_target_"])
+    if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)
+            and target.__module__.startswith("torch.optim.")):
+        return False
+    try:
+        takes = "fused" in inspect.signature(target).parameters
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        devices = set(_get_fused_kernels_supported_devices())
+    except (TypeError, ValueError, ImportError):
+        return False
+    return takes and all(torch.is_floating_point(q) and q.device.type in devices for q in params)
 
 
 def data_for(cfg: DataConfig, grad_accum: int, placement: Placement, seed: int, device: torch.device):

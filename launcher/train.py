@@ -77,6 +77,9 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
         if resume is not None:
             for line in checkpoints.resume(resume, loaded.config):
                 console.info(line)
+            said = build.implementation_resumed(parts.optimizer)
+            if said:
+                console.info(said)
         strategy.agree(lambda: logger.start(_tracked(loaded, strategy, folder.path, checkpoints, parts)))
         return _fit(loaded, checkpoints, parts, folder.path)
     except RuntimeError as e:  # a collective that waited dist_timeout for a rank that stopped or died
@@ -155,7 +158,9 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     wrapped = strategy.wrap(model)
     for note in strategy.wrapped():
         console.info(note)
-    optimizer = build.component(recipe.optimizer, "optimizer", [q for q in model.parameters() if q.requires_grad])
+    optimizer, chosen = build.optimizer(recipe.optimizer, [q for q in model.parameters() if q.requires_grad])
+    if chosen:
+        console.info(chosen)
     schedule = build.component(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
     run = RunState(data.Position(), schedule, precision, strategy, OmegaConf.to_yaml(loaded.config), train_data)
     checkpoints = Checkpoints(strategy, wrapped, optimizer, run, run_dir, recipe.checkpoint)

@@ -55,6 +55,11 @@ def test_the_hf_fsdp_and_scaling_rows():
         assert len(row) == 1 and "MiB" in row[0], out
         ratio = float(re.search(r"us +(\d+\.\d+) \(\S+\) +- ", row[0]).group(1))
         assert 0.2 < ratio < 5, row  # a sanity bound on what was measured, not a target
+        peer = re.search(r"^ +peer HF Trainer \((\w+)\): \d+us per step; launcher / Trainer (\d\.\d{3}) \(\S+\); last "
+                         r"logged loss: launcher (\d+\.\d{4}), Trainer (\d+\.\d{4}), hand-written (\d+\.\d{4})$", out, re.M)
+        assert peer and peer.group(1) == "adamw_torch_fused" and 0.2 < float(peer.group(2)) < 5, out
+        losses = [float(peer.group(i)) for i in (3, 4, 5)]
+        assert max(losses) - min(losses) < 0.5, losses  # the same task learnt alike, in another sample order
     else:
         assert "HF row skipped: transformers is not installed" in out, out
     held = re.search(r"^fsdp / ddp +held per rank (\d\.\d{3}) \(target <= 0.525: (met|NOT met)\); step time "

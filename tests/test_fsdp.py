@@ -52,6 +52,7 @@ def sharded(tmp_path_factory):
 def test_fsdp_gives_the_weights_of_one_process(single, sharded):
     folder, said = sharded
     assert "(fsdp)" in said and "fsdp: sharded over 2 ranks; units none (the root alone)" in said
+    assert "optimizer: torch.optim.AdamW with fused=True" in said  # on the shards (DTensors) as in one process
     assert_close(single / "model.pt", folder / "model.pt")
 
 

@@ -57,7 +57,8 @@ def test_ddp_under_torchrun(reference, tmp_path):
 
 
 def test_ddp_started_by_the_launcher(reference, tmp_path):
-    run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", "strategy=ddp", "nproc_per_node=2"])
+    done = run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", "strategy=ddp", "nproc_per_node=2"])
+    assert done.stdout.count("optimizer: torch.optim.AdamW with fused=True") == 1  # rank 0 says it; both chose it
     assert_equivalent(reference, tmp_path / "model.pt")
 
 

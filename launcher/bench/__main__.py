@@ -151,12 +151,20 @@ def hf(args) -> list[str]:
               "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false",
               "devices=cpu", f"run_dir={args.run_dir}/hf"]
     sides = {"raw": ([PY, "-m", "launcher.bench.raw_hf", steps], {}),
-             "ours": ([PY, "-m", "launcher.bench.child", *recipe], {})}
+             "ours": ([PY, "-m", "launcher.bench.child", *recipe], {}),
+             "trainer": ([PY, "-m", "launcher.bench.peer_trainer", steps], {})}
     res = alternate(sides, args.reps)
-    return [f"HF model (recipes/hf_causal_lm.yaml: GPT2LMHeadModel on padded passages) against a hand-written "
-            f"HF loop (launcher/bench/raw_hf.py), {steps} steps, {args.reps} alternating repetitions "
-            f"(python -m launcher.bench --hf-steps {steps} --reps {args.reps})", HEADER,
-            row("HF GPT-2 1 proc", res, "-")]
+    lines = [f"HF model (recipes/hf_causal_lm.yaml: GPT2LMHeadModel on padded passages) against a hand-written "
+             f"HF loop (launcher/bench/raw_hf.py) and HF Trainer at its defaults (launcher/bench/peer_trainer.py), "
+             f"{steps} steps, {args.reps} alternating repetitions (python -m launcher.bench --hf-steps {steps} "
+             f"--reps {args.reps})", HEADER, row("HF GPT-2 1 proc", res, "-")]
+    if "trainer" in res:
+        t, tlo, thi = ratio({"raw": res["trainer"], "ours": res["ours"]}, "ours")
+        lines.append(f"{'':16} peer HF Trainer ({res['trainer'][0].get('optim')}): "
+                     f"{median(res['trainer'], 'median_step_us'):.0f}us per step; launcher / Trainer {t:.3f} "
+                     f"({tlo:.3f}-{thi:.3f}); last logged loss: launcher {median(res['ours'], 'loss'):.4f}, "
+                     f"Trainer {median(res['trainer'], 'loss'):.4f}, hand-written {median(res['raw'], 'loss'):.4f}")
+    return lines
 
 
 # charlm at a CPU size where the Blocks hold nearly all parameters (4 of 128 wide: 0.8M parameters).

@@ -43,7 +43,7 @@ def run(argv) -> int:
 
     def measured(parts, *args):
         out = fit(parts, *args)
-        held.update(held_bytes(parts.model, parts.optimizer))
+        held.update(held_bytes(parts.model, parts.optimizer), loss=out.get("train/loss"))
         return out
 
     launcher.train.fit = measured
