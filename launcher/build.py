@@ -109,21 +109,22 @@ def _fusable(spec: Dict[str, Any], params: list) -> bool:
 def data_for(cfg: DataConfig, grad_accum: int, placement: Placement, seed: int, device: torch.device):
     """The training stream of this rank, and its validation batches (or None)."""
     collate = Collate(component(cfg.collate, "data.collate")) if cfg.collate else None
+    workers = data.Loading(cfg.num_workers, cfg.persistent_workers, cfg.prefetch_factor, cfg.pin_memory)
     dataset = component(cfg.train, "data.train")
     if stream.is_stream(dataset):
         if cfg.batch_size % placement.world_size:
             raise UserError(f"data.batch_size: {cfg.batch_size} does not divide among {placement.world_size} "
                             f"processes; use a multiple of {placement.world_size}")
-        train = stream.StreamData(dataset, cfg.batch_size, placement.world_size, placement.rank, cfg.num_workers,
+        train = stream.StreamData(dataset, cfg.batch_size, placement.world_size, placement.rank, workers,
                                   device, collate, seed)
     else:
         train = data.TrainData(dataset, cfg.batch_size, grad_accum, placement.world_size, placement.rank,
-                               cfg.shuffle, seed, cfg.num_workers, device, collate)
+                               cfg.shuffle, seed, workers, device, collate)
     val_set = component(cfg.val, "data.val") if cfg.val else None
     if stream.is_stream(val_set):
-        val = stream.StreamBatches(val_set, cfg.batch_size, placement.world_size, placement.rank, cfg.num_workers,
+        val = stream.StreamBatches(val_set, cfg.batch_size, placement.world_size, placement.rank, workers,
                                    device, collate, data.to_device, seed)
     else:
-        val = data.val_batches(val_set, cfg.batch_size, placement.world_size, placement.rank, cfg.num_workers,
+        val = data.val_batches(val_set, cfg.batch_size, placement.world_size, placement.rank, workers,
                                device, seed, collate)
     return train, val

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
@@ -76,11 +76,37 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+@dataclass(frozen=True)
+class Loading:
+    """How a rank's loaders fetch: worker processes, and what torch's DataLoader does with them (the recipe's
+    data.num_workers, persistent_workers, prefetch_factor, pin_memory)."""
+
+    workers: int = 0
+    persistent: bool = True  # workers kept between epochs and evaluations, not started again for each
+    prefetch: Optional[int] = None  # batches each worker makes ahead; None: torch's (2)
+    pin_memory: Optional[bool] = None  # None: where the batches go to a GPU
+
+    def options(self, device: torch.device) -> dict:
+        """DataLoader's keyword arguments."""
+        out = {"num_workers": self.workers,
+               "pin_memory": device.type == "cuda" if self.pin_memory is None else self.pin_memory}
+        if self.workers:
+            out["persistent_workers"] = self.persistent
+            if self.prefetch is not None:
+                out["prefetch_factor"] = self.prefetch
+        return out
+
+
+def loading(value: Union[int, Loading]) -> Loading:
+    return value if isinstance(value, Loading) else Loading(workers=value)
+
+
 class TrainData:
     """The training loader for one rank, and an endless stream of micro-batches on the device."""
 
     def __init__(self, dataset: Dataset, batch_size: int, grad_accum: int, replicas: int, rank: int,
-                 shuffle: bool, seed: int, num_workers: int, device: torch.device, collate_fn: Callable = None):
+                 shuffle: bool, seed: int, num_workers: Union[int, Loading], device: torch.device,
+                 collate_fn: Callable = None):
         n = _length(dataset, "data.train")
         if batch_size % replicas:
             raise UserError(f"data.batch_size: {batch_size} does not divide among {replicas} processes; "
@@ -163,7 +189,7 @@ def _copied_ahead(batches: Iterator[tuple], device: torch.device) -> Iterator[tu
         yield current
 
 
-def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank: int, num_workers: int,
+def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank: int, num_workers: Union[int, Loading],
                 device: torch.device, seed: int, collate_fn: Callable = None):
     """A re-iterable of validation batches on the device, or None without a validation set."""
     if dataset is None:
@@ -227,15 +253,15 @@ def _batched(dataset: Dataset) -> Dataset:
     return TensorBatches(dataset) if type(dataset) is TensorDataset else dataset
 
 
-def _loader(dataset, batch_size, sampler, num_workers, device, seed, collate_fn, drop_last) -> DataLoader:
+def _loader(dataset, batch_size, sampler, num_workers: Union[int, Loading], device, seed, collate_fn,
+            drop_last) -> DataLoader:
     if _draws(dataset):  # the keyed sampler's batches, made and collated under their items' seeds
         dataset, collate_fn = item_rng.Seeded(dataset, seed, collate_fn), _as_is
     else:
         dataset = _batched(dataset)
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=drop_last,
-        collate_fn=collate_fn,
-        pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn,
+        **loading(num_workers).options(device),
         # Its own generator: worker seeds never draw from (and so never shift) the global RNG.
         generator=torch.Generator().manual_seed(seed),
     )

@@ -11,6 +11,15 @@ from launcher.errors import UserError
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def tf32(allowed, device: torch.device) -> None:
+    """The recipe's `tf32` for fp32 matmuls and convolutions on CUDA (Ampere and newer compute them in TF32,
+    with a 10-bit mantissa, when allowed); None leaves torch's defaults (convolutions in TF32, matmuls not)."""
+    if allowed is None or device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.backends.cudnn.allow_tf32 = allowed
+
+
 class Precision:
     def __init__(self, name: str, device: torch.device):
         self.name = name

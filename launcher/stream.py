@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from launcher import item_rng
 from launcher.collate import default
-from launcher.data import placed, stop_workers
+from launcher.data import Loading, loading, placed, stop_workers
 from launcher.errors import UserError
 
 
@@ -216,9 +216,12 @@ def _as_is(x: Any) -> Any:
     return x
 
 
-def loader(share: Share, start: Dict[str, Any], collate: Callable, num_workers: int, device: torch.device) -> DataLoader:
-    return DataLoader(_Workers(share, start, collate), batch_size=None, num_workers=num_workers,
-                      collate_fn=_as_is, pin_memory=device.type == "cuda",
+def loader(share: Share, start: Dict[str, Any], collate: Callable, num_workers: Union[int, Loading],
+           device: torch.device) -> DataLoader:
+    # A stream's loader is never started again between epochs (its stream has none); each evaluation's ends
+    # with its stream
+    options = {**loading(num_workers).options(device), "persistent_workers": False}
+    return DataLoader(_Workers(share, start, collate), batch_size=None, collate_fn=_as_is, **options,
                       # its own generator: starting the iterator (a resume does) draws nothing from the global one
                       generator=torch.Generator().manual_seed(share.seed))
 
@@ -227,7 +230,7 @@ class StreamBatches:
     """Validation from a stream: the rank's share of every item, in batches of data.batch_size / W (the
     last one smaller), read again at each evaluation."""
 
-    def __init__(self, dataset: Any, batch_size: int, replicas: int, rank: int, num_workers: int,
+    def __init__(self, dataset: Any, batch_size: int, replicas: int, rank: int, num_workers: Union[int, Loading],
                  device: torch.device, collate: Optional[Callable], to_device: Callable, seed: int = 0):
         self.share = Share(dataset, "data.val", batch_size, replicas, rank, drop_last=False, seed=seed)
         self.collate, self.num_workers, self.device, self.to_device = collate or default, num_workers, device, to_device
@@ -247,7 +250,7 @@ class StreamData:
     steps_per_epoch = None
     is_stream = True
 
-    def __init__(self, dataset: Any, batch_size: int, replicas: int, rank: int, num_workers: int,
+    def __init__(self, dataset: Any, batch_size: int, replicas: int, rank: int, num_workers: Union[int, Loading],
                  device: torch.device, collate_fn: Optional[Callable] = None, seed: int = 0):
         self.share = Share(dataset, "data.train", batch_size, replicas, rank, seed=seed)
         self.collate = collate_fn or default

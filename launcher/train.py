@@ -15,7 +15,7 @@ from launcher.checkpoint import Checkpoints, RunState
 from launcher.errors import Hung, OutOfMemory, TrainingDiverged, UserError
 from launcher.loop import Parts, fit, total_steps
 from launcher.metrics import TrainMeter
-from launcher.precision import Precision
+from launcher.precision import Precision, tf32
 from launcher.recipe import Loaded
 from launcher.recipe.flat import hparams
 from launcher.run_dir import RunFolder
@@ -145,6 +145,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     cfg = recipe.data
     train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, placement, recipe.seed, device)
     precision = Precision(recipe.precision, device)
+    tf32(recipe.tf32, device)
     metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
     step = build.step(recipe.step, recipe.loss)
     # Before the strategy wraps the model: this process's own forward, with no collective in it.

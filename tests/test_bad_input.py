@@ -83,6 +83,8 @@ CASES = [
     ("free-gpus-not-there", [Q, "devices=auto:2"], "devices: auto:2 asks for 2 GPU(s), visible: none"),
     ("fp16-on-cpu", [Q, "precision=fp16", "devices=cpu"], "precision: fp16 needs a CUDA device"),
     ("ddp-count-on-cpu", [Q, "strategy=ddp"], "nproc_per_node: strategy=ddp on the CPU"),
+    ("prefetch-without-workers", [Q, "data.prefetch_factor=4"],
+     "data.prefetch_factor: is what each loader worker makes ahead, and data.num_workers is 0"),
     ("empty-dataset", [Q, "data.train.n=0"], "data.train: the dataset is empty"),
     ("batch-too-large", [Q, "data.batch_size=100000"], "items are fewer than one optimizer step takes"),
     ("items-not-pairs", [Q, "data.train={_target_: tests.components.Singles}"],

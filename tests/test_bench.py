@@ -33,12 +33,17 @@ def test_the_reference_workload_rows():
 
 
 @pytest.mark.slow
-def test_the_loggers_and_start_up_rows():
+def test_the_loggers_defaults_and_start_up_rows():
     out = bench("--loggers")
     for name in ("TensorBoard", "TB+MLflow+jsonl+profile"):  # the loggers rows: mean step, its ratio to raw
         logged = re.search(rf"^{re.escape(name)} +\d+us (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\) +\d+us +\d\.\d{{3}}$",
                            out, re.M)
         assert logged and 0.2 < float(logged.group(1)) < 5, out  # a sanity bound on what was measured, not a target
+    out = bench("--defaults", "--hf-steps", "10", "--steps", "150")  # 150 steps: the workers cross an epoch
+    for name in ("optimizer fused, HF recipe", "optimizer fused, reference", "persistent workers (2)",
+                 "prefetch_factor 2 (torch's)"):
+        measured = re.search(rf"^{re.escape(name)} +\d+us +\d+us +(\d\.\d{{3}}) \(\S+\) ", out, re.M)
+        assert measured and 0.2 < float(measured.group(1)) < 5, out  # a sanity bound, not a target
     out = bench("--startup", "--startup-reps", "1")
     for name in ("off", "on"):  # the start-up rows: whole one-step processes against the hand-written loop's
         started = re.search(rf"^launcher, TensorBoard {name} +\d+\.\d\d (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\)$", out, re.M)

@@ -77,3 +77,16 @@ def test_collate_passes_a_whole_batch_through():
     assert collate.default(batch) is batch
     x, y = collate.default([(torch.zeros(2), 1), (torch.ones(2), 2)])
     assert x.shape == (2, 2) and y.tolist() == [1, 2]
+
+
+def test_the_loader_options_reach_torch_s_dataloader():
+    """data.num_workers, persistent_workers, prefetch_factor and pin_memory, as DataLoader takes them; the
+    defaults: workers kept between epochs, torch's prefetch, page-locked batches only where they go to a GPU."""
+    dataset = Blobs(n=256)
+    cpu = torch.device("cpu")
+    loader = data.TrainData(dataset, 32, 1, 1, 0, True, 0, 2, cpu).loader
+    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory) == (2, True, 2, False)
+    chosen = data.Loading(workers=2, persistent=False, prefetch=4, pin_memory=True)
+    loader = data.TrainData(dataset, 32, 1, 1, 0, True, 0, chosen, cpu).loader
+    assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory) == (2, False, 4, True)
+    assert data.Loading().options(torch.device("cuda")) == {"num_workers": 0, "pin_memory": True}

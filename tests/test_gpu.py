@@ -179,3 +179,13 @@ def test_a_cuda_profile_window_holds_kernels_and_a_snapshot_window_a_pickle(tmp_
     assert snapshot.name == "rank0_step3-4.pickle"
     with open(snapshot, "rb") as f:
         assert pickle.load(f)["segments"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_fused_optimizer_is_chosen_on_cuda_and_trains(tmp_path, capsys, precision):
+    """The default implementation on a GPU: fused, with the fp16 grad scaler too (fused optimizers take its
+    scale and its inf check on the device); tf32 as the recipe says."""
+    values = train(tmp_path, "devices=cuda", f"precision={precision}", "tf32=true", "trainer.max_steps=40")
+    assert "optimizer: torch.optim.AdamW with fused=True, torch's fastest implementation on cuda" in capsys.readouterr().out
+    assert values["train/loss"] < 2.3 and torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False

@@ -1,6 +1,6 @@
 """The optimizer's implementation: a torch optimizer with a fused one gets it unless the recipe says
 otherwise (as HF Trainer's adamw_torch_fused), the same under every strategy, and a resumed run steps as
-its checkpoint's did."""
+its checkpoint's did; TF32 as the recipe says."""
 
 import pytest
 import torch
@@ -49,3 +49,19 @@ def test_a_run_says_its_choice_and_a_resumed_run_steps_as_its_checkpoint_did(tmp
     assert state["optimizer"]["param_groups"][0]["fused"] is False
     train(tmp_path / "b", "trainer.max_steps=10")
     assert "optimizer: torch.optim.AdamW with fused=True" in capsys.readouterr().out
+
+
+def test_tf32_is_the_recipe_s_word_on_cuda_and_torch_s_default_without_one():
+    from launcher.precision import tf32
+
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        tf32(None, torch.device("cuda"))
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == flags
+        tf32(True, torch.device("cpu"))  # nothing on the CPU
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == flags
+        for allowed in (True, False):
+            tf32(allowed, torch.device("cuda"))
+            assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (allowed, allowed)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags

@@ -1,6 +1,6 @@
 """python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--fsdp-steps 100] [--no-workload]
                           [--no-ddp] [--no-peers] [--no-hf] [--no-fsdp] [--no-loggers] [--no-scaling] [--loggers]
-                          [--no-startup] [--startup [--startup-reps 9]]
+                          [--no-startup] [--startup [--startup-reps 9]] [--no-defaults] [--defaults]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -35,6 +35,10 @@ TensorBoard off and on, against the hand-written loop's whole process for one st
 start to exit, alternating, as the median over repetitions of (ours / raw); `--startup` runs this row
 alone.
 
+The defaults row: each default the launcher picks for its users (the optimizer's fused implementation,
+persistent loader workers, torch's prefetch factor), the run at the default against the same run
+without it, as the mean step (launcher/bench/defaults.py); `--defaults` runs this row alone.
+
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 """
 
@@ -51,6 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from launcher.bench.defaults import defaults
 from launcher.bench.startup import startup
 
 REPO = Path(__file__).resolve().parents[2]
@@ -261,6 +266,9 @@ def main() -> int:
     parser.add_argument("--no-startup", dest="startup", action="store_false", help="skip the start-up row")
     parser.add_argument("--startup", dest="startup_only", action="store_true", help="the start-up row alone")
     parser.add_argument("--startup-reps", type=int, default=9, help="repetitions of the start-up row (default 9)")
+    parser.add_argument("--no-defaults", dest="defaults", action="store_false", help="skip the defaults row")
+    parser.add_argument("--defaults", dest="defaults_only", action="store_true",
+                        help="the defaults row alone: each default the launcher picks, on against off")
     args = parser.parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
@@ -270,6 +278,9 @@ def main() -> int:
         if args.startup_only:
             print("\n".join(startup(args)), flush=True)
             return 0
+        if args.defaults_only:
+            print("\n".join(defaults(args, alternate, PY)), flush=True)
+            return 0
         if args.workload:
             print("\n".join(workload(args)), flush=True)
         if args.loggers:
@@ -278,6 +289,8 @@ def main() -> int:
             print("\n".join(startup(args)), flush=True)
         if args.hf:
             print("\n".join(hf(args)), flush=True)
+        if args.defaults:
+            print("\n".join(defaults(args, alternate, PY)), flush=True)
         if args.fsdp:
             print("\n".join(fsdp(args)), flush=True)
         if args.scaling:

@@ -1,5 +1,5 @@
 """python -m launcher.bench.gpu [--steps 300] [--reps 3] [--size 124M|tiny] [--device cuda|cpu]
-                              [--no-compile | --compiled-only | --fsdp]
+                              [--no-compile | --compiled-only | --fsdp | --tf32]
 
 The charlm recipe (a character-level GPT on Hamlet) in bf16 on one GPU, eager and with torch.compile,
 through the launcher (`launcher.bench.child recipes/charlm.yaml ...`) and through a hand-written
@@ -23,6 +23,10 @@ compare the ratios of one run, and give figures with the date and the device (bo
 `--fsdp` runs instead the launcher's eager side under strategy fsdp against strategy ddp, one process
 each (torchrun): step time, tokens/s and peak memory (one GPU: FSDP shards nothing, so this is its
 overhead; its memory gain needs several GPUs).
+
+`--tf32` runs instead the launcher's eager side in fp32 with `tf32=true` against `tf32=false`: what
+TF32 matmuls give on this GPU (the recipe's `tf32` is torch's default, off for matmuls, until this row
+shows it helps).
 
 Where one command may run only 10 minutes, `--no-compile` and `--compiled-only` split the GPU benchmark
 into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to pass 10 minutes).
@@ -72,6 +76,14 @@ def strategy_sides(args, shape: tuple) -> dict:
             for name in ("ddp", "fsdp")}
 
 
+def tf32_sides(args, shape: tuple) -> dict:
+    """The launcher's side (eager) in fp32, its matmuls in TF32 (tf32=true) and not (tf32=false)."""
+    ours, _ = sides(args, shape, compile=False)["ours"]
+    fp32 = [a for a in ours if a != "precision=bf16" and not a.startswith("run_dir=")] + ["precision=fp32"]
+    return {name: ([*fp32, f"tf32={str(name == 'tf32').lower()}", f"run_dir={args.run_dir}/{name}"], {})
+            for name in ("fp32", "tf32")}
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
@@ -93,6 +105,8 @@ def main(argv=None) -> int:
     which.add_argument("--compiled-only", dest="settings", action="store_const", const=(True,))
     which.add_argument("--fsdp", dest="settings", action="store_const", const=("fsdp",),
                        help="instead: the launcher under fsdp against ddp (one process each): memory and tokens/s")
+    which.add_argument("--tf32", dest="settings", action="store_const", const=("tf32",),
+                       help="instead: the launcher in fp32 with tf32=true against tf32=false (what TF32 gives)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu --size tiny for a smoke test")
@@ -123,10 +137,12 @@ def measure(args, argv) -> int:
     warm_up = min(50, (args.steps - 1) // 2)  # StepClock.report's
     print(f"{datetime.date.today().isoformat()}, torch {torch.__version__}, {args.steps} steps ({warm_up} of warm-up), "
           f"{args.reps} alternating repetitions ({command})", flush=True)
-    last = "fsdp/ddp (range)" if args.settings == ("fsdp",) else "ours/raw (range)"
-    print(f"{'':9} {'side':5} {'step':>9} {'tokens/s':>10} {'MFU':>6} {'memory':>9}  {last}", flush=True)
-    if args.settings == ("fsdp",):
-        return _strategies(args, shape, tokens)
+    pairs = {("fsdp",): (strategy_sides, ("ddp", "fsdp")), ("tf32",): (tf32_sides, ("fp32", "tf32"))}
+    last = f"{pairs[args.settings][1][1]}/{pairs[args.settings][1][0]}" if args.settings in pairs else "ours/raw"
+    print(f"{'':9} {'side':5} {'step':>9} {'tokens/s':>10} {'MFU':>6} {'memory':>9}  {last} (range)", flush=True)
+    if args.settings in pairs:
+        made, names = pairs[args.settings]
+        return _pair(args, made(args, shape), names, tokens)
     for compile in args.settings:
         res = alternate(sides(args, shape, compile), args.reps)  # a side that fails ends it: SystemExit, its stderr
         if set(res) != {"raw", "ours"}:
@@ -144,16 +160,18 @@ def measure(args, argv) -> int:
     return 0
 
 
-def _strategies(args, shape: tuple, tokens: int) -> int:
-    res = alternate(strategy_sides(args, shape), args.reps)
-    if set(res) != {"ddp", "fsdp"}:
+def _pair(args, made: dict, names: tuple, tokens: int) -> int:
+    """Two launcher sides, the second's step time over the first's (fsdp / ddp, tf32 / fp32)."""
+    res = alternate(made, args.reps)
+    if set(res) != set(names):
         raise SystemExit(f"a side gave no figures ({', '.join(res) or 'neither'} did)")
-    r = [f["median_step_us"] / d["median_step_us"] for f, d in zip(res["fsdp"], res["ddp"])]
-    for side in ("ddp", "fsdp"):
+    first, second = names
+    r = [f["median_step_us"] / d["median_step_us"] for f, d in zip(res[second], res[first])]
+    for side in names:
         step_s = median(res[side], "median_step_us") / 1e6
         mem = [run["max_memory_gib"] for run in res[side] if "max_memory_gib" in run]
         memory = f"{statistics.median(mem):6.2f}GiB" if mem else f"{'-':>9}"
-        tail = f"  {statistics.median(r):5.3f} ({min(r):.3f}-{max(r):.3f})" if side == "fsdp" else ""
+        tail = f"  {statistics.median(r):5.3f} ({min(r):.3f}-{max(r):.3f})" if side == second else ""
         print(f"{'eager':9} {side:5} {step_s * 1e3:7.2f}ms {tokens / step_s:10,.0f} {'-':>6} {memory}{tail}", flush=True)
     return 0
 

@@ -34,6 +34,9 @@ class DataConfig:
     val: Optional[Target] = None  # the same kinds; evaluated every trainer.eval_every steps and at the end
     batch_size: int = 64  # global, per forward/backward; x grad_accum_steps per optimizer step
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
+    persistent_workers: bool = True  # with workers: kept between epochs and evaluations, not started again
+    prefetch_factor: Optional[int] = None  # with workers: batches each makes ahead; null: torch's default (2)
+    pin_memory: Optional[bool] = None  # page-locked batches, copied to a GPU asynchronously; null: on CUDA
     shuffle: bool = True  # a new permutation each epoch (seed + epoch); map-style data only
     tokens_per_sample: Optional[int] = None  # turns samples/s into tokens/s in the logs
     collate: Optional[Target] = None  # collate(list of items) -> batch, e.g. padding; null: torch's default_collate
@@ -46,6 +49,10 @@ class DataConfig:
         if self.num_workers > MAX_WORKERS:
             out.append(("data.num_workers", f"at most {MAX_WORKERS} loader processes per rank, got {self.num_workers}"))
         out += at_least("data.tokens_per_sample", self.tokens_per_sample, 1)
+        out += at_least("data.prefetch_factor", self.prefetch_factor, 1)
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            out.append(("data.prefetch_factor", "is what each loader worker makes ahead, and data.num_workers is 0; "
+                                                "set data.num_workers, or leave prefetch_factor null"))
         return out
 
 
@@ -227,6 +234,7 @@ class Recipe:
     strategy: str = "auto"  # auto | single | dp | ddp | fsdp | accelerate; auto: by how the run started
     devices: Any = "auto"  # auto | auto:N | cpu | cuda | cuda:N | [ids]; auto: the GPUs, else the CPU
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 with a grad scaler, CUDA only)
+    tf32: Optional[bool] = None  # CUDA fp32 matmuls and convolutions in TF32: true (faster, 10-bit mantissa), false (fp32); null: torch's (convolutions only)
     nproc_per_node: Optional[int] = None  # strategy=ddp outside torchrun: workers to start (default: one per GPU)
     dist_timeout: int = 600  # seconds a collective may wait for the other ranks before every rank stops (exit 6)
     model: Target = MISSING  # the model: any nn.Module built from _target_ and its arguments
