@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from launcher import data, stream
+from launcher import data, loaders, stream
 from launcher import step as steps
 from launcher.collate import Collate
 from launcher.errors import UserError, first_line
@@ -45,7 +45,7 @@ def component(spec: Dict[str, Any], key: str, *args: Any) -> Any:
         built = instantiate(spec, *args, key=key)
     except UnexpectedArgument as e:  # a keyword the call refused, which its signature could not show
         raise UserError(f"{e.argument}: {e}") from None
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError, RuntimeError, OSError) as e:  # OSError: a path that is not there (a model folder)
         raise UserError(f"{key}: {spec['_target_']} failed with the recipe's arguments: "
                         f"{type(e).__name__}: {first_line(e)}") from None
     except SystemExit as e:  # sys.exit() in a constructor would end the run with its code and no model
@@ -103,13 +103,34 @@ def _fusable(spec: Dict[str, Any], params: list) -> bool:
         devices = set(_get_fused_kernels_supported_devices())
     except (TypeError, ValueError, ImportError):
         return False
-    return takes and all(torch.is_floating_point(q) and q.device.type in devices for q in params)
+    if not (takes and all(torch.is_floating_point(q) and q.device.type in devices for q in params)):
+        return False
+    return not _sharded(params) or _fused_kernel_shards(target)
+
+
+def _sharded(params: list) -> bool:
+    return any(type(q).__name__ == "DTensor" for q in params)
+
+
+def _fused_kernel_shards(target: type) -> bool:
+    """Whether DTensor can run the optimizer's fused kernel on sharded parameters (FSDP2's): torch 2.13 has
+    sharding rules for Adam's and AdamW's, not SGD's or Adagrad's, which fail at the first step."""
+    try:
+        from torch.distributed.tensor import DTensor
+
+        op = getattr(torch.ops.aten, f"_fused_{target.__name__.lower()}_").default
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        known = (getattr(propagator, name, {}) for name in ("op_strategy_funcs", "op_to_rules",
+                                                             "op_single_dim_strategy_funcs"))
+        return any(op in table for table in known)
+    except (AttributeError, ImportError, RuntimeError):
+        return False
 
 
 def data_for(cfg: DataConfig, grad_accum: int, placement: Placement, seed: int, device: torch.device):
     """The training stream of this rank, and its validation batches (or None)."""
     collate = Collate(component(cfg.collate, "data.collate")) if cfg.collate else None
-    workers = data.Loading(cfg.num_workers, cfg.persistent_workers, cfg.prefetch_factor, cfg.pin_memory)
+    workers = loaders.Loading(cfg.num_workers, cfg.persistent_workers, cfg.prefetch_factor, cfg.pin_memory)
     dataset = component(cfg.train, "data.train")
     if stream.is_stream(dataset):
         if cfg.batch_size % placement.world_size:

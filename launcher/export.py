@@ -1,24 +1,32 @@
-"""python -m launcher.export CHECKPOINT OUT
+"""python -m launcher.export CHECKPOINT OUT [--format hf [--dtype bf16|fp32] [--max-shard-size 5GB] [--config FILE]]
 
 Any checkpoint the launcher writes, sharded or not, as one plain file of the unwrapped model's
 state_dict, which loads into the plain model with load_state_dict(strict=True). No process group
 is started: a sharded checkpoint's shards are read and joined in this process.
 
 CHECKPOINT is a checkpoint folder (runs/<name>/checkpoints/step_<N>, written by any strategy), a run
-folder (its newest complete checkpoint, else its model.pt) or a model state_dict file. OUT ends in
-.pt (torch.save) or .safetensors. The checkpoint's CRC-32s are checked before anything is read.
+folder (its newest complete checkpoint, else its model.pt), an HF model folder or a model state_dict
+file. OUT ends in .pt (torch.save) or .safetensors. The checkpoint's CRC-32s are checked before anything
+is read.
+
+--format hf writes OUT as a folder that HF's `from_pretrained` loads: config.json and safetensors shards
+of at most --max-shard-size, with their index. The config is the model's own, which a run of an HF
+model keeps in <run_dir>/hf_config.json (--config names another config.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
-from launcher.checkpoint import files, weights
+from launcher.checkpoint import files, hf, weights
+from launcher.checkpoint.hf import RUN_CONFIG
 from launcher.errors import UserError
 from launcher.report import say
 
@@ -55,16 +63,30 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (step_<N>, sharded or not), a run folder, "
                                                       "or a model state_dict file")
-    parser.add_argument("out", type=Path, help="the file to write: NAME.pt (torch.save) or NAME.safetensors")
+    parser.add_argument("out", type=Path, help="the file to write: NAME.pt (torch.save) or NAME.safetensors; with "
+                                               "--format hf, the folder to write")
+    parser.add_argument("--format", choices=("file", "hf"), default="file",
+                        help="file (default: one .pt or .safetensors file) or hf (a folder from_pretrained loads)")
+    parser.add_argument("--dtype", choices=sorted(hf.DTYPES), help="with --format hf: the dtype of the floating-point "
+                                                                  "weights written (default: as trained)")
+    parser.add_argument("--max-shard-size", default="5GB", help="with --format hf: the largest safetensors file, "
+                                                                 "as 5GB, 500MB or bytes (default 5GB)")
+    parser.add_argument("--config", type=Path, help="with --format hf: the model's config.json (default: the run "
+                                                    "folder's hf_config.json, or the HF folder's own)")
     args = parser.parse_args(argv)
     try:
-        if args.out.suffix not in SUFFIXES:
-            raise UserError(f"{args.out}: the output must end in .pt or .safetensors")
         if not args.checkpoint.exists():
             raise UserError(f"{args.checkpoint}: no such file or folder")
+        if args.format == "hf":
+            cfg, limit = _config(args.checkpoint, args.config), _bytes(args.max_shard_size)
+        elif args.out.suffix not in SUFFIXES:
+            raise UserError(f"{args.out}: the output must end in .pt or .safetensors (or give --format hf for a folder)")
         state, source = weights.read(args.checkpoint)
         try:
-            write(state, args.out)
+            if args.format == "hf":
+                written = hf.write(args.out, state, cfg, hf.DTYPES.get(args.dtype), limit)
+            else:
+                write(state, args.out)
         except OSError as e:
             raise UserError(f"cannot write {args.out}: {e.strerror or e} (errno {e.errno})") from None
     except UserError as e:
@@ -72,8 +94,37 @@ def main(argv: Optional[List[str]] = None) -> int:
             say(problem)
         return 2
     parameters = sum(t.numel() for t in state.values())
-    print(f"wrote {args.out}: {len(state)} tensors, {parameters:,} values, from {source}")
+    what = f" ({', '.join(written)})" if args.format == "hf" else ""
+    print(f"wrote {args.out}{what}: {len(state)} tensors, {parameters:,} values, from {source}")
     return 0
+
+
+def _config(checkpoint: Path, given: Optional[Path]) -> dict:
+    """The model's HF config: --config, else what the run kept (its run folder's hf_config.json, found from
+    a run folder or one of its checkpoint folders), else an HF folder's own."""
+    if given is not None:
+        path = given / hf.CONFIG if given.is_dir() else given
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"--config {given}: not a readable JSON config ({e})") from None
+    for folder in (checkpoint, checkpoint.parent.parent):
+        kept = folder / RUN_CONFIG
+        if kept.is_file():
+            return json.loads(kept.read_text())
+    own = hf.config(checkpoint) if checkpoint.is_dir() else None
+    if own is not None:
+        return own
+    raise UserError(f"{checkpoint}: --format hf needs the model's config, and none was found: a run of an HF model "
+                    f"keeps it in <run_dir>/{RUN_CONFIG}; name one with --config FILE")
+
+
+def _bytes(size: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", size.upper())
+    if not match or float(match.group(1)) <= 0:
+        raise UserError(f"--max-shard-size {size}: give a size such as 5GB, 500MB or 1000000 (bytes)")
+    return int(float(match.group(1)) * units[match.group(2) or ""])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ def apply(model: nn.Module, names: List[str]) -> int:
     outer = [m for m in chosen if id(m) not in inside]
     for module in outer:
         module.__class__ = _recomputing(type(module))
+    config = getattr(model, "config", None)
+    if outer and getattr(config, "use_cache", False):
+        # An HF model's KV cache would grow again as each layer is recomputed (its keys then outnumber the
+        # mask); HF turns it off for its own gradient checkpointing, and training never reads it.
+        config.use_cache = False
     return len(outer)
 
 

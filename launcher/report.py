@@ -62,3 +62,14 @@ def for_torchrun(lines: List[str], later: int = 0) -> None:
             json.dump(data, f)
     except OSError:
         pass  # the report then says what it says without it; our line is on stderr already
+
+
+def where_raised(e: BaseException) -> str:
+    """Where an exception was raised, as file:line in function (the component's code, not ours)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    # sys.exit wrapped by a library's hook (wandb replaces it once a run was started): its caller
+    while len(frames) > 1 and frames[-1].name == "exit":
+        frames.pop()
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "a component"

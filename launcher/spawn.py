@@ -33,6 +33,11 @@ def process_count(nproc_per_node: Optional[int], visible_gpus: int, device: str,
     return nproc_per_node
 
 
+def cpus() -> int:
+    """The CPU cores this process may run on (its affinity, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def torchrun(recipe: Path, overrides: List[str], nproc: int) -> int:
     """Run the recipe under torchrun with `nproc` workers: 0, the exit code of the failed workers (2 if
     any made a user mistake), or 128+N when this process got signal N (torchrun passed it on, and the

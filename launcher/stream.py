@@ -35,7 +35,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from launcher import item_rng
 from launcher.collate import default
-from launcher.data import Loading, loading, placed, stop_workers
+from launcher.data import placed
+from launcher.loaders import Loading, loading, stop_workers
 from launcher.errors import UserError
 
 

@@ -9,8 +9,8 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from launcher import (build, checkpoint, data, first_batch, loggers, recompute, scheduler, seeding, spawn, strategies,
-                      hang, throughput, watch)
+from launcher import (build, checkpoint, data, first_batch, loggers, recompute, report, scheduler, seeding, spawn,
+                      strategies, hang, throughput, watch)
 from launcher.checkpoint import Checkpoints, RunState
 from launcher.errors import Hung, OutOfMemory, TrainingDiverged, UserError
 from launcher.loop import Parts, fit, total_steps
@@ -37,7 +37,7 @@ def run(loaded: Loaded, overrides: list) -> int:
     placed = _place(loaded)
     placement, _, visible = placed
     if strategies.must_spawn(loaded.recipe.strategy, placement):
-        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device, _cpus())
+        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device, spawn.cpus())
         return spawn.torchrun(loaded.path, overrides, nproc)
     if loaded.recipe.nproc_per_node is not None and placement.launched_by == "plain":
         placed[1].append(f"nproc_per_node: {loaded.recipe.nproc_per_node} starts processes for strategy ddp or fsdp; "
@@ -61,7 +61,7 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
             try:
                 return _train(loaded, strategy, folder, loaded.notes + notes + settled + strategy.notes())
             except SystemExit as e:  # sys.exit() in a component's code (a forward, a dataset's item, a metric)
-                raise UserError(f"{_innermost(e)} raised SystemExit({e.code!r}) during training; a component must "
+                raise UserError(f"{report.where_raised(e)} raised SystemExit({e.code!r}) during training; a component must "
                                 f"not exit the process (raise an exception instead)", every_rank=True) from None
     finally:
         folder.close()
@@ -130,18 +130,7 @@ def _open(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, note
 def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger, console, init_from):
     """Every part of the run from its section of the recipe, the model wrapped by the strategy."""
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
-    seeding.seed_everything(recipe.seed)
-    model = build.component(recipe.model, "model").to(device)
-    if init_from:
-        try:
-            where = checkpoint.load_model_state(model, Path(init_from), map_location=device)
-        except UserError as e:
-            raise UserError(*(f"checkpoint.init_from: {line}" for line in e.problems), every_rank=e.every_rank) from None
-        console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
-    if recipe.trainer.activation_checkpointing:
-        count = recompute.apply(model, recipe.trainer.activation_checkpointing)
-        console.info(f"activation checkpointing: {count} modules ({', '.join(recipe.trainer.activation_checkpointing)}) "
-                     f"recompute their activations in backward")
+    model = _model(recipe, strategy, run_dir, console, init_from)
     cfg = recipe.data
     train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, placement, recipe.seed, device)
     precision = Precision(recipe.precision, device)
@@ -183,6 +172,30 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                   save_on_stop=recipe.checkpoint.on_signal, idle=lambda: checkpoints.finish_pending(wait=False),
                   watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
     return checkpoints, parts
+
+
+def _model(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_from) -> torch.nn.Module:
+    """The plain model on this rank's device: built at the recipe's seed, its HF config kept for export,
+    initialised from `init_from`, its named layers recomputing their activations."""
+    seeding.seed_everything(recipe.seed)
+    model = build.component(recipe.model, "model").to(strategy.device)
+    model_config = checkpoint.model_config(model)
+    if model_config is not None:  # an HF model's config: export --format hf writes it beside the weights
+        strategy.agree(lambda: checkpoint.keep_config(run_dir, model_config) if strategy.placement.is_main else None)
+    elif recipe.checkpoint.export_hf:
+        raise UserError(f"checkpoint.export_hf: the model ({type(model).__name__}) has no HF config (model.config), "
+                        f"which an HF folder needs; export_hf is for transformers models")
+    if init_from:
+        try:
+            where = checkpoint.load_model_state(model, Path(init_from), map_location=strategy.device)
+        except UserError as e:
+            raise UserError(*(f"checkpoint.init_from: {line}" for line in e.problems), every_rank=e.every_rank) from None
+        console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
+    if recipe.trainer.activation_checkpointing:
+        count = recompute.apply(model, recipe.trainer.activation_checkpointing)
+        console.info(f"activation checkpointing: {count} modules ({', '.join(recipe.trainer.activation_checkpointing)}) "
+                     f"recompute their activations in backward")
+    return model
 
 
 def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) -> Dict[str, float]:
@@ -238,7 +251,8 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
     model = f"model: {run_dir / 'model.pt'}" if recipe.checkpoint.consolidate != "never" or not strategy.sharded else \
         "model: not gathered (checkpoint.consolidate=never; python -m launcher.export makes one from a checkpoint)"
-    console.info(" | ".join(x for x in (f"done: step {position.step}", final, model) if x))
+    exported = f"HF folder: {run_dir / 'hf'}" if recipe.checkpoint.export_hf and "not gathered" not in model else ""
+    console.info(" | ".join(x for x in (f"done: step {position.step}", final, model, exported) if x))
     return results
 
 
@@ -258,22 +272,6 @@ def _save_before_failing(checkpoints: Checkpoints, parts: Parts, started: int, r
                      f"command resumes from step {checkpoints.saved_step}")
     elif step > started:
         console.info("no checkpoint was saved: the same command starts over")
-
-
-def _cpus() -> int:
-    """The CPU cores this process may run on (its affinity, which a container or taskset narrows)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _innermost(e: BaseException) -> str:
-    """Where an exception was raised, as file:line in function (the component's code, not ours)."""
-    import traceback
-
-    frames = traceback.extract_tb(e.__traceback__)
-    # sys.exit wrapped by a library's hook (wandb replaces it once a run was started): its caller
-    while len(frames) > 1 and frames[-1].name == "exit":
-        frames.pop()
-    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "a component"
 
 
 def _nvidia_smi() -> list:

@@ -10,6 +10,8 @@ import torch
 # OpenMP threads competing with another process make a tiny model a hundred times slower.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Models and configs come from folders the tests write: nothing is ever fetched from the HF Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"

@@ -416,3 +416,18 @@ def test_random_bytes_are_not_a_checkpoint(tmp_path):
     with pytest.raises(UserError, match="not a checkpoint: neither torch's zip format nor a pickle") as e:
         load_model_state(MLP(), tmp_path / "random.pt")
     assert "run code" not in str(e.value)
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_an_optimizer_that_keeps_no_state_resumes_exactly(tmp_path, strategy, request):
+    """SGD without momentum saves param groups and no state: its resume failed in torch's set_state_dict
+    ('Expected device to be set', a traceback, exit 1) until the groups alone were loaded."""
+    from tests.conftest import assert_same_weights, train
+
+    if strategy == "fsdp":
+        request.getfixturevalue("one_rank")
+    sgd = ["optimizer={_target_: torch.optim.SGD, lr: 0.1}", f"strategy={strategy}", "checkpoint.every=10"]
+    train(tmp_path / "a", *sgd, "trainer.max_steps=10")
+    train(tmp_path / "a", *sgd, "trainer.max_steps=20")
+    train(tmp_path / "b", *sgd, "trainer.max_steps=20")
+    assert_same_weights(tmp_path / "b" / "model.pt", tmp_path / "a" / "model.pt")

@@ -3,7 +3,7 @@
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
-from launcher import collate, data
+from launcher import collate, data, loaders
 from recipes.components.chars import CharText
 from recipes.components.synthetic import Blobs
 
@@ -86,7 +86,7 @@ def test_the_loader_options_reach_torch_s_dataloader():
     cpu = torch.device("cpu")
     loader = data.TrainData(dataset, 32, 1, 1, 0, True, 0, 2, cpu).loader
     assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory) == (2, True, 2, False)
-    chosen = data.Loading(workers=2, persistent=False, prefetch=4, pin_memory=True)
+    chosen = loaders.Loading(workers=2, persistent=False, prefetch=4, pin_memory=True)
     loader = data.TrainData(dataset, 32, 1, 1, 0, True, 0, chosen, cpu).loader
     assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory) == (2, False, 4, True)
-    assert data.Loading().options(torch.device("cuda")) == {"num_workers": 0, "pin_memory": True}
+    assert loaders.Loading().options(torch.device("cuda")) == {"num_workers": 0, "pin_memory": True}

@@ -65,3 +65,13 @@ def test_tf32_is_the_recipe_s_word_on_cuda_and_torch_s_default_without_one():
             assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (allowed, allowed)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def test_fsdp_s_sharded_parameters_get_fused_only_where_dtensor_can_run_its_kernel():
+    """torch 2.13's DTensor has sharding rules for fused Adam and AdamW, not SGD or Adagrad, whose first
+    step under fsdp failed ('aten._fused_sgd_.default does not have a sharding strategy registered'):
+    those keep torch's default there (tests/test_hf_folders.py trains SGD under fsdp x2)."""
+    from launcher.build import _fused_kernel_shards
+
+    assert _fused_kernel_shards(torch.optim.Adam) and _fused_kernel_shards(torch.optim.AdamW)
+    assert not _fused_kernel_shards(torch.optim.SGD) and not _fused_kernel_shards(torch.optim.Adagrad)

@@ -42,7 +42,7 @@ import sys
 
 import torch
 
-from launcher.bench.__main__ import PY, alternate, median, ratio
+from launcher.bench.runs import PY, alternate, median, ratio
 from launcher.throughput import peak_flops
 from recipes.components.gpt import GPT
 

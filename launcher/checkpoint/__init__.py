@@ -8,7 +8,8 @@ without running anything in them, resumed under any strategy at any world size.
 
 This face is what the rest of the launcher uses; one file per concern behind it:
     manager.py    Checkpoints: save, resume, finish an asynchronous save (train.py uses it)
-    formats.py    the formats, in the order a folder is recognised: full.py, sharded.py
+    formats.py    the formats, in the order a folder is recognised: full.py, sharded.py, hf.py (read, and
+                  written by export --format hf)
     layout.py     step folders, `latest`, choosing one to resume, sealing, retention
     manifest.py   manifest.json: complete and undamaged
     files.py      atomic writes with CRC-32 and fsync; weights-only reads
@@ -19,11 +20,12 @@ This face is what the rest of the launcher uses; one file per concern behind it:
 """
 
 from launcher.checkpoint.files import crc32, write_text
+from launcher.checkpoint.hf import config_of as model_config, keep_config
 from launcher.checkpoint.layout import choose, complete, settle, step_of, steps
 from launcher.checkpoint.manager import Checkpoints
 from launcher.checkpoint.manifest import is_complete, verify
 from launcher.checkpoint.run_state import RunState
 from launcher.checkpoint.weights import load_model_state
 
-__all__ = ["Checkpoints", "RunState", "choose", "complete", "crc32", "is_complete", "load_model_state", "settle",
-           "step_of", "steps", "verify", "write_text"]
+__all__ = ["Checkpoints", "RunState", "choose", "complete", "crc32", "is_complete", "keep_config", "load_model_state",
+           "model_config", "settle", "step_of", "steps", "verify", "write_text"]

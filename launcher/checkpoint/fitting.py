@@ -27,6 +27,7 @@ def fit(state: Any, expected: Dict[str, Any], path: Path,
     state = strip_prefixes(state)
     if state.keys() != expected.keys():
         state, where = _common_prefix_removed(state, expected, where)
+    state = _ties_filled(state, expected)
     inside = f" ({where})" if where else ""
     for key, tensor in expected.items():
         if key not in state:
@@ -39,6 +40,25 @@ def fit(state: Any, expected: Dict[str, Any], path: Path,
     if extra:
         raise UserError(f"{path}{inside}: does not fit this model: the file has '{extra[0]}', which the model lacks")
     return state, where
+
+
+def _ties_filled(state: Dict[str, Any], expected: Dict[str, Any]) -> Dict[str, Any]:
+    """A file that holds one name of a tied parameter (an HF folder keeps the input embedding and leaves out
+    the output layer tied to it): the model's other names of that parameter take its tensor."""
+    missing = [k for k in expected if k not in state]
+    if not missing:
+        return state
+    names: Dict[tuple, list] = {}
+    for key, tensor in expected.items():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" and tensor.numel():
+            names.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape), []).append(key)
+    filled = dict(state)
+    for aliases in names.values():
+        present = [k for k in aliases if k in state]
+        for key in aliases:
+            if key not in state and present:
+                filled[key] = state[present[0]]
+    return filled
 
 
 def _nested(state: Dict[str, Any], path: Path) -> tuple[Dict[str, torch.Tensor], str]:

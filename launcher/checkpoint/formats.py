@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from launcher.checkpoint import full, sharded
+from launcher.checkpoint import full, hf, sharded
 from launcher.errors import UserError
 
-FORMATS = (sharded, full)
+FORMATS = (sharded, full, hf)
 
 
 def of(folder: Path) -> ModuleType:

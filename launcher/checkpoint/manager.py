@@ -4,13 +4,14 @@ or in shards on every rank; the format (formats.py) writes and reads it; this fi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from launcher.checkpoint import files, formats, run_state
+from launcher.checkpoint import files, formats, hf, run_state
 from launcher.checkpoint.run_state import RunState
 from launcher.errors import UserError
 from launcher.recipe.flat import differences
@@ -25,7 +26,7 @@ class Checkpoints:
         self.strategy, self.model, self.optimizer, self.run = strategy, model, optimizer, run
         self.run_dir, self.folder = Path(run_dir), Path(run_dir) / "checkpoints"
         self.writer = strategy.placement.is_main
-        self.keep, self.consolidate = section.keep, section.consolidate
+        self.keep, self.consolidate, self.export_hf = section.keep, section.consolidate, section.export_hf
         self.async_save = section.async_save and strategy.sharded
         self.format = formats.written_by(strategy)
         self.saved_step: Optional[int] = None  # the newest checkpoint of this line of training: saved or resumed
@@ -46,6 +47,9 @@ class Checkpoints:
         path = self.run_dir / "model.pt"
         try:
             files.save(path, state, atomic=True)
+            if self.export_hf:  # beside it, the same weights as a folder from_pretrained loads
+                config = json.loads((self.run_dir / hf.RUN_CONFIG).read_text())
+                hf.write(self.run_dir / "hf", state, config, None, 5 * 10**9, replace=True)
         except OSError as e:
             raise files.cannot_write(path, e) from None
         return path

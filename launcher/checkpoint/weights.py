@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from launcher.checkpoint import files, fitting, formats, layout, manifest
+from launcher.checkpoint import files, fitting, formats, hf, layout, manifest
 from launcher.errors import UserError
 from launcher.plain import strip_prefixes
 
@@ -23,7 +23,7 @@ def read(path: Path) -> Tuple[Dict[str, torch.Tensor], str]:
         path = newest_in_run_folder(path)
     if path.is_dir():
         return of_checkpoint(path), str(path)
-    state = files.load(path)
+    state = _file(path)
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise UserError(f"{path}: not a model state_dict (a mapping of parameter names to tensors)")
     manifest.check_file(path)
@@ -70,5 +70,12 @@ def _fitting(expected: Dict[str, Any], path: Path,
         where = f"its weights in {source}" if Path(source) != path else None  # a run folder's newest
     else:
         manifest.check_file(path)
-        state, where = files.load(path, map_location), None
+        state, where = _file(path, map_location), None
     return fitting.fit(state, expected, path, where)
+
+
+def _file(path: Path, map_location: Any = "cpu") -> Any:
+    """A weights file: safetensors (read without unpickling anything) or torch's (weights only)."""
+    if path.suffix == ".safetensors":
+        return {k: v.to(map_location) for k, v in hf.safetensors_file(path).items()}
+    return files.load(path, map_location)

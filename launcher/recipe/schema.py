@@ -126,6 +126,7 @@ class CheckpointConfig:
     on_signal: bool = True  # SIGTERM, Ctrl-C, Slurm's SIGUSR1: save at the next step boundary, then stop
     consolidate: str = "final"  # sharded runs: gather model.pt at the end (final), at every save (every), or never
     async_save: bool = False  # sharded runs: write a checkpoint's shards while training goes on
+    export_hf: bool = False  # an HF model: also write <run_dir>/hf/ at the end, a folder from_pretrained loads
 
     def problems(self) -> List[tuple[str, str]]:
         out = at_least("checkpoint.every", self.every, 1) + at_least("checkpoint.keep", self.keep, 1)

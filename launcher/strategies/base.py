@@ -93,10 +93,18 @@ class Strategy:
                          optimizer_state: Dict[str, Any], full: bool) -> None:
         """Put saved state back: `full` tensors (a full-format checkpoint: every rank holds all of them), or
         state shaped by `state_dicts` (read from shards, which resharded it to this world). Collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-        set_state_dict(self.unwrap(model), optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                       options=StateDictOptions(full_state_dict=full or not self.sharded, strict=True))
+        options = StateDictOptions(full_state_dict=full or not self.sharded, strict=True)
+        if optimizer_state.get("state"):
+            set_state_dict(self.unwrap(model), optimizer, model_state_dict=model_state,
+                           optim_state_dict=optimizer_state, options=options)
+            return
+        # An optimizer that keeps no state (SGD without momentum): torch 2.13's set_state_dict cannot place
+        # an empty full state ("Expected device to be set"); its groups' settings are all there is to load.
+        set_model_state_dict(self.unwrap(model), model_state, options=options)
+        for group, saved in zip(optimizer.param_groups, optimizer_state["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
     def clip(self, params: List[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
         """The gradients' total norm over every rank's share (clipped to max_norm when given), on the device."""

@@ -1,0 +1,179 @@
+"""The HF format: a model folder as `save_pretrained` writes it, read for checkpoint.init_from and export,
+and written by export --format hf for `from_pretrained`.
+
+    <folder>/config.json                        the model's config (what from_pretrained builds from)
+    <folder>/model.safetensors                  the weights, or:
+    <folder>/model-0000N-of-0000M.safetensors   shards, and
+    <folder>/model.safetensors.index.json       which shard holds each tensor
+
+Nothing in such a folder runs: safetensors holds tensors alone, and config.json is read as JSON. Tensors
+are read one at a time from memory-mapped files, in the dtype they were saved in (a bf16 folder is cast
+to the model's dtype tensor by tensor as it is loaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+
+from launcher.checkpoint import files
+from launcher.errors import UserError, first_line
+
+NAME = "HF model folder"
+SINGLE, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
+RUN_CONFIG = "hf_config.json"  # where a run of an HF model keeps its config, in the run folder
+
+
+def holds(folder: Path) -> bool:
+    return (folder / CONFIG).is_file() and ((folder / SINGLE).is_file() or (folder / INDEX).is_file())
+
+
+def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
+    return dict(tensors(folder))
+
+
+def tensors(folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the folder, read one at a time."""
+    for path, names in _files(folder).items():
+        with _opened(path) as f:
+            for name in names if names is not None else f.keys():
+                yield name, f.get_tensor(name)
+
+
+def safetensors_file(path: Path) -> Dict[str, torch.Tensor]:
+    """All tensors of one .safetensors file."""
+    with _opened(path) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def config(folder: Path) -> Optional[dict]:
+    """The folder's config.json as a dict, or None without one."""
+    path = folder / CONFIG
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: not a readable JSON config ({first_line(e)})") from None
+
+
+def _files(folder: Path) -> Dict[Path, Optional[list]]:
+    """The folder's safetensors files, each with the tensor names the index gives it (None: all of them)."""
+    if (folder / SINGLE).is_file():
+        return {folder / SINGLE: None}
+    index = folder / INDEX
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise UserError(f"{index}: not a safetensors index (a JSON object with a weight_map of tensor names to "
+                        f"files)") from None
+    out: Dict[Path, list] = {}
+    for name, file in weight_map.items():
+        if Path(file).name != file:
+            raise UserError(f"{index}: names {file!r} for {name!r}; a shard is a file in the same folder")
+        out.setdefault(folder / file, []).append(name)
+    return out
+
+
+def _opened(path: Path):
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise UserError(f"{path}: reading safetensors needs the safetensors package: pip install 'launcher[export]' "
+                        f"(or pip install safetensors)") from None
+    files.file_or_folder(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError for a damaged or foreign file
+        raise UserError(f"{path}: not a safetensors file ({first_line(e)[:120]})") from None
+
+
+def config_of(model) -> Optional[dict]:
+    """An HF model's config as config.json holds it (with its class in `architectures`, as save_pretrained
+    writes it), or None for a model without one."""
+    cfg = getattr(model, "config", None)
+    to_json = getattr(cfg, "to_json_string", None)
+    if not callable(to_json):
+        return None
+    try:
+        out = json.loads(to_json(use_diff=False))
+    except (TypeError, ValueError):
+        return None
+    out["architectures"] = out.get("architectures") or [type(model).__name__]
+    return out
+
+
+def keep_config(run_dir: Path, cfg: dict) -> None:
+    """What export --format hf writes beside the weights (rank 0, once a run has built its model)."""
+    files.write_text(run_dir / RUN_CONFIG, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+JSON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def write(out: Path, state: Dict[str, torch.Tensor], cfg: dict, dtype: Optional[torch.dtype],
+          max_shard_bytes: int, replace: bool = False) -> list:
+    """An HF model folder at `out` (new, or empty; with `replace`, one this wrote before): config.json, and
+    the floating-point tensors in `dtype` (None: as they are) as safetensors files of at most
+    `max_shard_bytes` each (one tensor larger than that is a shard alone), with the index when there are
+    several. Written in a hidden folder beside it, then renamed, so that `out` is whole or absent. Returns
+    the files written."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    if replace and out.is_dir() and holds(out):
+        shutil.rmtree(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: exists and is not an empty folder; name a new folder for the HF model")
+    cast = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in state.items()}
+    shards = _shards(cast, max_shard_bytes)
+    partial = out.with_name(f".{out.name}.partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                for i in range(len(shards))]
+    seen: set = set()
+    for name, keys in zip(names, shards):
+        tensors = {}
+        for k in keys:  # tied tensors share memory, which safetensors refuses: a later alias is a copy
+            where = (cast[k].untyped_storage().data_ptr(), cast[k].storage_offset())
+            tensors[k] = cast[k].clone().contiguous() if where in seen else cast[k].contiguous()
+            seen.add(where)
+        save_file(tensors, str(partial / name), metadata={"format": "pt"})
+    written = list(names)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in cast.values())},
+                 "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
+        files.write_text(partial / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.append(INDEX)
+    saved_as = dtype or next((v.dtype for v in cast.values() if v.is_floating_point()), torch.float32)
+    cfg = {**cfg, "dtype": JSON_DTYPES.get(saved_as, str(saved_as).replace("torch.", ""))}
+    cfg.pop("torch_dtype", None)
+    files.write_text(partial / CONFIG, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    written.append(CONFIG)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    partial.rename(out)
+    files.fsync_dir(out.parent)
+    return written
+
+
+def _shards(state: Dict[str, torch.Tensor], max_bytes: int) -> list:
+    """The tensor names of each shard, in order, each shard at most `max_bytes` (save_pretrained's split)."""
+    shards, size = [[]], 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    return shards

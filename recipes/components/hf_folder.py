@@ -1,0 +1,41 @@
+"""A small HF model folder to fine-tune from, written by `save_pretrained` (random weights, nothing
+downloaded): what recipes/hf_finetune.yaml reads where a real one (Llama, Qwen, ...) would be.
+
+    python -m recipes.components.hf_folder runs/tiny-llama [--dtype bf16] [--shard-size 200KB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def write(folder: str, dtype: str = "fp32", shard_size: str = "5GB", layers: int = 2, width: int = 64,
+          tie: bool = False, seed: int = 0) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=2 * width,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=0,
+                                      eos_token_id=0)
+    model = transformers.LlamaForCausalLM(config).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    model.save_pretrained(folder, max_shard_size=shard_size)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.components.hf_folder", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--shard-size", default="5GB", help="save_pretrained's max_shard_size: smaller gives shards")
+    parser.add_argument("--tie", action="store_true", help="tie the output layer to the input embedding")
+    args = parser.parse_args(argv)
+    write(args.folder, args.dtype, args.shard_size, tie=args.tie)
+    print(f"wrote {args.folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

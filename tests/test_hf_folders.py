@@ -1,0 +1,142 @@
+"""HF model folders in and out: checkpoint.init_from reads a folder as save_pretrained writes it (one
+file, or shards with their index; a bf16 folder into fp32 weights; a tied output layer the folder leaves
+out), under every strategy; python -m launcher.export --format hf writes a folder from_pretrained loads,
+with the trained model's logits."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, launch, state_dict
+
+transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+pytest.importorskip("safetensors", reason="the dev extra (safetensors) is not installed")
+
+RECIPE = REPO / "recipes" / "hf_finetune.yaml"
+SHORT = ["on_cpu=null", "precision=fp32", "trainer.max_steps=6", "trainer.log_every=3", "trainer.eval_every=null",
+         "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null",
+         "trainer.activation_checkpointing=null", "data.batch_size=8", "optimizer._target_=torch.optim.SGD",
+         "optimizer.lr=0.5", "~optimizer.weight_decay"]
+
+
+def folder(tmp_path, name="base", **kwargs):
+    from recipes.components.hf_folder import write
+
+    path = tmp_path / name
+    write(str(path), **kwargs)
+    return path
+
+
+def overrides(base, run_dir, *extra):
+    return [f"model.config.pretrained_model_name_or_path={base}", f"run_dir={run_dir}",
+            *[o for o in SHORT if not o.startswith("~")], "optimizer={_target_: torch.optim.SGD, lr: 0.5}", *extra]
+
+
+def here(base, run_dir, *extra):
+    from launcher.recipe import load
+    from launcher.train import train
+
+    return train(load(RECIPE, overrides(base, run_dir, *extra)))
+
+
+def test_a_sharded_folder_and_a_single_file_initialise_the_same_model(tmp_path, capsys):
+    one = folder(tmp_path, "one")
+    sharded = folder(tmp_path, "sharded", shard_size="60KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    here(one, tmp_path / "a", "trainer.max_steps=1", "optimizer.lr=0.0")
+    assert f"initialised the model from {one}" in capsys.readouterr().out
+    here(sharded, tmp_path / "b", "trainer.max_steps=1", "optimizer.lr=0.0")
+    base = transformers.AutoModelForCausalLM.from_pretrained(one).state_dict()
+    for run in ("a", "b"):
+        got = state_dict(tmp_path / run / "model.pt")
+        assert got.keys() == base.keys() and all(torch.equal(got[k], base[k]) for k in base), run
+
+
+def test_a_bf16_folder_loads_into_fp32_weights_and_a_tied_output_layer_is_filled(tmp_path):
+    bf16 = folder(tmp_path, "bf16", dtype="bf16", tie=True)
+    saved = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16).state_dict()
+    here(bf16, tmp_path / "run", "trainer.max_steps=1", "optimizer.lr=0.0")
+    got = state_dict(tmp_path / "run" / "model.pt")
+    assert got["model.embed_tokens.weight"].dtype == torch.float32
+    assert all(torch.equal(got[k], saved[k].float()) for k in saved)
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])  # tied, not in the folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_from_a_folder_end_as_one(tmp_path, strategy):
+    base = folder(tmp_path, shard_size="60KB")
+    here(base, tmp_path / "one")
+    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", f"strategy={strategy}", "nproc_per_node=2"),
+                  timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "two" / "model.pt")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def export(*args):
+    return subprocess.run([sys.executable, "-m", "launcher.export", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_export_as_an_hf_folder_gives_from_pretrained_the_trained_logits(tmp_path):
+    base = folder(tmp_path)
+    here(base, tmp_path / "run", "checkpoint.every=3")
+    assert json.loads((tmp_path / "run" / "hf_config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    done = export(tmp_path / "run", tmp_path / "out", "--format", "hf", "--max-shard-size", "60KB")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file() and "config.json" in done.stdout
+    trained = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base))
+    trained.load_state_dict(state_dict(tmp_path / "run" / "model.pt"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, rtol=0, atol=1e-6)
+    # bf16, from a checkpoint folder: the run folder's config is found from it
+    done = export(tmp_path / "run" / "checkpoints" / "step_3", tmp_path / "bf16", "--format", "hf", "--dtype", "bf16")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+
+def test_a_run_can_end_with_its_hf_folder(tmp_path, capsys):
+    base = folder(tmp_path)
+    here(base, tmp_path / "run", "checkpoint.export_hf=true")
+    assert f"HF folder: {tmp_path / 'run' / 'hf'}" in capsys.readouterr().out
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").state_dict()
+    trained = state_dict(tmp_path / "run" / "model.pt")
+    assert all(torch.equal(loaded[k], trained[k]) for k in trained)
+    here(base, tmp_path / "run", "checkpoint.export_hf=true", "trainer.max_steps=8")  # continued: replaced
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in state_dict(tmp_path / "run" / "model.pt").items())
+
+
+def test_export_mistakes_are_one_line(tmp_path):
+    base = folder(tmp_path)
+    torch.save(transformers.AutoModelForCausalLM.from_pretrained(base).state_dict(), tmp_path / "weights.pt")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    for args, says in (
+        ([tmp_path / "weights.pt", tmp_path / "o1", "--format", "hf"], "--format hf needs the model's config"),
+        ([base, tmp_path / "taken", "--format", "hf"], "exists and is not an empty folder"),
+        ([base, tmp_path / "o2", "--format", "hf", "--max-shard-size", "lots"], "--max-shard-size lots: give a size"),
+    ):
+        done = export(*args)
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
+    done = export(tmp_path / "weights.pt", tmp_path / "o3", "--format", "hf", "--config", base / "config.json")
+    assert done.returncode == 0, done.stderr  # a plain file, with the config named
+
+
+def test_a_folder_of_another_model_names_the_key(tmp_path):
+    other = tmp_path / "other"
+    from recipes.components.hf_folder import write
+
+    write(str(other), width=32)
+    done = launch(str(RECIPE), *overrides(folder(tmp_path), tmp_path / "run", f"checkpoint.init_from={other}"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"launcher: checkpoint.init_from: {other}: does not fit "
+                                                          f"this model: 'model.embed_tokens.weight' is (256, 32)")
