@@ -22,7 +22,7 @@ def bench(*args: str) -> str:
 # The rows, split three ways so that two pytest workers share them; together they are every row.
 @pytest.mark.slow
 def test_the_reference_workload_rows():
-    out = bench("--no-loggers", "--no-startup", "--no-hf", "--no-fsdp", "--no-scaling")
+    out = bench("--no-loggers", "--no-startup", "--no-hf", "--no-fsdp", "--no-scaling", "--no-defaults")
     for name in ("1 process", "DDP x2 (gloo)"):
         row = [l for l in out.splitlines() if l.startswith(name)]
         assert len(row) == 1 and "us" in row[0] and "MiB" in row[0], out
@@ -52,7 +52,7 @@ def test_the_loggers_defaults_and_start_up_rows():
 
 @pytest.mark.slow
 def test_the_hf_fsdp_and_scaling_rows():
-    out = bench("--no-workload", "--no-loggers", "--no-startup", "--scaling-steps", "6", "--hf-steps", "30",
+    out = bench("--no-workload", "--no-loggers", "--no-startup", "--no-defaults", "--scaling-steps", "6", "--hf-steps", "30",
                 "--fsdp-steps", "20")
     assert "reference workload" not in out, out
     if importlib.util.find_spec("transformers"):
