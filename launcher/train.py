@@ -9,8 +9,8 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from launcher import (build, checkpoint, data, first_batch, loggers, recompute, report, scheduler, seeding, spawn,
-                      strategies, hang, throughput, watch)
+from launcher import (assemble, build, data, first_batch, loggers, report, scheduler, spawn, strategies, hang,
+                      throughput, watch)
 from launcher.checkpoint import Checkpoints, RunState
 from launcher.errors import Hung, OutOfMemory, TrainingDiverged, UserError
 from launcher.loop import Parts, fit, total_steps
@@ -130,24 +130,19 @@ def _open(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, note
 def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger, console, init_from):
     """Every part of the run from its section of the recipe, the model wrapped by the strategy."""
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
-    model = _model(recipe, strategy, run_dir, console, init_from)
+    model = assemble.built(recipe, strategy, run_dir, console, init_from)
     cfg = recipe.data
     train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, placement, recipe.seed, device)
     precision = Precision(recipe.precision, device)
     tf32(recipe.tf32, device)
     metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
     step = build.step(recipe.step, recipe.loss)
-    # Before the strategy wraps the model: this process's own forward, with no collective in it.
     if train_data.is_stream and recipe.trainer.max_epochs:
         raise UserError(f"trainer.max_epochs: data.train is a stream ({type(train_data.share.dataset).__name__}, an "
                         f"IterableDataset) whose epochs are not counted ahead; set trainer.max_steps and "
                         f"trainer.max_epochs=null")
-    for note in first_batch.check(train_data.first_items, train_data.collate, model, step, metrics,
-                                  precision.autocast, device):
-        console.info(note)
-    wrapped = strategy.wrap(model)
-    for note in strategy.wrapped():
-        console.info(note)
+    wrapped = assemble.wrapped(model, strategy, console, init_from, lambda m: first_batch.check(
+        train_data.first_items, train_data.collate, m, step, metrics, precision.autocast, device))
     optimizer, chosen = build.optimizer(recipe.optimizer, [q for q in model.parameters() if q.requires_grad])
     if chosen:
         console.info(chosen)
@@ -172,30 +167,6 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                   save_on_stop=recipe.checkpoint.on_signal, idle=lambda: checkpoints.finish_pending(wait=False),
                   watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
     return checkpoints, parts
-
-
-def _model(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_from) -> torch.nn.Module:
-    """The plain model on this rank's device: built at the recipe's seed, its HF config kept for export,
-    initialised from `init_from`, its named layers recomputing their activations."""
-    seeding.seed_everything(recipe.seed)
-    model = build.component(recipe.model, "model").to(strategy.device)
-    model_config = checkpoint.model_config(model)
-    if model_config is not None:  # an HF model's config: export --format hf writes it beside the weights
-        strategy.agree(lambda: checkpoint.keep_config(run_dir, model_config) if strategy.placement.is_main else None)
-    elif recipe.checkpoint.export_hf:
-        raise UserError(f"checkpoint.export_hf: the model ({type(model).__name__}) has no HF config (model.config), "
-                        f"which an HF folder needs; export_hf is for transformers models")
-    if init_from:
-        try:
-            where = checkpoint.load_model_state(model, Path(init_from), map_location=strategy.device)
-        except UserError as e:
-            raise UserError(*(f"checkpoint.init_from: {line}" for line in e.problems), every_rank=e.every_rank) from None
-        console.info(f"initialised the model from {init_from}" + (f" ({where})" if where else ""))
-    if recipe.trainer.activation_checkpointing:
-        count = recompute.apply(model, recipe.trainer.activation_checkpointing)
-        console.info(f"activation checkpointing: {count} modules ({', '.join(recipe.trainer.activation_checkpointing)}) "
-                     f"recompute their activations in backward")
-    return model
 
 
 def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) -> Dict[str, float]:

@@ -22,7 +22,7 @@ def bench(*args: str) -> str:
 # The rows, split three ways so that two pytest workers share them; together they are every row.
 @pytest.mark.slow
 def test_the_reference_workload_rows():
-    out = bench("--no-loggers", "--no-startup", "--no-hf", "--no-fsdp", "--no-scaling", "--no-defaults")
+    out = bench("--no-loggers", "--no-startup", "--no-hf", "--no-fsdp", "--no-scaling", "--no-defaults", "--no-pretrained")
     for name in ("1 process", "DDP x2 (gloo)"):
         row = [l for l in out.splitlines() if l.startswith(name)]
         assert len(row) == 1 and "us" in row[0] and "MiB" in row[0], out
@@ -44,6 +44,10 @@ def test_the_loggers_defaults_and_start_up_rows():
                  "prefetch_factor 2 (torch's)"):
         measured = re.search(rf"^{re.escape(name)} +\d+us +\d+us +(\d\.\d{{3}}) \(\S+\) ", out, re.M)
         assert measured and 0.2 < float(measured.group(1)) < 5, out  # a sanity bound, not a target
+    if importlib.util.find_spec("transformers"):  # the bound itself is asserted at a size where it means something:
+        out = bench("--pretrained", "--pretrained-layers", "2", "--pretrained-width", "256")  # tests/test_hf_folders.py
+        for name in ("built on meta, slices read", "built whole on every rank", "a process without a model"):
+            assert re.search(rf"^{name} +\d+ MiB", out, re.M), out
     out = bench("--startup", "--startup-reps", "1")
     for name in ("off", "on"):  # the start-up rows: whole one-step processes against the hand-written loop's
         started = re.search(rf"^launcher, TensorBoard {name} +\d+\.\d\d (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\)$", out, re.M)
@@ -52,7 +56,7 @@ def test_the_loggers_defaults_and_start_up_rows():
 
 @pytest.mark.slow
 def test_the_hf_fsdp_and_scaling_rows():
-    out = bench("--no-workload", "--no-loggers", "--no-startup", "--no-defaults", "--scaling-steps", "6", "--hf-steps", "30",
+    out = bench("--no-workload", "--no-loggers", "--no-startup", "--no-defaults", "--no-pretrained", "--scaling-steps", "6", "--hf-steps", "30",
                 "--fsdp-steps", "20")
     assert "reference workload" not in out, out
     if importlib.util.find_spec("transformers"):

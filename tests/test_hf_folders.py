@@ -4,6 +4,7 @@ out), under every strategy; python -m launcher.export --format hf writes a folde
 with the trained model's logits."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -68,14 +69,41 @@ def test_a_bf16_folder_loads_into_fp32_weights_and_a_tied_output_layer_is_filled
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_from_a_folder_end_as_one(tmp_path, strategy):
-    base = folder(tmp_path, shard_size="60KB")
-    here(base, tmp_path / "one")
-    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", f"strategy={strategy}", "nproc_per_node=2"),
+    """Under fsdp each rank reads its slices into shards of a model built on the meta device: here a bf16
+    folder with a tied output layer, in shards with their index, at the learning rate of the tied-weights
+    tests (tests/test_fsdp_tied.py: a tied gradient is summed in another order over two ranks)."""
+    tied = strategy == "fsdp"
+    base = folder(tmp_path, shard_size="60KB", **({"dtype": "bf16", "tie": True} if tied else {}))
+    lr = ["optimizer.lr=0.1"] if tied else []
+    here(base, tmp_path / "one", *lr)
+    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", f"strategy={strategy}", "nproc_per_node=2", *lr),
                   timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"initialised the model from {base} into this rank's shards" in done.stdout) == (strategy == "fsdp")
     one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "two" / "model.pt")
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def loading_peak(base, run_dir, *extra) -> float:
+    """Rank 0's peak host memory (MiB) once the pretrained weights are loaded under fsdp x2."""
+    done = launch(str(RECIPE), *overrides(base, run_dir, "strategy=fsdp", "nproc_per_node=2", "trainer.max_steps=1",
+                                          "data.batch_size=2", "checkpoint.consolidate=never", *extra), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return float(re.search(r"host memory: (\d+) MiB at most on rank 0", done.stdout).group(1))
+
+
+@pytest.mark.slow
+def test_no_rank_holds_the_whole_model_to_load_it(tmp_path):
+    """Peak host memory per rank <= (the fp32 model's bytes / 2) x 1.15 + a process's without a model (the
+    same run of a model of 1 layer of width 16); built whole on every rank (fsdp.empty_init=false), as
+    before, it is not."""
+    big = folder(tmp_path, "big", layers=6, width=1024)  # 55M parameters, 219 MB in fp32
+    model_bytes = sum(f.stat().st_size for f in big.glob("*.safetensors"))
+    without = loading_peak(folder(tmp_path, "tiny", layers=1, width=16), tmp_path / "tiny_run")
+    bound = without + model_bytes / 2 / 2**20 * 1.15
+    assert loading_peak(big, tmp_path / "big_run") <= bound
+    assert loading_peak(big, tmp_path / "whole_run", "fsdp.empty_init=false") > bound
 
 
 def export(*args):

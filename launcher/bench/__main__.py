@@ -1,6 +1,7 @@
 """python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--fsdp-steps 100] [--no-workload]
                           [--no-ddp] [--no-peers] [--no-hf] [--no-fsdp] [--no-loggers] [--no-scaling] [--loggers]
                           [--no-startup] [--startup [--startup-reps 9]] [--no-defaults] [--defaults]
+                          [--no-pretrained] [--pretrained [--pretrained-layers 11 --pretrained-width 2048]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -39,6 +40,10 @@ The defaults row: each default the launcher picks for its users (the optimizer's
 persistent loader workers, torch's prefetch factor), the run at the default against the same run
 without it, as the mean step (launcher/bench/defaults.py); `--defaults` runs this row alone.
 
+The pretrained row: rank 0's peak host memory to load a 416M-parameter Llama-shaped model from an HF
+folder under fsdp x2, built on the meta device and read slice by slice, against built whole on every
+rank (launcher/bench/pretrained.py); `--pretrained` runs this row alone.
+
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 """
 
@@ -52,6 +57,7 @@ import tempfile
 
 from launcher.bench.defaults import defaults
 from launcher.bench.runs import PY, aborted_at_exit, alternate, median, ratio
+from launcher.bench.pretrained import pretrained
 from launcher.bench.startup import startup
 
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -222,6 +228,11 @@ def main() -> int:
     parser.add_argument("--no-defaults", dest="defaults", action="store_false", help="skip the defaults row")
     parser.add_argument("--defaults", dest="defaults_only", action="store_true",
                         help="the defaults row alone: each default the launcher picks, on against off")
+    parser.add_argument("--no-pretrained", dest="pretrained", action="store_false", help="skip the pretrained row")
+    parser.add_argument("--pretrained", dest="pretrained_only", action="store_true",
+                        help="the pretrained row alone: host memory to load an HF folder under fsdp x2")
+    parser.add_argument("--pretrained-layers", type=int, default=11, help="the pretrained row's layers (default 11)")
+    parser.add_argument("--pretrained-width", type=int, default=2048, help="its hidden size (default 2048: 416M parameters)")
     args = parser.parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
@@ -233,6 +244,9 @@ def main() -> int:
             return 0
         if args.defaults_only:
             print("\n".join(defaults(args, alternate, PY)), flush=True)
+            return 0
+        if args.pretrained_only:
+            print("\n".join(pretrained(args)), flush=True)
             return 0
         if args.workload:
             print("\n".join(workload(args)), flush=True)
@@ -246,6 +260,8 @@ def main() -> int:
             print("\n".join(defaults(args, alternate, PY)), flush=True)
         if args.fsdp:
             print("\n".join(fsdp(args)), flush=True)
+        if args.pretrained:
+            print("\n".join(pretrained(args)), flush=True)
         if args.scaling:
             print("\n".join(scaling(args)))
     if aborted_at_exit:

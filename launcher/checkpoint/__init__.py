@@ -15,6 +15,7 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     files.py      atomic writes with CRC-32 and fsync; weights-only reads
     run_state.py  the run state beside the model and optimizer, checked field by field
     weights.py    the plain model's weights from any checkpoint, run folder or file (export, init_from)
+    sliced.py     the same read into a sharded model, each rank its own slices (init_from under fsdp)
     fitting.py    whether weights fit a model, naming the first difference
     dcp_safe.py   DCP's files read without unpickling anything but data
 """
@@ -25,7 +26,8 @@ from launcher.checkpoint.layout import choose, complete, settle, step_of, steps
 from launcher.checkpoint.manager import Checkpoints
 from launcher.checkpoint.manifest import is_complete, verify
 from launcher.checkpoint.run_state import RunState
+from launcher.checkpoint.sliced import load as load_into_shards
 from launcher.checkpoint.weights import load_model_state
 
-__all__ = ["Checkpoints", "RunState", "choose", "complete", "crc32", "is_complete", "keep_config", "load_model_state",
+__all__ = ["Checkpoints", "RunState", "choose", "complete", "crc32", "is_complete", "keep_config", "load_into_shards", "load_model_state",
            "model_config", "settle", "step_of", "steps", "verify", "write_text"]

@@ -125,11 +125,12 @@ def file_or_folder(path: Path) -> None:
                         f"folder or a run folder")
 
 
-def load(path: Path, map_location: Any = "cpu") -> Any:
-    """torch.load with weights_only=True: a file that needs arbitrary unpickling is refused, never run."""
+def load(path: Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """torch.load with weights_only=True: a file that needs arbitrary unpickling is refused, never run. With
+    `mmap`, a file of torch's zip format is memory-mapped: a tensor's bytes are read where it is used."""
     file_or_folder(path)
     try:
-        return _weights_only(path, map_location)
+        return _weights_only(path, map_location, mmap=mmap and zipfile.is_zipfile(path))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -147,10 +148,10 @@ def load(path: Path, map_location: Any = "cpu") -> Any:
                         f"torch file ({first_line(e)[:120]})") from None
 
 
-def _weights_only(source: Any, map_location: Any) -> Any:
+def _weights_only(source: Any, map_location: Any, mmap: bool = False) -> Any:
     with warnings.catch_warnings():  # torch warns about pickle protocols on stderr: one line is ours
         warnings.simplefilter("ignore")
-        return torch.load(source, map_location=map_location, weights_only=True)
+        return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 def _pickled(path: Path) -> bool:

@@ -5,7 +5,7 @@ line naming the first differing key."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -16,18 +16,20 @@ from launcher.plain import strip_prefixes
 NESTINGS = ("state_dict", "model", "model_state_dict", "module", "net")
 
 
-def fit(state: Any, expected: Dict[str, Any], path: Path,
-        where: Optional[str] = None) -> tuple[Dict[str, torch.Tensor], Optional[str]]:
+def fit(state: Any, expected: Dict[str, Any], path: Path, where: Optional[str] = None,
+        ties: Optional[List[List[str]]] = None) -> tuple[Dict[str, torch.Tensor], Optional[str]]:
     """The weights in `state` (read from `path`) keyed and shaped as the model's `expected` state_dict, and
-    where in the file they were; one line naming the first difference if they do not fit."""
+    where in the file they were; one line naming the first difference if they do not fit. The values may
+    be tensors or stand for them (a shape, read later: hf.Slice); `ties` are the names of each parameter
+    the model holds under several (found from the tensors' storage when not given)."""
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise UserError(f"{path}: not a model state_dict (a mapping of parameter names to tensors)")
-    if not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not all(_tensor_like(v) for v in state.values()):
         state, where = _nested(state, path)
     state = strip_prefixes(state)
     if state.keys() != expected.keys():
         state, where = _common_prefix_removed(state, expected, where)
-    state = _ties_filled(state, expected)
+    state = _ties_filled(state, expected, ties)
     inside = f" ({where})" if where else ""
     for key, tensor in expected.items():
         if key not in state:
@@ -42,7 +44,19 @@ def fit(state: Any, expected: Dict[str, Any], path: Path,
     return state, where
 
 
-def _ties_filled(state: Dict[str, Any], expected: Dict[str, Any]) -> Dict[str, Any]:
+def _tensor_like(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or isinstance(getattr(value, "shape", None), torch.Size)
+
+
+def ties(model: torch.nn.Module) -> List[List[str]]:
+    """The names of each parameter a model holds under several (its tied weights)."""
+    names: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _ties_filled(state: Dict[str, Any], expected: Dict[str, Any], ties: Optional[List[List[str]]]) -> Dict[str, Any]:
     """A file that holds one name of a tied parameter (an HF folder keeps the input embedding and leaves out
     the output layer tied to it): the model's other names of that parameter take its tensor."""
     missing = [k for k in expected if k not in state]
@@ -50,10 +64,10 @@ def _ties_filled(state: Dict[str, Any], expected: Dict[str, Any]) -> Dict[str, A
         return state
     names: Dict[tuple, list] = {}
     for key, tensor in expected.items():
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" and tensor.numel():
+        if ties is None and isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" and tensor.numel():
             names.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape), []).append(key)
     filled = dict(state)
-    for aliases in names.values():
+    for aliases in (ties if ties is not None else names.values()):
         present = [k for k in aliases if k in state]
         for key in aliases:
             if key not in state and present:
@@ -63,7 +77,7 @@ def _ties_filled(state: Dict[str, Any], expected: Dict[str, Any]) -> Dict[str, A
 
 def _nested(state: Dict[str, Any], path: Path) -> tuple[Dict[str, torch.Tensor], str]:
     key = next((k for k in NESTINGS if isinstance(state.get(k), dict) and state[k]
-                and all(isinstance(v, torch.Tensor) for v in state[k].values())), None)
+                and all(_tensor_like(v) for v in state[k].values())), None)
     if key is None:
         keys = ", ".join(repr(k) for k in list(state)[:6])
         raise UserError(f"{path}: not a model state_dict: its keys ({keys}) hold more than tensors, and none "

@@ -42,6 +42,84 @@ def tensors(folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+# safetensors' dtype names (its header's "dtype") and torch's
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+class Slice:
+    """One tensor of a safetensors file, read only where asked: `shape`, and `read(index)` for the rows a
+    rank's shard holds. Read with plain file reads rather than through a memory map, whose touched pages
+    would count in the process's resident memory as long as the file is open."""
+
+    def __init__(self, path: Path, name: str, entry: dict, data_start: int):
+        try:
+            self.dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            self.shape = torch.Size(entry["shape"])
+            begin, end = entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path}: the header's entry for {name!r} is not a safetensors tensor "
+                            f"({str(entry)[:80]})") from None
+        self.path, self.name, self.start = path, name, data_start + begin
+        if end - begin != self.shape.numel() * self.dtype.itemsize:
+            raise UserError(f"{path}: {name!r} holds {end - begin} bytes, not those of {tuple(self.shape)} {entry['dtype']}")
+
+    def read(self, index: Tuple[slice, ...] = (), into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The tensor, or its part at `index` (slices; the first one's rows alone are read), read straight
+        into `into` where that is a contiguous tensor of its dtype and the rows are whole, else copied there."""
+        if not self.shape:
+            rows, rest = slice(None), ()
+        else:
+            rows, rest = (index[0], index[1:]) if index else (slice(0, self.shape[0]), ())
+        first, last, _ = rows.indices(self.shape[0]) if self.shape else (0, 1, 1)
+        shape = ((max(last - first, 0),) + tuple(self.shape[1:])) if self.shape else ()
+        whole_rows = all(r.indices(n) == (0, n, 1) for r, n in zip(rest, self.shape[1:]))
+        direct = (into is not None and into.dtype == self.dtype and into.is_contiguous() and whole_rows
+                  and tuple(into.shape) == shape)
+        out = into if direct else torch.empty(shape, dtype=self.dtype)
+        row = self.shape[1:].numel() * self.dtype.itemsize if self.shape else self.dtype.itemsize
+        with open(self.path, "rb") as f:
+            f.seek(self.start + first * row)
+            got = f.readinto(out.view(-1).view(torch.uint8).numpy()) if out.numel() else 0
+        if got != out.numel() * self.dtype.itemsize:
+            raise UserError(f"{self.path}: ends inside {self.name!r} (truncated?)")
+        part = out[(slice(None),) + tuple(rest)] if rest and not whole_rows else out
+        if into is not None and not direct:
+            into.copy_(part.reshape(into.shape))
+        return part
+
+
+def _header(path: Path) -> Tuple[dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and where its data starts."""
+    files.file_or_folder(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= 100_000_000:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+            assert isinstance(header, dict)
+    except (OSError, ValueError, AssertionError) as e:
+        raise UserError(f"{path}: not a safetensors file ({first_line(e)[:120]})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def slices(path: Path) -> Dict[str, Slice]:
+    """Every tensor of an HF folder or a .safetensors file as a Slice (headers read, no tensor yet)."""
+    out: Dict[str, Slice] = {}
+    for file, names in (_files(path) if path.is_dir() else {path: None}).items():
+        header, start = _header(file)
+        for name in names if names is not None else header:
+            if name not in header:
+                raise UserError(f"{file}: the index names {name!r} in it, which it does not hold")
+            out[name] = Slice(file, name, header[name], start)
+    return out
+
+
 def safetensors_file(path: Path) -> Dict[str, torch.Tensor]:
     """All tensors of one .safetensors file."""
     with _opened(path) as f:

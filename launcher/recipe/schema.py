@@ -82,6 +82,7 @@ class FSDPConfig:
     reshard_after_forward: bool = True  # free the gathered parameters after forward (less memory, one more gather)
     reduce_dtype: str = "fp32"  # gradients reduce-scattered in fp32 (default) or bf16; parameters follow precision
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only)
+    empty_init: bool = True  # with checkpoint.init_from: built on the meta device, each rank reads its slices of the weights (no rank holds the whole model); false: every rank builds and loads it whole first
 
     def problems(self) -> List[tuple[str, str]]:
         out = []

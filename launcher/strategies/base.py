@@ -69,6 +69,14 @@ class Strategy:
         """Lines for the console about how wrap() wrapped the model (say, how it was sharded)."""
         return []
 
+    def builds_empty(self, pretrained: bool) -> bool:
+        """Whether the model is built on the meta device and allocated when wrapped (sharded, from
+        pretrained weights): every rank would otherwise hold the whole model first."""
+        return False
+
+    def after_forward(self, model: nn.Module) -> None:
+        """After a forward without a backward (the first batch's check) on the wrapped model."""
+
     def no_sync(self, model: nn.Module, skip: bool) -> ContextManager:
         """A context in which backward does not synchronise gradients (accumulation micro-steps)."""
         return contextlib.nullcontext()

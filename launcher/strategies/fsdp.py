@@ -67,6 +67,18 @@ class FSDP(DDP):
         fully_shard(model, **options)
         return model
 
+    def builds_empty(self, pretrained: bool) -> bool:
+        return pretrained and self.fsdp.empty_init
+
+    def after_forward(self, model: nn.Module) -> None:
+        # The root keeps its gathered parameters after a forward, for the backward that follows; without
+        # one they are sharded again, so that the optimizer is built over the shards.
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def no_sync(self, model: nn.Module, skip: bool):
         # FSDP reads the flag when a unit's backward ends (DDP reads it in forward), so it is set for the
         # whole micro-step, forward and backward, and every micro-step sets it.

@@ -1,7 +1,7 @@
 """A small HF model folder to fine-tune from, written by `save_pretrained` (random weights, nothing
 downloaded): what recipes/hf_finetune.yaml reads where a real one (Llama, Qwen, ...) would be.
 
-    python -m recipes.components.hf_folder runs/tiny-llama [--dtype bf16] [--shard-size 200KB]
+    python -m recipes.components.hf_folder runs/tiny-llama [--dtype bf16] [--shard-size 200KB] [--layers 2 --width 64]
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--shard-size", default="5GB", help="save_pretrained's max_shard_size: smaller gives shards")
     parser.add_argument("--tie", action="store_true", help="tie the output layer to the input embedding")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--width", type=int, default=64, help="hidden size (the MLP's is twice that)")
     args = parser.parse_args(argv)
-    write(args.folder, args.dtype, args.shard_size, tie=args.tie)
+    write(args.folder, args.dtype, args.shard_size, layers=args.layers, width=args.width, tie=args.tie)
     print(f"wrote {args.folder}")
     return 0
 

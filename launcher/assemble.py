@@ -1,0 +1,84 @@
+"""The model a run trains, from its recipe to the strategy's wrapper: built at the recipe's seed, its HF
+config kept for export, initialised from checkpoint.init_from, its named layers recomputing their
+activations, checked on the first batch, wrapped.
+
+Under fsdp with init_from the model is built on the meta device (launcher/empty.py), sharded, and each
+rank allocates its shards and reads their slices of the pretrained weights: no rank holds the whole
+model. Otherwise every rank builds the whole model as one process does (the same random numbers, so
+from-scratch weights are those of one process, bitwise), on its device."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+from launcher import build, checkpoint, empty, recompute, seeding, strategies
+from launcher.errors import UserError
+
+
+def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_from) -> torch.nn.Module:
+    """The plain model: on this rank's device, initialised from `init_from`; or with its parameters on the
+    meta device where the strategy builds empty, to be allocated and filled by `wrapped`."""
+    seeding.seed_everything(recipe.seed)
+    on_meta = strategy.builds_empty(bool(init_from))
+    with empty.parameters_on_meta() if on_meta else contextlib.nullcontext():
+        model = build.component(recipe.model, "model")
+    if not on_meta:
+        model = model.to(strategy.device)
+    model_config = checkpoint.model_config(model)
+    if model_config is not None:  # an HF model's config: export --format hf writes it beside the weights
+        strategy.agree(lambda: checkpoint.keep_config(run_dir, model_config) if strategy.placement.is_main else None)
+    elif recipe.checkpoint.export_hf:
+        raise UserError(f"checkpoint.export_hf: the model ({type(model).__name__}) has no HF config (model.config), "
+                        f"which an HF folder needs; export_hf is for transformers models")
+    if init_from and not on_meta:
+        _initialised(console, init_from, lambda: checkpoint.load_model_state(model, Path(init_from),
+                                                                              map_location=strategy.device))
+    if recipe.trainer.activation_checkpointing:
+        count = recompute.apply(model, recipe.trainer.activation_checkpointing)
+        console.info(f"activation checkpointing: {count} modules ({', '.join(recipe.trainer.activation_checkpointing)}) "
+                     f"recompute their activations in backward")
+    return model
+
+
+def wrapped(model: torch.nn.Module, strategy: strategies.Strategy, console, init_from,
+            check: Callable[[torch.nn.Module], List[str]]) -> torch.nn.Module:
+    """The model wrapped by the strategy, checked on the first batch: before wrapping (this process's own
+    forward, no collective) where it is whole; after its shards are filled where it was built empty."""
+    built_empty = empty.is_empty(model)
+    if not built_empty:
+        for note in check(model):
+            console.info(note)
+    out = strategy.wrap(model)
+    for note in strategy.wrapped():
+        console.info(note)
+    if built_empty:
+        empty.materialise(model, strategy.device)
+        _initialised(console, init_from, lambda: checkpoint.load_into_shards(model, Path(init_from)),
+                     " into this rank's shards")
+    if strategy.sharded and init_from:  # what a rank held to get here (python -m launcher.bench --pretrained)
+        console.info(f"host memory: {peak_host_memory() / 2**20:.0f} MiB at most on rank 0 up to here, the pretrained "
+                     f"weights loaded" + ("" if built_empty else " (built whole on every rank: fsdp.empty_init=false)"))
+    if built_empty:
+        for note in strategy.agree(lambda: check(out)):  # every rank runs the sharded forward
+            console.info(note)
+        strategy.after_forward(out)
+    return out
+
+
+def _initialised(console, init_from, load: Callable, how: str = "") -> None:
+    try:
+        where = load()
+    except UserError as e:
+        raise UserError(*(f"checkpoint.init_from: {line}" for line in e.problems), every_rank=e.every_rank) from None
+    console.info(f"initialised the model from {init_from}{how}" + (f" ({where})" if where else ""))
+
+
+def peak_host_memory() -> int:
+    """This process's peak resident memory in bytes (Linux reports it in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,84 @@
+"""Pretrained weights into shards: under fsdp with checkpoint.init_from the model is built on the meta
+device, its shards allocated and filled with the slices each rank holds (launcher/empty.py,
+launcher/checkpoint/sliced.py), from every source init_from reads. In-process: fsdp as a torchrun world
+of one (gloo); tests/test_hf_folders.py runs two processes and measures host memory."""
+
+import pytest
+import torch
+from torch import nn
+
+from launcher import empty
+from tests.conftest import state_dict
+from tests.test_hf_folders import folder, here
+
+transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+
+FSDP = ["strategy=fsdp", "devices=cpu"]
+
+
+class WithBuffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied as HF ties: one Parameter in two modules
+        self.register_buffer("steps", torch.arange(3.0), persistent=False)
+
+
+def test_parameters_are_built_on_meta_buffers_real_ties_kept_and_no_random_numbers_drawn():
+    torch.manual_seed(0)
+    with empty.parameters_on_meta():
+        model = WithBuffers()
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(1), after)  # the constructor's initialisation drew nothing
+    assert all(p.device.type == "meta" for p in model.parameters()) and empty.is_empty(model)
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(model.steps, torch.arange(3.0)) and torch.equal(model.norm.running_var, torch.ones(4))
+    assert isinstance(nn.Linear(2, 2).weight.device, torch.device) and nn.Linear(2, 2).weight.device.type == "cpu"
+    empty.materialise(model, torch.device("cpu"))
+    assert not empty.is_empty(model) and model.head.weight is model.embed.weight
+    assert torch.equal(model.steps, torch.arange(3.0)) and torch.equal(model.norm.running_var, torch.ones(4))
+
+
+def test_a_sharded_bf16_folder_with_tied_weights_loads_into_fp32_shards_as_into_one_process(tmp_path, one_rank, capsys):
+    base = folder(tmp_path, dtype="bf16", tie=True, shard_size="60KB")
+    here(base, tmp_path / "fsdp", *FSDP)
+    said = capsys.readouterr().out
+    assert f"initialised the model from {base} into this rank's shards" in said and "host memory: " in said
+    here(base, tmp_path / "one")
+    a, b = state_dict(tmp_path / "fsdp" / "model.pt"), state_dict(tmp_path / "one" / "model.pt")
+    assert a.keys() == b.keys() and a["model.embed_tokens.weight"].dtype == torch.float32
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert torch.equal(a["lm_head.weight"], a["model.embed_tokens.weight"])  # still one parameter after training
+
+
+def test_every_source_init_from_reads_fills_the_shards_alike(tmp_path, one_rank):
+    """A .safetensors file, a torch file (memory-mapped), a run folder whose newest checkpoint is sharded
+    (DCP reads each rank's part), and the built-whole path (fsdp.empty_init=false)."""
+    from safetensors.torch import save_file
+
+    base = folder(tmp_path)
+    here(base, tmp_path / "whole", *FSDP, "fsdp.empty_init=false", "trainer.max_steps=1", "optimizer.lr=0.0")
+    expected = state_dict(tmp_path / "whole" / "model.pt")
+    torch.save(expected, tmp_path / "weights.pt")
+    save_file({k: v for k, v in expected.items() if k != "lm_head.weight"} | {"lm_head.weight": expected["lm_head.weight"].clone()},
+              str(tmp_path / "weights.safetensors"))
+    here(base, tmp_path / "sharded_run", *FSDP, "trainer.max_steps=1", "optimizer.lr=0.0", "checkpoint.every=1")
+    for source in ("weights.pt", "weights.safetensors", "sharded_run"):
+        here(base, tmp_path / f"from_{source}", *FSDP, "trainer.max_steps=1", "optimizer.lr=0.0",
+             f"checkpoint.init_from={tmp_path / source}")
+        got = state_dict(tmp_path / f"from_{source}" / "model.pt")
+        assert all(torch.equal(got[k], expected[k]) for k in expected), source
+
+
+def test_weights_of_another_model_name_the_key_before_anything_is_read(tmp_path, one_rank):
+    from launcher.errors import UserError
+
+    other = folder(tmp_path, "other", width=32)
+    base = folder(tmp_path)
+    with pytest.raises(UserError, match=r"checkpoint.init_from: .*other: does not fit this model: "
+                                        r"'model.embed_tokens.weight' is \(256, 32\) in the file, \(256, 64\) in the model"):
+        here(base, tmp_path / "run", *FSDP, f"checkpoint.init_from={other}")
