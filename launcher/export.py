@@ -10,8 +10,9 @@ file. OUT ends in .pt (torch.save) or .safetensors. The checkpoint's CRC-32s are
 is read.
 
 --format hf writes OUT as a folder that HF's `from_pretrained` loads: config.json and safetensors shards
-of at most --max-shard-size, with their index. The config is the model's own, which a run of an HF
-model keeps in <run_dir>/hf_config.json (--config names another config.json).
+of at most --max-shard-size, with their index, read and written one shard at a time (never the whole
+model in memory). The config is the model's own, which a run of an HF model keeps in
+<run_dir>/hf_config.json (--config names another config.json).
 """
 
 from __future__ import annotations
@@ -41,21 +42,10 @@ def write(state: Dict[str, torch.Tensor], out: Path) -> None:
         except ImportError:
             raise UserError("a .safetensors file needs the safetensors package: pip install 'launcher[export]' "
                             "(or pip install safetensors)") from None
-        data = save(_unshared(state), metadata={"format": "pt"})
+        data = save(hf.unshared(state), metadata={"format": "pt"})
         files.write(out, lambda f: f.write(data), atomic=True)
     else:
         files.save(out, state, atomic=True)
-
-
-def _unshared(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied embeddings): each later alias becomes a copy of
-    its own, so every key is in the file and loads with strict=True (the model ties them again)."""
-    seen, out = set(), {}
-    for key, tensor in state.items():
-        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        out[key] = tensor.clone().contiguous() if where in seen else tensor.contiguous()
-        seen.add(where)
-    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -81,10 +71,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             cfg, limit = _config(args.checkpoint, args.config), _bytes(args.max_shard_size)
         elif args.out.suffix not in SUFFIXES:
             raise UserError(f"{args.out}: the output must end in .pt or .safetensors (or give --format hf for a folder)")
-        state, source = weights.read(args.checkpoint)
+        if args.format == "hf":  # read a shard at a time
+            tensors, source = weights.lazy(args.checkpoint)
+            specs = tensors.specs
+        else:
+            state, source = weights.read(args.checkpoint)
+            specs = {k: (v.shape, v.dtype) for k, v in state.items()}
         try:
             if args.format == "hf":
-                written = hf.write(args.out, state, cfg, hf.DTYPES.get(args.dtype), limit)
+                written = hf.write(args.out, tensors, cfg, hf.DTYPES.get(args.dtype), limit)
             else:
                 write(state, args.out)
         except OSError as e:
@@ -93,9 +88,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for problem in e.problems:
             say(problem)
         return 2
-    parameters = sum(t.numel() for t in state.values())
+    parameters = sum(shape.numel() for shape, _ in specs.values())
     what = f" ({', '.join(written)})" if args.format == "hf" else ""
-    print(f"wrote {args.out}{what}: {len(state)} tensors, {parameters:,} values, from {source}")
+    print(f"wrote {args.out}{what}: {len(specs)} tensors, {parameters:,} values, from {source}")
     return 0
 
 

@@ -94,16 +94,32 @@ def loading_peak(base, run_dir, *extra) -> float:
 
 
 @pytest.mark.slow
-def test_no_rank_holds_the_whole_model_to_load_it(tmp_path):
+def test_no_rank_holds_the_whole_model_to_load_it_nor_export_to_write_it(tmp_path):
     """Peak host memory per rank <= (the fp32 model's bytes / 2) x 1.15 + a process's without a model (the
     same run of a model of 1 layer of width 16); built whole on every rank (fsdp.empty_init=false), as
-    before, it is not."""
+    before, it is not. Export --format hf of the run's sharded checkpoint in shards of 20 MB holds less
+    than half the model more than the same export of the small model."""
     big = folder(tmp_path, "big", layers=6, width=1024)  # 55M parameters, 219 MB in fp32
     model_bytes = sum(f.stat().st_size for f in big.glob("*.safetensors"))
     without = loading_peak(folder(tmp_path, "tiny", layers=1, width=16), tmp_path / "tiny_run")
     bound = without + model_bytes / 2 / 2**20 * 1.15
     assert loading_peak(big, tmp_path / "big_run") <= bound
     assert loading_peak(big, tmp_path / "whole_run", "fsdp.empty_init=false") > bound
+    # export of the sharded checkpoint holds one output shard at a time, not the model
+    exported = export_peak(tmp_path / "big_run", tmp_path / "big_hf") - export_peak(tmp_path / "tiny_run", tmp_path / "tiny_hf")
+    assert len(list((tmp_path / "big_hf").glob("model-*.safetensors"))) > 5
+    assert exported < model_bytes / 2 / 2**20, exported
+
+
+def export_peak(run_dir, out) -> float:
+    """python -m launcher.export RUN OUT --format hf --max-shard-size 20MB in a process of its own: its peak
+    host memory (MiB)."""
+    code = ("import resource, sys; from launcher.export import main; code = main(sys.argv[1:]); "
+            "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code, str(run_dir), str(out), "--format", "hf", "--max-shard-size",
+                           "20MB"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and (run_dir / "checkpoints").is_dir(), done.stderr[-3000:]
+    return int(re.search(r"^PEAK (\d+)$", done.stdout, re.M).group(1)) / 1024
 
 
 def export(*args):

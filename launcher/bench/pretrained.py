@@ -7,6 +7,7 @@ run's own line `host memory: N MiB at most on rank 0 up to here, the pretrained 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -20,9 +21,7 @@ RUN = ["recipes/hf_finetune.yaml", "strategy=fsdp", "nproc_per_node=2", "on_cpu=
 
 
 def pretrained(args) -> list[str]:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:
         return ["pretrained row skipped: transformers is not installed (pip install 'launcher[dev]')"]
     base = Path(args.run_dir)
     big = _folder(base / "big", args.pretrained_layers, args.pretrained_width)

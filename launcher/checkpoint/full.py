@@ -26,6 +26,14 @@ def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
     return strip_prefixes(files.load(folder / "model.pt"))
 
 
+def lazy_weights(folder: Path):
+    """The model's tensors, memory-mapped: a tensor's bytes are read when it is written (export --format hf)."""
+    from launcher.checkpoint import hf
+
+    manifest.verified(folder)
+    return hf.Tensors.of(strip_prefixes(files.load(folder / "model.pt", mmap=True)))
+
+
 def write(folder: Path, step: int, model_state: Dict[str, torch.Tensor], state: Dict[str, Any], keep: int) -> Path:
     """The checkpoint of `step` in the checkpoints `folder`, complete (rank 0)."""
     partial = layout.prepare(folder, step)

@@ -34,6 +34,10 @@ def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
     return dict(tensors(folder))
 
 
+def lazy_weights(folder: Path) -> "Tensors":
+    return Tensors.sliced(slices(folder))
+
+
 def tensors(folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in the folder, read one at a time."""
     for path, names in _files(folder).items():
@@ -195,44 +199,57 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 JSON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def write(out: Path, state: Dict[str, torch.Tensor], cfg: dict, dtype: Optional[torch.dtype],
-          max_shard_bytes: int, replace: bool = False) -> list:
+class Tensors:
+    """Tensors to write, read a shard at a time: `specs` (name -> shape and dtype, known before any is read)
+    and `read(names)` (those tensors)."""
+
+    def __init__(self, specs: Dict[str, Tuple[torch.Size, torch.dtype]], read):
+        self.specs, self.read = specs, read
+
+    @classmethod
+    def of(cls, state: Dict[str, torch.Tensor]) -> "Tensors":
+        return cls({k: (v.shape, v.dtype) for k, v in state.items()}, lambda names: {n: state[n] for n in names})
+
+    @classmethod
+    def sliced(cls, found: Dict[str, Slice]) -> "Tensors":
+        return cls({k: (v.shape, v.dtype) for k, v in found.items()}, lambda names: {n: found[n].read() for n in names})
+
+
+def write(out: Path, tensors, cfg: dict, dtype: Optional[torch.dtype], max_shard_bytes: int,
+          replace: bool = False) -> list:
     """An HF model folder at `out` (new, or empty; with `replace`, one this wrote before): config.json, and
-    the floating-point tensors in `dtype` (None: as they are) as safetensors files of at most
-    `max_shard_bytes` each (one tensor larger than that is a shard alone), with the index when there are
-    several. Written in a hidden folder beside it, then renamed, so that `out` is whole or absent. Returns
-    the files written."""
+    the floating-point tensors (a state_dict, or Tensors read a shard at a time: no more than one shard's
+    tensors are held) in `dtype` (None: as they are) as safetensors files of at most `max_shard_bytes`
+    each (one tensor larger than that is a shard alone), with the index when there are several. Written
+    in a hidden folder beside it, then renamed, so that `out` is whole or absent. Returns the files."""
     import shutil
 
     from safetensors.torch import save_file
 
+    tensors = tensors if isinstance(tensors, Tensors) else Tensors.of(tensors)
     if replace and out.is_dir() and holds(out):
         shutil.rmtree(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out}: exists and is not an empty folder; name a new folder for the HF model")
-    cast = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in state.items()}
-    shards = _shards(cast, max_shard_bytes)
+    cast = {k: (dtype if dtype is not None and d.is_floating_point else d) for k, (_, d) in tensors.specs.items()}
+    sizes = {k: shape.numel() * cast[k].itemsize for k, (shape, _) in tensors.specs.items()}
+    shards = _shards(sizes, max_shard_bytes)
     partial = out.with_name(f".{out.name}.partial")
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                 for i in range(len(shards))]
-    seen: set = set()
     for name, keys in zip(names, shards):
-        tensors = {}
-        for k in keys:  # tied tensors share memory, which safetensors refuses: a later alias is a copy
-            where = (cast[k].untyped_storage().data_ptr(), cast[k].storage_offset())
-            tensors[k] = cast[k].clone().contiguous() if where in seen else cast[k].contiguous()
-            seen.add(where)
-        save_file(tensors, str(partial / name), metadata={"format": "pt"})
+        save_file(unshared({k: v.to(cast[k]) for k, v in tensors.read(keys).items()}), str(partial / name),
+                  metadata={"format": "pt"})
     written = list(names)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in cast.values())},
+        index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
         files.write_text(partial / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append(INDEX)
-    saved_as = dtype or next((v.dtype for v in cast.values() if v.is_floating_point()), torch.float32)
+    saved_as = dtype or next((d for d in cast.values() if d.is_floating_point), torch.float32)
     cfg = {**cfg, "dtype": JSON_DTYPES.get(saved_as, str(saved_as).replace("torch.", ""))}
     cfg.pop("torch_dtype", None)
     files.write_text(partial / CONFIG, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -244,11 +261,21 @@ def write(out: Path, state: Dict[str, torch.Tensor], cfg: dict, dtype: Optional[
     return written
 
 
-def _shards(state: Dict[str, torch.Tensor], max_bytes: int) -> list:
+def unshared(part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Tied tensors share memory, which safetensors refuses in one file: each later alias becomes a copy of
+    its own, so every key is in the file and loads with strict=True (the model ties them again)."""
+    seen, out = set(), {}
+    for k, v in part.items():
+        where = (v.untyped_storage().data_ptr(), v.storage_offset())
+        out[k] = v.clone().contiguous() if where in seen else v.contiguous()
+        seen.add(where)
+    return out
+
+
+def _shards(sizes: Dict[str, int], max_bytes: int) -> list:
     """The tensor names of each shard, in order, each shard at most `max_bytes` (save_pretrained's split)."""
     shards, size = [[]], 0
-    for key, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
+    for key, nbytes in sizes.items():
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0

@@ -214,3 +214,22 @@ def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
     with _alone():
         dcp.load(state, storage_reader=reader, no_dist=True)
     return {key[len("model."):]: tensor for key, tensor in state.items()}
+
+
+def lazy_weights(folder: Path):
+    """The model's tensors of a sharded checkpoint, read a few at a time (export --format hf): shapes and
+    dtypes from DCP's index; each read loads those keys alone, from every rank's shards."""
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.checkpoint import dcp_safe, hf
+
+    manifest.verified(folder)
+    index = _tensors(dcp_safe.Reader(folder).metadata, "model.")
+
+    def read(names: list) -> Dict[str, torch.Tensor]:
+        state = {f"model.{n}": torch.empty(index[n].size, dtype=index[n].properties.dtype) for n in names}
+        with _alone():
+            dcp.load(state, storage_reader=dcp_safe.Reader(folder), no_dist=True)
+        return {n: state[f"model.{n}"] for n in names}
+
+    return hf.Tensors({n: (torch.Size(m.size), m.properties.dtype) for n, m in index.items()}, read)

@@ -14,7 +14,7 @@ from launcher.errors import UserError
 from launcher.plain import strip_prefixes
 
 
-def read(path: Path) -> Tuple[Dict[str, torch.Tensor], str]:
+def read(path: Path, mmap: bool = False) -> Tuple[Dict[str, torch.Tensor], str]:
     """The plain model's weights in `path` (a checkpoint folder, a run folder or a file), and what they were
     read from."""
     path = Path(path)
@@ -23,11 +23,27 @@ def read(path: Path) -> Tuple[Dict[str, torch.Tensor], str]:
         path = newest_in_run_folder(path)
     if path.is_dir():
         return of_checkpoint(path), str(path)
-    state = _file(path)
+    state = _file(path, mmap=mmap)
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise UserError(f"{path}: not a model state_dict (a mapping of parameter names to tensors)")
     manifest.check_file(path)
     return strip_prefixes(state), str(path)
+
+
+def lazy(path: Path) -> Tuple["hf.Tensors", str]:
+    """The plain model's weights in `path`, as read() finds them, read a few at a time where the format
+    allows (a sharded checkpoint, an HF folder, a .safetensors file; a torch file is memory-mapped), and
+    what they were read from."""
+    path = Path(path)
+    files.file_or_folder(path)
+    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "recipe.yaml").is_file()):
+        path = newest_in_run_folder(path)
+    if path.is_dir():
+        return formats.of(path).lazy_weights(path), str(path)
+    if path.suffix == ".safetensors":
+        return hf.Tensors.sliced(hf.slices(path)), str(path)
+    state, source = read(path, mmap=True)
+    return hf.Tensors.of(state), source
 
 
 def of_checkpoint(folder: Path) -> Dict[str, torch.Tensor]:
@@ -74,8 +90,8 @@ def _fitting(expected: Dict[str, Any], path: Path,
     return fitting.fit(state, expected, path, where)
 
 
-def _file(path: Path, map_location: Any = "cpu") -> Any:
+def _file(path: Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """A weights file: safetensors (read without unpickling anything) or torch's (weights only)."""
     if path.suffix == ".safetensors":
         return {k: v.to(map_location) for k, v in hf.safetensors_file(path).items()}
-    return files.load(path, map_location)
+    return files.load(path, map_location, mmap=mmap)
