@@ -204,7 +204,7 @@ def scaling(args) -> list[str]:
             f"{'ours / raw':16} {'':23} {eff['ours'] / eff['raw']:11.3f}"]
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m launcher.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000, help="steps per run of the reference workload (default 2000)")
@@ -233,7 +233,11 @@ def main() -> int:
                         help="the pretrained row alone: host memory to load an HF folder under fsdp x2")
     parser.add_argument("--pretrained-layers", type=int, default=11, help="the pretrained row's layers (default 11)")
     parser.add_argument("--pretrained-width", type=int, default=2048, help="its hidden size (default 2048: 416M parameters)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
         if args.loggers_only:
