@@ -26,6 +26,12 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
     on_meta = strategy.builds_empty(bool(init_from))
     with empty.parameters_on_meta() if on_meta else contextlib.nullcontext():
         model = build.component(recipe.model, "model")
+    if on_meta and checkpoint.is_adapted(model):  # its adapters are not in init_from: built as one process builds them
+        console.info("fsdp.empty_init: a peft model's adapters are not in checkpoint.init_from's weights; every rank "
+                     "builds the whole model, so that they start as one process's do")
+        on_meta = False
+        seeding.seed_everything(recipe.seed)
+        model = build.component(recipe.model, "model")
     if not on_meta:
         model = model.to(strategy.device)
     model_config = checkpoint.model_config(model)
@@ -61,7 +67,7 @@ def wrapped(model: torch.nn.Module, strategy: strategies.Strategy, console, init
                      " into this rank's shards")
     if strategy.sharded and init_from:  # what a rank held to get here (python -m launcher.bench --pretrained)
         console.info(f"host memory: {peak_host_memory() / 2**20:.0f} MiB at most on rank 0 up to here, the pretrained "
-                     f"weights loaded" + ("" if built_empty else " (built whole on every rank: fsdp.empty_init=false)"))
+                     f"weights loaded" + ("" if built_empty else " (built whole on every rank)"))
     if built_empty:
         for note in strategy.agree(lambda: check(out)):  # every rank runs the sharded forward
             console.info(note)

@@ -15,11 +15,12 @@ def test_there_are_recipes():
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_recipe_loads_and_builds(path, tmp_path):
     overrides = ["on_cpu=null"]  # as written (a recipe's on_cpu keys may rename a run without a GPU)
-    if path.name == "hf_finetune.yaml":  # the HF folder it fine-tunes, made here as its header says
+    if path.name in ("hf_finetune.yaml", "hf_lora.yaml"):  # the HF folder it fine-tunes, made as its header says
         from recipes.components.hf_folder import write
 
         write(str(tmp_path / "base"))
-        overrides.append(f"model.config.pretrained_model_name_or_path={tmp_path / 'base'}")
+        inner = "model.model" if path.name == "hf_lora.yaml" else "model"
+        overrides.append(f"{inner}.config.pretrained_model_name_or_path={tmp_path / 'base'}")
     loaded = load(path, overrides)
     assert loaded.recipe.name == path.stem
     header = path.read_text().splitlines()[0]

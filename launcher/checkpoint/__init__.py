@@ -16,10 +16,12 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     run_state.py  the run state beside the model and optimizer, checked field by field
     weights.py    the plain model's weights from any checkpoint, run folder or file (export, init_from)
     sliced.py     the same read into a sharded model, each rank its own slices (init_from under fsdp)
+    adapters.py   a peft model seen as the model it adapts (init_from of the base model's weights)
     fitting.py    whether weights fit a model, naming the first difference
     dcp_safe.py   DCP's files read without unpickling anything but data
 """
 
+from launcher.checkpoint.adapters import is_adapted
 from launcher.checkpoint.files import crc32, write_text
 from launcher.checkpoint.hf import config_of as model_config, keep_config
 from launcher.checkpoint.layout import choose, complete, settle, step_of, steps
@@ -29,5 +31,5 @@ from launcher.checkpoint.run_state import RunState
 from launcher.checkpoint.sliced import load as load_into_shards
 from launcher.checkpoint.weights import load_model_state
 
-__all__ = ["Checkpoints", "RunState", "choose", "complete", "crc32", "is_complete", "keep_config", "load_into_shards", "load_model_state",
+__all__ = ["Checkpoints", "RunState", "choose", "complete", "crc32", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
            "model_config", "settle", "step_of", "steps", "verify", "write_text"]

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from launcher.checkpoint import files, fitting, formats, hf, layout, manifest
+from launcher.checkpoint import adapters, files, fitting, formats, hf, layout, manifest
 from launcher.errors import UserError
 from launcher.plain import strip_prefixes
 
@@ -69,25 +69,35 @@ def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cp
     state_dict, {"model": ...}) load too, with a common prefix such as Lightning's `model.` removed when
     that makes them fit; the return value then says where they were found. A file in a checkpoint folder is
     first checked against the manifest's CRC-32."""
-    state, where = _fitting(model.state_dict(), path, map_location)
-    model.load_state_dict(state, strict=True)
-    return where
-
-
-def _fitting(expected: Dict[str, Any], path: Path,
-                  map_location: Any = "cpu") -> Tuple[Dict[str, torch.Tensor], Optional[str]]:
-    """The weights in `path`, found and checked against the model's `expected` keys and shapes as
-    load_model_state says, and where in the file they were."""
     path = Path(path)
+    expected = model.state_dict()
+    state, where = _read(path, map_location)
+    view = adapters.base_view(model, expected)
+    if view is None:
+        fitted, where = fitting.fit(state, expected, path, where)
+        model.load_state_dict(fitted, strict=True)
+        return where
+    try:  # a checkpoint of this adapted model itself
+        fitted, said = fitting.fit(state, expected, path, where)
+        model.load_state_dict(fitted, strict=True)
+        return said
+    except UserError:  # the base model's weights (a pretrained folder): the adapters stay as built
+        base, back, adapter_keys = view
+        fitted, said = fitting.fit(state, base, path, where)
+    missing, unexpected = model.load_state_dict({back[k]: v for k, v in fitted.items()}, strict=False)
+    assert sorted(missing) == sorted(adapter_keys) and not unexpected, (missing, unexpected)
+    return "; ".join([*([said] if said else []), f"the base model's weights; its {len(adapter_keys)} adapter tensors as built"])
+
+
+def _read(path: Path, map_location: Any = "cpu") -> Tuple[Any, Optional[str]]:
+    """What `path` holds, to fit to a model, and where in it the weights were (a run folder's newest)."""
     files.file_or_folder(path)
     if path.is_dir():  # a checkpoint folder of any format, or a run folder (checked as export checks them)
         weights, source = read(path)
         state = {k: v.to(map_location) for k, v in weights.items()}
-        where = f"its weights in {source}" if Path(source) != path else None  # a run folder's newest
-    else:
-        manifest.check_file(path)
-        state, where = _file(path, map_location), None
-    return fitting.fit(state, expected, path, where)
+        return state, (f"its weights in {source}" if Path(source) != path else None)
+    manifest.check_file(path)
+    return _file(path, map_location), None
 
 
 def _file(path: Path, map_location: Any = "cpu", mmap: bool = False) -> Any:

@@ -1,0 +1,75 @@
+"""LoRA through peft (recipes/hf_lora.yaml): the base model's weights from an HF folder, frozen; the adapters
+as peft builds them, trained; the same weights under one process, ddp x2 and fsdp x2; a resumed run ends
+bitwise equal; a LoRA run's own checkpoint initialises a LoRA model whole."""
+
+import pytest
+import torch
+
+from tests.conftest import REPO, assert_same_weights, launch, state_dict
+from tests.test_hf_folders import folder
+
+pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+pytest.importorskip("peft", reason="the dev extra (peft) is not installed")
+
+RECIPE = REPO / "recipes" / "hf_lora.yaml"
+SHORT = ["on_cpu=null", "precision=fp32", "trainer.max_steps=6", "trainer.log_every=3", "trainer.eval_every=null",
+         "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null",
+         "data.batch_size=8", "optimizer.lr=0.01"]
+
+
+def overrides(base, run_dir, *extra):
+    return [f"model.model.config.pretrained_model_name_or_path={base}", f"run_dir={run_dir}", *SHORT, *extra]
+
+
+def here(base, run_dir, *extra):
+    from launcher.recipe import load
+    from launcher.train import train
+
+    return train(load(RECIPE, overrides(base, run_dir, *extra)))
+
+
+def test_the_base_stays_as_loaded_and_the_adapters_learn(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    base = folder(tmp_path)
+    here(base, tmp_path / "run")
+    assert "(the base model's weights; its 8 adapter tensors as built)" in capsys.readouterr().out
+    got, loaded = state_dict(tmp_path / "run" / "model.pt"), load_file(str(base / "model.safetensors"))
+    prefix = "base_model.model."
+    for key, tensor in loaded.items():  # frozen: the folder's weights, bitwise, under peft's names
+        name = prefix + key.replace("q_proj.", "q_proj.base_layer.").replace("v_proj.", "v_proj.base_layer.")
+        assert torch.equal(got[name], tensor), name
+    lora_b = [k for k in got if ".lora_B." in k]
+    assert len(lora_b) == 4 and all(got[k].abs().sum() > 0 for k in lora_b)  # built as zeros, trained
+
+
+def test_a_resumed_lora_run_ends_bitwise_and_its_checkpoint_initialises_a_lora_model_whole(tmp_path, capsys):
+    base = folder(tmp_path)
+    here(base, tmp_path / "straight", "checkpoint.every=3")
+    here(base, tmp_path / "resumed", "checkpoint.every=3", "trainer.max_steps=3")
+    here(base, tmp_path / "resumed", "checkpoint.every=3")
+    assert_same_weights(tmp_path / "straight" / "model.pt", tmp_path / "resumed" / "model.pt")
+    capsys.readouterr()
+    here(base, tmp_path / "again", "trainer.max_steps=1", "optimizer.lr=0.0",
+         f"checkpoint.init_from={tmp_path / 'straight'}")
+    assert "adapter tensors as built" not in capsys.readouterr().out  # its own keys: adapters included
+    assert_same_weights(tmp_path / "straight" / "model.pt", tmp_path / "again" / "model.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_under_two_processes_ends_as_one(tmp_path, strategy):
+    """With SGD, as the other equivalence tests: Adam divides each adapter's first, nearly zero gradients by
+    their own size, so that their last bits decide the step."""
+    base = folder(tmp_path)
+    sgd = ["optimizer._target_=torch.optim.SGD", "optimizer.lr=0.5"]
+    here(base, tmp_path / "one", *sgd)
+    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", f"strategy={strategy}", "nproc_per_node=2", *sgd),
+                  timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if strategy == "fsdp":
+        assert "fsdp.empty_init: a peft model's adapters are not in checkpoint.init_from's weights" in done.stdout
+    one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "two" / "model.pt")
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
