@@ -37,7 +37,10 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
     model_config = checkpoint.model_config(model)
     if model_config is not None:  # an HF model's config: export --format hf writes it beside the weights
         strategy.agree(lambda: checkpoint.keep_config(run_dir, model_config) if strategy.placement.is_main else None)
-    elif recipe.checkpoint.export_hf:
+    adapters = checkpoint.adapter_config(model)
+    if adapters is not None:  # a peft model's: export --merge-lora and --format peft read it
+        strategy.agree(lambda: checkpoint.keep_adapter_config(run_dir, adapters) if strategy.placement.is_main else None)
+    if model_config is None and recipe.checkpoint.export_hf:
         raise UserError(f"checkpoint.export_hf: the model ({type(model).__name__}) has no HF config (model.config), "
                         f"which an HF folder needs; export_hf is for transformers models")
     if init_from and not on_meta:

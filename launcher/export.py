@@ -1,4 +1,5 @@
-"""python -m launcher.export CHECKPOINT OUT [--format hf [--dtype bf16|fp32] [--max-shard-size 5GB] [--config FILE]]
+"""python -m launcher.export CHECKPOINT OUT [--format hf [--merge-lora] [--dtype bf16|fp32] [--max-shard-size 5GB]
+                                             [--config FILE]] [--format peft]
 
 Any checkpoint the launcher writes, sharded or not, as one plain file of the unwrapped model's
 state_dict, which loads into the plain model with load_state_dict(strict=True). No process group
@@ -12,7 +13,12 @@ is read.
 --format hf writes OUT as a folder that HF's `from_pretrained` loads: config.json and safetensors shards
 of at most --max-shard-size, with their index, read and written one shard at a time (never the whole
 model in memory). The config is the model's own, which a run of an HF model keeps in
-<run_dir>/hf_config.json (--config names another config.json).
+<run_dir>/hf_config.json (--config names another config.json). Of a LoRA run (peft), --merge-lora
+merges the adapters into the base model's weights (W + B A x alpha / r, as peft's merge_and_unload), from
+the adapter config the run keeps in <run_dir>/adapter_config.json.
+
+--format peft writes a LoRA run's adapters alone as a folder PeftModel.from_pretrained loads
+(adapter_config.json, adapter_model.safetensors).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from launcher.checkpoint import files, hf, weights
+from launcher.checkpoint import adapters, files, hf, weights
 from launcher.checkpoint.hf import RUN_CONFIG
 from launcher.errors import UserError
 from launcher.report import say
@@ -55,8 +61,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                       "or a model state_dict file")
     parser.add_argument("out", type=Path, help="the file to write: NAME.pt (torch.save) or NAME.safetensors; with "
                                                "--format hf, the folder to write")
-    parser.add_argument("--format", choices=("file", "hf"), default="file",
-                        help="file (default: one .pt or .safetensors file) or hf (a folder from_pretrained loads)")
+    parser.add_argument("--format", choices=("file", "hf", "peft"), default="file",
+                        help="file (default: one .pt or .safetensors file), hf (a folder from_pretrained loads) or "
+                             "peft (a LoRA run's adapters as a folder PeftModel.from_pretrained loads)")
+    parser.add_argument("--merge-lora", action="store_true", help="with --format hf, of a LoRA run: the adapters "
+                                                                  "merged into the base model's weights")
     parser.add_argument("--dtype", choices=sorted(hf.DTYPES), help="with --format hf: the dtype of the floating-point "
                                                                   "weights written (default: as trained)")
     parser.add_argument("--max-shard-size", default="5GB", help="with --format hf: the largest safetensors file, "
@@ -69,10 +78,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError(f"{args.checkpoint}: no such file or folder")
         if args.format == "hf":
             cfg, limit = _config(args.checkpoint, args.config), _bytes(args.max_shard_size)
-        elif args.out.suffix not in SUFFIXES:
+        elif args.format == "file" and args.out.suffix not in SUFFIXES:
             raise UserError(f"{args.out}: the output must end in .pt or .safetensors (or give --format hf for a folder)")
-        if args.format == "hf":  # read a shard at a time
-            tensors, source = weights.lazy(args.checkpoint)
+        if args.merge_lora and args.format != "hf":
+            raise UserError("--merge-lora: writes an HF folder; give --format hf with it")
+        if args.format in ("hf", "peft"):  # read a shard at a time
+            tensors, source = _adapted(*weights.lazy(args.checkpoint), args)
             specs = tensors.specs
         else:
             state, source = weights.read(args.checkpoint)
@@ -80,6 +91,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             if args.format == "hf":
                 written = hf.write(args.out, tensors, cfg, hf.DTYPES.get(args.dtype), limit)
+            elif args.format == "peft":
+                written = adapters.write(args.out, tensors, _adapter_config(args.checkpoint), hf.DTYPES.get(args.dtype))
             else:
                 write(state, args.out)
         except OSError as e:
@@ -89,9 +102,36 @@ def main(argv: Optional[List[str]] = None) -> int:
             say(problem)
         return 2
     parameters = sum(shape.numel() for shape, _ in specs.values())
-    what = f" ({', '.join(written)})" if args.format == "hf" else ""
+    what = f" ({', '.join(written)})" if args.format != "file" else ""
     print(f"wrote {args.out}{what}: {len(specs)} tensors, {parameters:,} values, from {source}")
     return 0
+
+
+def _adapted(tensors, source: str, args):
+    """The tensors to write: a LoRA run's merged (--merge-lora) or its adapters alone (--format peft)."""
+    lora = adapters.adapter_keys(tensors.specs)
+    if args.format == "peft":
+        if not lora:
+            raise UserError(f"{args.checkpoint}: --format peft: the checkpoint holds no adapters (not a peft model's)")
+        return adapters.adapters_only(tensors), source
+    if args.merge_lora:
+        if not lora:
+            raise UserError(f"{args.checkpoint}: --merge-lora: the checkpoint holds no adapters (not a peft model's)")
+        return adapters.merged(tensors, _adapter_config(args.checkpoint)), source
+    if lora:
+        raise UserError(f"{args.checkpoint}: a peft model's checkpoint (its adapters, {lora[0]!r}, ...): give "
+                        f"--merge-lora for the base model with the adapters merged in, or --format peft for the "
+                        f"adapters alone")
+    return tensors, source
+
+
+def _adapter_config(checkpoint: Path) -> dict:
+    for folder in (checkpoint, checkpoint.parent.parent):
+        kept = folder / adapters.RUN_CONFIG
+        if kept.is_file():
+            return json.loads(kept.read_text())
+    raise UserError(f"{checkpoint}: the adapters' config was not found: a run of a peft model keeps it in "
+                    f"<run_dir>/{adapters.RUN_CONFIG}; name the run folder or one of its checkpoints")
 
 
 def _config(checkpoint: Path, given: Optional[Path]) -> dict:

@@ -2,6 +2,8 @@
 as peft builds them, trained; the same weights under one process, ddp x2 and fsdp x2; a resumed run ends
 bitwise equal; a LoRA run's own checkpoint initialises a LoRA model whole."""
 
+import json
+
 import pytest
 import torch
 
@@ -73,3 +75,38 @@ def test_lora_under_two_processes_ends_as_one(tmp_path, strategy):
     assert one.keys() == two.keys()
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_export_merges_the_adapters_or_writes_them_as_peft_does(tmp_path):
+    import peft
+    import transformers
+
+    from tests.test_hf_folders import export
+
+    base = folder(tmp_path)
+    here(base, tmp_path / "run", "checkpoint.export_hf=true", "checkpoint.every=3")
+    cfg = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and cfg["peft_type"] == "LORA"
+    trained = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
+                                  peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    trained.load_state_dict(state_dict(tmp_path / "run" / "model.pt"), strict=True)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = trained.eval()(ids).logits
+        for out, args in (("merged", ["--format", "hf", "--merge-lora", "--max-shard-size", "60KB"]),
+                          ("adapters", ["--format", "peft"])):
+            done = export(tmp_path / "run" / "checkpoints" / "step_6", tmp_path / out, *args)
+            assert done.returncode == 0, done.stderr
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        assert not any("lora" in k for k in merged.state_dict())
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
+        at_end = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")  # checkpoint.export_hf
+        torch.testing.assert_close(at_end(ids).logits, expected, rtol=0, atol=1e-5)
+        again = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapters")
+        torch.testing.assert_close(again.eval()(ids).logits, expected, rtol=0, atol=1e-6)
+    done = export(tmp_path / "run", tmp_path / "unmerged", "--format", "hf")
+    assert done.returncode == 2 and not (tmp_path / "unmerged").exists()
+    assert done.stderr.strip().splitlines() == [
+        f"launcher: {tmp_path / 'run'}: a peft model's checkpoint (its adapters, "
+        f"'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight', ...): give --merge-lora for the "
+        f"base model with the adapters merged in, or --format peft for the adapters alone"], done.stderr

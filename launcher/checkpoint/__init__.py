@@ -21,7 +21,7 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     dcp_safe.py   DCP's files read without unpickling anything but data
 """
 
-from launcher.checkpoint.adapters import is_adapted
+from launcher.checkpoint.adapters import config_of as adapter_config, is_adapted, keep_config as keep_adapter_config
 from launcher.checkpoint.files import crc32, write_text
 from launcher.checkpoint.hf import config_of as model_config, keep_config
 from launcher.checkpoint.layout import choose, complete, settle, step_of, steps
@@ -31,5 +31,5 @@ from launcher.checkpoint.run_state import RunState
 from launcher.checkpoint.sliced import load as load_into_shards
 from launcher.checkpoint.weights import load_model_state
 
-__all__ = ["Checkpoints", "RunState", "choose", "complete", "crc32", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
+__all__ = ["Checkpoints", "RunState", "adapter_config", "keep_adapter_config", "choose", "complete", "crc32", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
            "model_config", "settle", "step_of", "steps", "verify", "write_text"]

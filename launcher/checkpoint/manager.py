@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from launcher.checkpoint import files, formats, hf, run_state
+from launcher.checkpoint import adapters, files, formats, hf, run_state
 from launcher.checkpoint.run_state import RunState
 from launcher.errors import UserError
 from launcher.recipe.flat import differences
@@ -49,7 +49,10 @@ class Checkpoints:
             files.save(path, state, atomic=True)
             if self.export_hf:  # beside it, the same weights as a folder from_pretrained loads
                 config = json.loads((self.run_dir / hf.RUN_CONFIG).read_text())
-                hf.write(self.run_dir / "hf", state, config, None, 5 * 10**9, replace=True)
+                tensors = hf.Tensors.of(state)
+                if (self.run_dir / adapters.RUN_CONFIG).is_file():  # a peft model's: its adapters merged in
+                    tensors = adapters.merged(tensors, json.loads((self.run_dir / adapters.RUN_CONFIG).read_text()))
+                hf.write(self.run_dir / "hf", tensors, config, None, 5 * 10**9, replace=True)
         except OSError as e:
             raise files.cannot_write(path, e) from None
         return path
