@@ -222,7 +222,7 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
     model = f"model: {run_dir / 'model.pt'}" if recipe.checkpoint.consolidate != "never" or not strategy.sharded else \
         "model: not gathered (checkpoint.consolidate=never; python -m launcher.export makes one from a checkpoint)"
-    exported = f"HF folder: {run_dir / 'hf'}" if recipe.checkpoint.export_hf and "not gathered" not in model else ""
+    exported = f"HF folder: {run_dir / 'hf'}" if recipe.checkpoint.export_hf else ""
     console.info(" | ".join(x for x in (f"done: step {position.step}", final, model, exported) if x))
     return results
 

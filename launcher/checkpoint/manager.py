@@ -48,14 +48,20 @@ class Checkpoints:
         try:
             files.save(path, state, atomic=True)
             if self.export_hf:  # beside it, the same weights as a folder from_pretrained loads
-                config = json.loads((self.run_dir / hf.RUN_CONFIG).read_text())
-                tensors = hf.Tensors.of(state)
-                if (self.run_dir / adapters.RUN_CONFIG).is_file():  # a peft model's: its adapters merged in
-                    tensors = adapters.merged(tensors, json.loads((self.run_dir / adapters.RUN_CONFIG).read_text()))
-                hf.write(self.run_dir / "hf", tensors, config, None, 5 * 10**9, replace=True)
+                self.export_hf_folder(hf.Tensors.of(state))
         except OSError as e:
             raise files.cannot_write(path, e) from None
         return path
+
+    def export_hf_folder(self, tensors: "hf.Tensors") -> None:
+        """<run_dir>/hf/, a folder from_pretrained loads, with a peft model's adapters merged in (rank 0)."""
+        config = json.loads((self.run_dir / hf.RUN_CONFIG).read_text())
+        if (self.run_dir / adapters.RUN_CONFIG).is_file():
+            tensors = adapters.merged(tensors, json.loads((self.run_dir / adapters.RUN_CONFIG).read_text()))
+        try:
+            hf.write(self.run_dir / "hf", tensors, config, None, 5 * 10**9, replace=True)
+        except OSError as e:
+            raise files.cannot_write(self.run_dir / "hf", e) from None
 
     def finish_pending(self, wait: bool = True) -> None:
         """Seal the asynchronous save still being written, once it is written on every rank (without

@@ -52,7 +52,7 @@ def save(checkpoints, step: int, final: bool) -> None:
     if background:
         checkpoints.pending = _Pending(checkpoints, step, future, gathered)
         return
-    _seal(checkpoints, step, gathered, full if final else None)
+    _seal(checkpoints, step, gathered, full if final else None, last=final)
 
 
 def _guarded(folder: Path, step: int, write_: Any) -> Any:
@@ -60,9 +60,10 @@ def _guarded(folder: Path, step: int, write_: Any) -> Any:
         return write_()
 
 
-def _seal(checkpoints, step: int, gathered: Dict[str, Any], final: Optional[Dict[str, torch.Tensor]]) -> None:
+def _seal(checkpoints, step: int, gathered: Dict[str, Any], final: Optional[Dict[str, torch.Tensor]],
+          last: bool = False) -> None:
     """Once every rank's shards are written: rank 0's manifest (every rank's files) and rename, then the
-    final model.pt when given."""
+    final model.pt when given; at the last save without one, checkpoint.export_hf's folder from the shards."""
     strategy, folder = checkpoints.strategy, checkpoints.folder
     partial, rank = layout.partial(folder, step), strategy.placement.rank
     mine = strategy.agree(lambda: _guarded(folder, step, lambda: own_files(partial, rank)))
@@ -75,6 +76,8 @@ def _seal(checkpoints, step: int, gathered: Dict[str, Any], final: Optional[Dict
             layout.seal(folder, step, listed, checkpoints.keep, sharded=True, world_size=strategy.placement.world_size)
         if final is not None:
             checkpoints.write_model(final)
+        elif last and checkpoints.export_hf:  # not gathered: rank 0 reads the shards an output shard at a time
+            checkpoints.export_hf_folder(lazy_weights(folder / f"step_{step}"))
 
     strategy.agree(lambda: seal() if checkpoints.writer else None)
 
