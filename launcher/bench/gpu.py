@@ -1,5 +1,5 @@
 """python -m launcher.bench.gpu [--steps 300] [--reps 3] [--size 124M|tiny] [--device cuda|cpu]
-                              [--no-compile | --compiled-only | --fsdp | --tf32]
+                              [--no-compile | --compiled-only | --fsdp | --tf32 | --finetune]
 
 The charlm recipe (a character-level GPT on Hamlet) in bf16 on one GPU, eager and with torch.compile,
 through the launcher (`launcher.bench.child recipes/charlm.yaml ...`) and through a hand-written
@@ -27,6 +27,10 @@ overhead; its memory gain needs several GPUs).
 `--tf32` runs instead the launcher's eager side in fp32 with `tf32=true` against `tf32=false`: what
 TF32 matmuls give on this GPU (the recipe's `tf32` is torch's default, off for matmuls, until this row
 shows it helps).
+
+`--finetune` runs instead the fine-tuning row (launcher/bench/finetune.py): a Llama-3.2-1B-shaped HF
+folder fine-tuned under fsdp on one GPU, bf16, compiled, activation checkpointing off and on, against HF
+Trainer on the same folder and data.
 
 Where one command may run only 10 minutes, `--no-compile` and `--compiled-only` split the GPU benchmark
 into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to pass 10 minutes).
@@ -107,6 +111,8 @@ def main(argv=None) -> int:
                        help="instead: the launcher under fsdp against ddp (one process each): memory and tokens/s")
     which.add_argument("--tf32", dest="settings", action="store_const", const=("tf32",),
                        help="instead: the launcher in fp32 with tf32=true against tf32=false (what TF32 gives)")
+    which.add_argument("--finetune", dest="settings", action="store_const", const=("finetune",),
+                       help="instead: fine-tuning a Llama-3.2-1B-shaped HF folder, fsdp, against HF Trainer")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu --size tiny for a smoke test")
@@ -119,6 +125,13 @@ def main(argv=None) -> int:
 
 
 def measure(args, argv) -> int:
+    if args.settings == ("finetune",):
+        from launcher.bench.finetune import measure as finetune
+
+        print(f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}, {args.steps} "
+              f"steps, {args.reps} alternating repetitions (python -m launcher.bench.gpu "
+              f"{' '.join(sys.argv[1:] if argv is None else argv)})", flush=True)
+        return finetune(args, peak_flops(torch.device(args.device), args.peak_tflops))
     layers, heads, embd, block, batch = SIZES[args.size]
     batch = args.batch or batch
     shape = (layers, heads, embd, block, batch)

@@ -11,14 +11,16 @@ import sys
 
 
 def write(folder: str, dtype: str = "fp32", shard_size: str = "5GB", layers: int = 2, width: int = 64,
-          tie: bool = False, seed: int = 0) -> None:
+          tie: bool = False, seed: int = 0, vocab: int = 256, heads: int = 4, kv_heads: int = 2,
+          intermediate: int = 0, context: int = 256) -> None:
+    """A random Llama of this shape (the MLP 2 x width unless `intermediate` is given) saved in `folder`."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=2 * width,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=0,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=intermediate or 2 * width,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=context, tie_word_embeddings=tie, bos_token_id=0,
                                       eos_token_id=0)
     model = transformers.LlamaForCausalLM(config).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     model.save_pretrained(folder, max_shard_size=shard_size)
