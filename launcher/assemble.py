@@ -34,6 +34,10 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
         model = build.component(recipe.model, "model")
     if not on_meta:
         model = model.to(strategy.device)
+    if strategy.sharded and str(recipe.model.get("_target_", "")).endswith(".from_pretrained"):
+        console.info(f"model: {recipe.model['_target_']} loads the whole model on every rank; under fsdp, build it with "
+                     f"from_config and name the folder in checkpoint.init_from (recipes/hf_finetune.yaml), so that "
+                     f"each rank reads only its shards")
     model_config = checkpoint.model_config(model)
     if model_config is not None:  # an HF model's config: export --format hf writes it beside the weights
         strategy.agree(lambda: checkpoint.keep_config(run_dir, model_config) if strategy.placement.is_main else None)

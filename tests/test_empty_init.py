@@ -82,3 +82,12 @@ def test_weights_of_another_model_name_the_key_before_anything_is_read(tmp_path,
     with pytest.raises(UserError, match=r"checkpoint.init_from: .*other: does not fit this model: "
                                         r"'model.embed_tokens.weight' is \(256, 32\) in the file, \(256, 64\) in the model"):
         here(base, tmp_path / "run", *FSDP, f"checkpoint.init_from={other}")
+
+
+def test_a_model_loaded_by_from_pretrained_under_fsdp_gets_a_line_on_loading_it_in_shards(tmp_path, one_rank, capsys):
+    base = folder(tmp_path)
+    here(base, tmp_path / "run", *FSDP, "trainer.max_steps=1", "checkpoint.init_from=null",
+         "model={_target_: transformers.AutoModelForCausalLM.from_pretrained, pretrained_model_name_or_path: " + str(base) + "}")
+    said = capsys.readouterr().out
+    assert ("model: transformers.AutoModelForCausalLM.from_pretrained loads the whole model on every rank; under fsdp, "
+            "build it with from_config and name the folder in checkpoint.init_from") in said
