@@ -19,7 +19,8 @@ def bench(*args: str) -> str:
     return done.stdout
 
 
-# The rows, split three ways so that two pytest workers share them; together they are every row.
+# The rows, split three ways so that two pytest workers share them; together they are every row (the
+# pretrained row runs in tests/test_hf_folders.py, at a size where its bound means something).
 @pytest.mark.slow
 def test_the_reference_workload_rows():
     out = bench("--no-loggers", "--no-startup", "--no-hf", "--no-fsdp", "--no-scaling", "--no-defaults", "--no-pretrained")
@@ -44,10 +45,6 @@ def test_the_loggers_defaults_and_start_up_rows():
                  "prefetch_factor 2 (torch's)"):
         measured = re.search(rf"^{re.escape(name)} +\d+us +\d+us +(\d\.\d{{3}}) \(\S+\) ", out, re.M)
         assert measured and 0.2 < float(measured.group(1)) < 5, out  # a sanity bound, not a target
-    if importlib.util.find_spec("transformers"):  # the bound itself is asserted at a size where it means something:
-        out = bench("--pretrained", "--pretrained-layers", "2", "--pretrained-width", "256")  # tests/test_hf_folders.py
-        for name in ("built on meta, slices read", "built whole on every rank", "a process without a model"):
-            assert re.search(rf"^{name} +\d+ MiB", out, re.M), out
     out = bench("--startup", "--startup-reps", "1")
     for name in ("off", "on"):  # the start-up rows: whole one-step processes against the hand-written loop's
         started = re.search(rf"^launcher, TensorBoard {name} +\d+\.\d\d (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\)$", out, re.M)

@@ -91,3 +91,18 @@ def test_a_model_loaded_by_from_pretrained_under_fsdp_gets_a_line_on_loading_it_
     said = capsys.readouterr().out
     assert ("model: transformers.AutoModelForCausalLM.from_pretrained loads the whole model on every rank; under fsdp, "
             "build it with from_config and name the folder in checkpoint.init_from") in said
+
+
+def test_export_hf_without_consolidating_writes_the_folder_from_the_shards(tmp_path, one_rank):
+    """checkpoint.export_hf with checkpoint.consolidate=never: no model.pt is gathered; rank 0 writes
+    <run_dir>/hf/ from the last checkpoint's shards, as python -m launcher.export does."""
+    from safetensors.torch import load_file
+
+    from launcher.export import main
+
+    base = folder(tmp_path)
+    here(base, tmp_path / "run", *FSDP, "trainer.max_steps=2", "checkpoint.consolidate=never", "checkpoint.export_hf=true")
+    assert not (tmp_path / "run" / "model.pt").exists()
+    assert main([str(tmp_path / "run"), str(tmp_path / "cli"), "--format", "hf"]) == 0
+    at_end, cli = (load_file(str(tmp_path / p / "model.safetensors")) for p in ("run/hf", "cli"))
+    assert at_end.keys() == cli.keys() and all(torch.equal(at_end[k], cli[k]) for k in cli)

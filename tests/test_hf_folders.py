@@ -85,36 +85,25 @@ def test_two_processes_from_a_folder_end_as_one(tmp_path, strategy):
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def loading_peak(base, run_dir, *extra) -> float:
-    """Rank 0's peak host memory (MiB) once the pretrained weights are loaded under fsdp x2."""
-    done = launch(str(RECIPE), *overrides(base, run_dir, "strategy=fsdp", "nproc_per_node=2", "trainer.max_steps=1",
-                                          "data.batch_size=2", "checkpoint.consolidate=never", *extra), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return float(re.search(r"host memory: (\d+) MiB at most on rank 0", done.stdout).group(1))
-
-
 @pytest.mark.slow
 def test_no_rank_holds_the_whole_model_to_load_it_nor_export_to_write_it(tmp_path):
-    """Peak host memory per rank <= (the fp32 model's bytes / 2) x 1.15 + a process's without a model (the
-    same run of a model of 1 layer of width 16); built whole on every rank (fsdp.empty_init=false), as
-    before, it is not. Export --format hf of the run's sharded checkpoint in shards of 20 MB holds less
-    than half the model more than the same export of the small model; checkpoint.export_hf with
-    consolidate=never writes the same folder at the end of the run, from the shards."""
-    big = folder(tmp_path, "big", layers=6, width=1024)  # 55M parameters, 219 MB in fp32
-    model_bytes = sum(f.stat().st_size for f in big.glob("*.safetensors"))
-    without = loading_peak(folder(tmp_path, "tiny", layers=1, width=16), tmp_path / "tiny_run")
-    bound = without + model_bytes / 2 / 2**20 * 1.15
-    assert loading_peak(big, tmp_path / "big_run", "checkpoint.export_hf=true") <= bound
-    assert loading_peak(big, tmp_path / "whole_run", "fsdp.empty_init=false") > bound
-    # export of the sharded checkpoint holds one output shard at a time, not the model
-    exported = export_peak(tmp_path / "big_run", tmp_path / "big_hf") - export_peak(tmp_path / "tiny_run", tmp_path / "tiny_hf")
+    """The pretrained row of python -m launcher.bench at 55M parameters (6 layers of 1024, 219 MB in fp32):
+    rank 0's peak host memory under fsdp x2 once loaded <= (the fp32 model's bytes / 2) x 1.15 + a process's
+    without a model (the same run of a model of 1 layer of width 16); built whole on every rank
+    (fsdp.empty_init=false), as before, it is not. Export --format hf of the run's sharded checkpoint in
+    shards of 20 MB holds less than half the model more than the same export of the small model."""
+    from argparse import Namespace
+
+    from launcher.bench.pretrained import pretrained
+
+    out = "\n".join(pretrained(Namespace(run_dir=str(tmp_path), pretrained_layers=6, pretrained_width=1024)))
+    meta = re.search(r"^built on meta, slices read +(\d+) MiB  \(bound (\d+) MiB: (met|NOT met)\)$", out, re.M)
+    whole = re.search(r"^built whole on every rank +(\d+) MiB", out, re.M)
+    assert meta and meta.group(3) == "met" and whole and int(whole.group(1)) > int(meta.group(2)), out
+    model_bytes = sum(f.stat().st_size for f in (tmp_path / "big").glob("*.safetensors"))
+    exported = export_peak(tmp_path / "empty_run", tmp_path / "big_hf") - export_peak(tmp_path / "tiny_run", tmp_path / "tiny_hf")
     assert len(list((tmp_path / "big_hf").glob("model-*.safetensors"))) > 5
     assert exported < model_bytes / 2 / 2**20, exported
-    # checkpoint.export_hf with consolidate=never: rank 0 wrote the folder from the shards, no model.pt gathered
-    assert not (tmp_path / "big_run" / "model.pt").exists()
-    at_end = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "big_run" / "hf").state_dict()
-    from_cli = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "big_hf").state_dict()
-    assert at_end.keys() == from_cli.keys() and all(torch.equal(at_end[k], from_cli[k]) for k in at_end)
 
 
 def export_peak(run_dir, out) -> float:
