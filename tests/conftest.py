@@ -72,12 +72,15 @@ def assert_same_weights(a: Path, b: Path) -> None:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`) every Slurm test runs on one worker: they share one
-    local cluster, which one process starts. So do a module's tests that share a module-scoped fixture
+    local cluster, which one process starts. The tests that measure (marked `measuring`) run on one worker
+    too, one after another. So do a module's tests that share a module-scoped fixture
     (a reference run): spread over both workers, each worker would run it again."""
     sharing = {item.module.__name__ for item in items if _uses_a_module_fixture(item)}
     for item in items:
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif item.get_closest_marker("measuring"):  # not two at once: each would load the CPU the other measures
+            item.add_marker(pytest.mark.xdist_group("measuring"))
         elif item.module.__name__ in sharing:  # the whole module, in a row: pytest ends a module's fixtures
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))  # when it moves to another module
 

@@ -86,6 +86,7 @@ def test_two_processes_from_a_folder_end_as_one(tmp_path, strategy):
 
 
 @pytest.mark.slow
+@pytest.mark.measuring
 def test_no_rank_holds_the_whole_model_to_load_it_nor_export_to_write_it(tmp_path):
     """The pretrained row of python -m launcher.bench at 55M parameters (6 layers of 1024, 219 MB in fp32):
     rank 0's peak host memory under fsdp x2 once loaded <= (the fp32 model's bytes / 2) x 1.15 + a process's
@@ -117,9 +118,18 @@ def export_peak(run_dir, out) -> float:
     return int(re.search(r"^PEAK (\d+)$", done.stdout, re.M).group(1)) / 1024
 
 
-def export(*args):
-    return subprocess.run([sys.executable, "-m", "launcher.export", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+def export(*args) -> subprocess.CompletedProcess:
+    """python -m launcher.export ARGS run in this process (tests/test_export.py runs the command itself): its
+    exit code, stdout and stderr."""
+    import contextlib
+    import io
+
+    from launcher.export import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_export_as_an_hf_folder_gives_from_pretrained_the_trained_logits(tmp_path):

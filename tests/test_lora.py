@@ -1,6 +1,7 @@
 """LoRA through peft (recipes/hf_lora.yaml): the base model's weights from an HF folder, frozen; the adapters
-as peft builds them, trained; the same weights under one process, ddp x2 and fsdp x2; a resumed run ends
-bitwise equal; a LoRA run's own checkpoint initialises a LoRA model whole."""
+as peft builds them, trained; the same weights under one process, ddp (in a world of one, in this process)
+and fsdp x2; a resumed run ends bitwise equal; a LoRA run's own checkpoint initialises a LoRA model whole;
+export merges the adapters or writes them as peft does."""
 
 import json
 
@@ -58,19 +59,25 @@ def test_a_resumed_lora_run_ends_bitwise_and_its_checkpoint_initialises_a_lora_m
     assert_same_weights(tmp_path / "straight" / "model.pt", tmp_path / "again" / "model.pt")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_lora_under_two_processes_ends_as_one(tmp_path, strategy):
-    """With SGD, as the other equivalence tests: Adam divides each adapter's first, nearly zero gradients by
-    their own size, so that their last bits decide the step."""
+SGD = ["optimizer._target_=torch.optim.SGD", "optimizer.lr=0.5"]  # as the other equivalence tests: Adam divides
+# each adapter's first, nearly zero gradients by their own size, so that their last bits decide the step
+
+
+def test_lora_under_ddp_ends_as_one_process(tmp_path, one_rank):
     base = folder(tmp_path)
-    sgd = ["optimizer._target_=torch.optim.SGD", "optimizer.lr=0.5"]
-    here(base, tmp_path / "one", *sgd)
-    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", f"strategy={strategy}", "nproc_per_node=2", *sgd),
-                  timeout=300)
+    here(base, tmp_path / "one", *SGD, "strategy=single")
+    here(base, tmp_path / "ddp", *SGD, "strategy=ddp", "devices=cpu")
+    one, ddp = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "ddp" / "model.pt")
+    assert one.keys() == ddp.keys() and all(torch.equal(one[k], ddp[k]) for k in one)
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_x2_ends_as_one_process(tmp_path):
+    base = folder(tmp_path)
+    here(base, tmp_path / "one", *SGD)
+    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", "strategy=fsdp", "nproc_per_node=2", *SGD), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    if strategy == "fsdp":
-        assert "fsdp.empty_init: a peft model's adapters are not in checkpoint.init_from's weights" in done.stdout
+    assert "fsdp.empty_init: a peft model's adapters are not in checkpoint.init_from's weights" in done.stdout
     one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "two" / "model.pt")
     assert one.keys() == two.keys()
     for key in one:

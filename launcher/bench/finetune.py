@@ -40,7 +40,7 @@ def measure(args, peak) -> int:
           f"{'compiled' if compile else 'eager'}, batch {batch} of {length} tokens, {flops_per_token / 1e9:.2f} "
           f"GFLOP a token; the peer: HF Trainer", flush=True)
     print(f"{'':14} {'side':7} {'step':>9} {'tokens/s':>10} {'MFU':>6} {'memory':>9}  ours/Trainer (range)", flush=True)
-    for checkpointing in (False, True):
+    for checkpointing in {"off": (False,), "on": (True,), "both": (False, True)}[args.recompute]:
         res = alternate(_sides(args, folder, length, batch, checkpointing, compile), args.reps)
         if set(res) != {"peer", "ours"}:
             raise SystemExit(f"a side gave no figures ({', '.join(res) or 'neither'} did)")

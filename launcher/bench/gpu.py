@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, help="sequences per step instead of the size's")
     parser.add_argument("--peak-tflops", type=float, help="one device's peak, for MFU where it is not known")
+    parser.add_argument("--recompute", choices=("off", "on", "both"), default="both",
+                        help="with --finetune: activation checkpointing off, on, or each (default)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--no-compile", dest="settings", action="store_const", const=(False,), default=(False, True))
     which.add_argument("--compiled-only", dest="settings", action="store_const", const=(True,))
