@@ -39,8 +39,9 @@ def pretrained(args) -> list[str]:
 
 
 def _folder(path: Path, layers: int, width: int) -> Path:
-    subprocess.run([PY, "-m", "recipes.components.hf_folder", str(path), "--layers", str(layers), "--width", str(width)],
-                   cwd=REPO, check=True, capture_output=True, timeout=900)
+    from recipes.components.hf_folder import write
+
+    write(str(path), layers=layers, width=width)
     return path
 
 

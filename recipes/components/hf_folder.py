@@ -22,6 +22,7 @@ def write(folder: str, dtype: str = "fp32", shard_size: str = "5GB", layers: int
                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                       max_position_embeddings=context, tie_word_embeddings=tie, bos_token_id=0,
                                       eos_token_id=0)
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar for a folder of one or two files
     model = transformers.LlamaForCausalLM(config).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     model.save_pretrained(folder, max_shard_size=shard_size)
 
