@@ -15,6 +15,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from launcher.plain import tied_names
+
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
@@ -44,11 +46,9 @@ def materialise(model: nn.Module, device: torch.device) -> None:
     to_empty allocates buffers afresh too) and ties (one Parameter stays one)."""
     kept = {name: buffer.detach().to(device, copy=True) for name, buffer in model.named_buffers()
             if buffer.device.type != "meta"}
-    names: dict = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+    ties = tied_names(model)
     model.to_empty(device=device)  # a plain meta tensor becomes a new Parameter in each module that holds it
-    for tied in (group for group in names.values() if len(group) > 1):
+    for tied in ties:
         first = model.get_parameter(tied[0])
         for name in tied[1:]:
             holder, _, attr = name.rpartition(".")

@@ -3,7 +3,7 @@ plain model has it: wrapper prefixes removed, on the CPU with ties kept."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 from torch import nn
@@ -46,3 +46,11 @@ def to_cpu(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
             copies[ident] = tensor.detach().cpu()
         out[key] = copies[ident]
     return out
+
+
+def tied_names(model: nn.Module) -> List[List[str]]:
+    """The names of each parameter a model holds under several (an input embedding tied to the output layer)."""
+    names: Dict[int, List[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]

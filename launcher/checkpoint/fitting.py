@@ -48,14 +48,6 @@ def _tensor_like(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or isinstance(getattr(value, "shape", None), torch.Size)
 
 
-def ties(model: torch.nn.Module) -> List[List[str]]:
-    """The names of each parameter a model holds under several (its tied weights)."""
-    names: Dict[int, List[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
 def _ties_filled(state: Dict[str, Any], expected: Dict[str, Any], ties: Optional[List[List[str]]]) -> Dict[str, Any]:
     """A file that holds one name of a tied parameter (an HF folder keeps the input embedding and leaves out
     the output layer tied to it): the model's other names of that parameter take its tensor."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from launcher.checkpoint import files, fitting, formats, hf, manifest, sharded, weights
 from launcher.errors import UserError
+from launcher.plain import tied_names
 
 
 def load(model: nn.Module, path: Path) -> Optional[str]:
@@ -24,9 +25,7 @@ def load(model: nn.Module, path: Path) -> Optional[str]:
     checkpoint."""
     path = Path(path)
     files.file_or_folder(path)
-    source = path
-    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "recipe.yaml").is_file()):
-        source = weights.newest_in_run_folder(path)
+    source = weights.newest_if_run_folder(path)
     if source.is_dir() and formats.of(source) is sharded:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -38,7 +37,7 @@ def load(model: nn.Module, path: Path) -> Optional[str]:
         return f"its weights in {source}" if source != path else None
     target = model.state_dict()
     with _lazy(source) as state:
-        fitted, where = fitting.fit(state, target, path, None, ties=fitting.ties(model))
+        fitted, where = fitting.fit(state, target, path, None, ties=tied_names(model))
         with torch.no_grad():
             for name, tensor in target.items():
                 _fill(tensor, fitted[name])

@@ -19,8 +19,7 @@ def read(path: Path, mmap: bool = False) -> Tuple[Dict[str, torch.Tensor], str]:
     read from."""
     path = Path(path)
     files.file_or_folder(path)
-    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "recipe.yaml").is_file()):
-        path = newest_in_run_folder(path)
+    path = newest_if_run_folder(path)
     if path.is_dir():
         return of_checkpoint(path), str(path)
     state = _file(path, mmap=mmap)
@@ -36,8 +35,7 @@ def lazy(path: Path) -> Tuple["hf.Tensors", str]:
     what they were read from."""
     path = Path(path)
     files.file_or_folder(path)
-    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "recipe.yaml").is_file()):
-        path = newest_in_run_folder(path)
+    path = newest_if_run_folder(path)
     if path.is_dir():
         return formats.of(path).lazy_weights(path), str(path)
     if path.suffix == ".safetensors":
@@ -49,6 +47,13 @@ def lazy(path: Path) -> Tuple["hf.Tensors", str]:
 def of_checkpoint(folder: Path) -> Dict[str, torch.Tensor]:
     """The model's weights of a checkpoint folder of any format (checked as the format checks its files)."""
     return formats.of(folder).model_weights(folder)
+
+
+def newest_if_run_folder(path: Path) -> Path:
+    """`path`, or where a run folder's newest weights are (newest_in_run_folder)."""
+    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "recipe.yaml").is_file()):
+        return newest_in_run_folder(path)
+    return path
 
 
 def newest_in_run_folder(folder: Path) -> Path:

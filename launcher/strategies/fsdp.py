@@ -14,6 +14,7 @@ from torch import nn
 
 from launcher import modules
 from launcher.errors import UserError
+from launcher.plain import tied_names
 from launcher.strategies.ddp import DDP
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -113,13 +114,8 @@ def _split_ties(model: nn.Module, units: List[nn.Module]):
     """(the names of one parameter, the modules whose groups would hold it) for the first tied parameter
     whose names fall in different groups; None when none does."""
     paths = {id(m): path for path, m in model.named_modules() if any(m is u for u in units)}
-    names_of: Dict[int, List[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
     by_path = {path: next(u for u in units if id(u) == key) for key, path in paths.items()}
-    for names in names_of.values():
-        if len(names) < 2:
-            continue
+    for names in tied_names(model):
         owners = []
         for name in names:
             inside = [p for p in by_path if name.startswith(p + ".")]
