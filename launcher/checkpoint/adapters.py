@@ -130,22 +130,13 @@ def adapters_only(tensors: hf.Tensors) -> hf.Tensors:
 def write(out: Path, tensors: hf.Tensors, cfg: dict, dtype: Optional[torch.dtype]) -> list:
     """A folder PeftModel.from_pretrained loads: adapter_config.json and adapter_model.safetensors, written
     under a hidden name and renamed (whole or absent)."""
-    import shutil
-
     from safetensors.torch import save_file
 
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out}: exists and is not an empty folder; name a new folder for the adapters")
-    partial = out.with_name(f".{out.name}.partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
-    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-             for k, v in tensors.read(list(tensors.specs)).items()}
-    save_file(state, str(partial / WEIGHTS), metadata={"format": "pt"})
-    files.write_text(partial / RUN_CONFIG, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
-    files.fsync_dir(out.parent)
-    return [WEIGHTS, RUN_CONFIG]
+    def fill(partial: Path) -> list:
+        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+                 for k, v in tensors.read(list(tensors.specs)).items()}
+        save_file(state, str(partial / WEIGHTS), metadata={"format": "pt"})
+        files.write_text(partial / RUN_CONFIG, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        return [WEIGHTS, RUN_CONFIG]
+
+    return files.write_folder(out, fill, "the adapters")

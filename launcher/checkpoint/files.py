@@ -98,6 +98,25 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def write_folder(out: Path, fill: Callable[[Path], Any], what: str) -> Any:
+    """A new folder at `out` (absent, or empty), whole or absent: `fill(folder)` writes into a hidden folder
+    beside it, which is then renamed. Returns what `fill` returns."""
+    import shutil
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: exists and is not an empty folder; name a new folder for {what}")
+    partial = out.with_name(f".{out.name}.partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    filled = fill(partial)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    partial.rename(out)
+    fsync_dir(out.parent)
+    return filled
+
+
 def crc32(path: Path) -> str:
     crc = 0
     with open(path, "rb") as f:

@@ -229,36 +229,29 @@ def write(out: Path, tensors, cfg: dict, dtype: Optional[torch.dtype], max_shard
     tensors = tensors if isinstance(tensors, Tensors) else Tensors.of(tensors)
     if replace and out.is_dir() and holds(out):
         shutil.rmtree(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out}: exists and is not an empty folder; name a new folder for the HF model")
     cast = {k: (dtype if dtype is not None and d.is_floating_point else d) for k, (_, d) in tensors.specs.items()}
     sizes = {k: shape.numel() * cast[k].itemsize for k, (shape, _) in tensors.specs.items()}
     shards = _shards(sizes, max_shard_bytes)
-    partial = out.with_name(f".{out.name}.partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                 for i in range(len(shards))]
-    for name, keys in zip(names, shards):
-        save_file(unshared({k: v.to(cast[k]) for k, v in tensors.read(keys).items()}), str(partial / name),
-                  metadata={"format": "pt"})
-    written = list(names)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
-        files.write_text(partial / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
-        written.append(INDEX)
-    saved_as = dtype or next((d for d in cast.values() if d.is_floating_point), torch.float32)
-    cfg = {**cfg, "dtype": JSON_DTYPES.get(saved_as, str(saved_as).replace("torch.", ""))}
-    cfg.pop("torch_dtype", None)
-    files.write_text(partial / CONFIG, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    written.append(CONFIG)
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    partial.rename(out)
-    files.fsync_dir(out.parent)
-    return written
+
+    def fill(partial: Path) -> list:
+        for name, keys in zip(names, shards):
+            save_file(unshared({k: v.to(cast[k]) for k, v in tensors.read(keys).items()}), str(partial / name),
+                      metadata={"format": "pt"})
+        written = list(names)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())},
+                     "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
+            files.write_text(partial / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+            written.append(INDEX)
+        saved_as = dtype or next((d for d in cast.values() if d.is_floating_point), torch.float32)
+        config = {**cfg, "dtype": JSON_DTYPES.get(saved_as, str(saved_as).replace("torch.", ""))}
+        config.pop("torch_dtype", None)
+        files.write_text(partial / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return written + [CONFIG]
+
+    return files.write_folder(out, fill, "the HF model")
 
 
 def unshared(part: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
