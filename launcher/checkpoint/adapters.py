@@ -25,6 +25,10 @@ PREFIX = "base_model.model."
 ADAPTER_PARTS = (".lora_", ".hada_", ".lokr_", ".ia3_", ".oft_", ".boft_", ".vera_")
 
 
+def is_adapter_key(key: str) -> bool:
+    return any(part in key for part in ADAPTER_PARTS)
+
+
 def is_adapted(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
@@ -36,7 +40,7 @@ def base_view(model: nn.Module, state: Dict[str, object]) -> Optional[Tuple[Dict
         return None
     base, back, adapters = {}, {}, []
     for key, value in state.items():
-        if any(part in key for part in ADAPTER_PARTS):
+        if is_adapter_key(key):
             adapters.append(key)
             continue
         name = base_name(key)
@@ -79,7 +83,7 @@ def _adapter_name(keys) -> str:
 
 
 def adapter_keys(specs: Dict[str, object]) -> List[str]:
-    return [k for k in specs if any(part in k for part in ADAPTER_PARTS)]
+    return [k for k in specs if is_adapter_key(k)]
 
 
 def merged(tensors: hf.Tensors, cfg: dict) -> hf.Tensors:
@@ -92,7 +96,7 @@ def merged(tensors: hf.Tensors, cfg: dict) -> hf.Tensors:
     scale = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
     sources: Dict[str, tuple] = {}
     for key in tensors.specs:
-        if any(part in key for part in ADAPTER_PARTS):
+        if is_adapter_key(key):
             if not re.search(rf"\.lora_[AB]\.{re.escape(name)}\.weight$", key):
                 raise UserError(f"--merge-lora: {key!r} is an adapter it cannot merge (plain LoRA on linear layers only)")
             continue

@@ -7,14 +7,15 @@ and written by export --format hf for `from_pretrained`.
     <folder>/model.safetensors.index.json       which shard holds each tensor
 
 Nothing in such a folder runs: safetensors holds tensors alone, and config.json is read as JSON. Tensors
-are read one at a time from memory-mapped files, in the dtype they were saved in (a bf16 folder is cast
-to the model's dtype tensor by tensor as it is loaded)."""
+are read one at a time (Slice: plain reads at their offsets, a rank's rows alone where it asks for
+them), in the dtype they were saved in (a bf16 folder is cast to the model's dtype tensor by tensor as it
+is loaded)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -31,19 +32,11 @@ def holds(folder: Path) -> bool:
 
 
 def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
-    return dict(tensors(folder))
+    return {name: part.read() for name, part in slices(folder).items()}
 
 
 def lazy_weights(folder: Path) -> "Tensors":
     return Tensors.sliced(slices(folder))
-
-
-def tensors(folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in the folder, read one at a time."""
-    for path, names in _files(folder).items():
-        with _opened(path) as f:
-            for name in names if names is not None else f.keys():
-                yield name, f.get_tensor(name)
 
 
 # safetensors' dtype names (its header's "dtype") and torch's
@@ -126,8 +119,7 @@ def slices(path: Path) -> Dict[str, Slice]:
 
 def safetensors_file(path: Path) -> Dict[str, torch.Tensor]:
     """All tensors of one .safetensors file."""
-    with _opened(path) as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+    return {name: part.read() for name, part in slices(path).items()}
 
 
 def config(folder: Path) -> Optional[dict]:
@@ -158,21 +150,6 @@ def _files(folder: Path) -> Dict[Path, Optional[list]]:
             raise UserError(f"{index}: names {file!r} for {name!r}; a shard is a file in the same folder")
         out.setdefault(folder / file, []).append(name)
     return out
-
-
-def _opened(path: Path):
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise UserError(f"{path}: reading safetensors needs the safetensors package: pip install 'launcher[export]' "
-                        f"(or pip install safetensors)") from None
-    files.file_or_folder(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such file")
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:  # safetensors raises its own SafetensorError for a damaged or foreign file
-        raise UserError(f"{path}: not a safetensors file ({first_line(e)[:120]})") from None
 
 
 def config_of(model) -> Optional[dict]:

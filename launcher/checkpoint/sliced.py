@@ -7,9 +7,8 @@ checked as for a whole model first, every rank alike, before anything is read.""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -36,26 +35,23 @@ def load(model: nn.Module, path: Path) -> Optional[str]:
             raise UserError(f"{path}: does not fit this model: {e}") from None
         return f"its weights in {source}" if source != path else None
     target = model.state_dict()
-    with _lazy(source) as state:
-        fitted, where = fitting.fit(state, target, path, None, ties=tied_names(model))
-        with torch.no_grad():
-            for name, tensor in target.items():
-                _fill(tensor, fitted[name])
+    fitted, where = fitting.fit(_lazy(source), target, path, None, ties=tied_names(model))
+    with torch.no_grad():
+        for name, tensor in target.items():
+            _fill(tensor, fitted[name])
     return f"its weights in {source}" if source != path else where
 
 
-@contextlib.contextmanager
-def _lazy(path: Path) -> Iterator[Dict[str, Any]]:
+def _lazy(path: Path) -> Dict[str, Any]:
     """The tensors at `path` (not a sharded checkpoint), read where they are sliced."""
     if path.suffix == ".safetensors" or (path.is_dir() and formats.of(path) is hf):
-        yield hf.slices(path)
-        return
+        return hf.slices(path)
     if path.is_dir():  # a full checkpoint: its model.pt, checked against the manifest
         manifest.verified(path)
         path = path / "model.pt"
     else:
         manifest.check_file(path)
-    yield files.load(path, mmap=True)
+    return files.load(path, mmap=True)
 
 
 def _fill(tensor: torch.Tensor, source: Any) -> None:
