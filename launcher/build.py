@@ -16,7 +16,6 @@ from launcher.recipe import instantiate
 from launcher.recipe.built import check as check_built
 from launcher.recipe.instantiate import UnexpectedArgument, locate
 from launcher.recipe.schema import DataConfig
-from launcher.scheduler import Placement
 
 
 def step(spec: Optional[Dict[str, Any]], loss: Optional[Dict[str, Any]]):
@@ -127,25 +126,27 @@ def _fused_kernel_shards(target: type) -> bool:
         return False
 
 
-def data_for(cfg: DataConfig, grad_accum: int, placement: Placement, seed: int, device: torch.device):
-    """The training stream of this rank, and its validation batches (or None)."""
+def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int, device: torch.device):
+    """The training stream of this rank, and its validation batches (or None): its share of each batch, one of
+    `share` = (how many ranks read their own, this rank's place among them)."""
+    replicas, rank = share
     collate = Collate(component(cfg.collate, "data.collate")) if cfg.collate else None
     workers = loaders.Loading(cfg.num_workers, cfg.persistent_workers, cfg.prefetch_factor, cfg.pin_memory)
     dataset = component(cfg.train, "data.train")
     if stream.is_stream(dataset):
-        if cfg.batch_size % placement.world_size:
-            raise UserError(f"data.batch_size: {cfg.batch_size} does not divide among {placement.world_size} "
-                            f"processes; use a multiple of {placement.world_size}")
-        train = stream.StreamData(dataset, cfg.batch_size, placement.world_size, placement.rank, workers,
+        if cfg.batch_size % replicas:
+            raise UserError(f"data.batch_size: {cfg.batch_size} does not divide among {replicas} "
+                            f"processes; use a multiple of {replicas}")
+        train = stream.StreamData(dataset, cfg.batch_size, replicas, rank, workers,
                                   device, collate, seed)
     else:
-        train = data.TrainData(dataset, cfg.batch_size, grad_accum, placement.world_size, placement.rank,
+        train = data.TrainData(dataset, cfg.batch_size, grad_accum, replicas, rank,
                                cfg.shuffle, seed, workers, device, collate)
     val_set = component(cfg.val, "data.val") if cfg.val else None
     if stream.is_stream(val_set):
-        val = stream.StreamBatches(val_set, cfg.batch_size, placement.world_size, placement.rank, workers,
+        val = stream.StreamBatches(val_set, cfg.batch_size, replicas, rank, workers,
                                    device, collate, data.to_device, seed)
     else:
-        val = data.val_batches(val_set, cfg.batch_size, placement.world_size, placement.rank, workers,
+        val = data.val_batches(val_set, cfg.batch_size, replicas, rank, workers,
                                device, seed, collate)
     return train, val

@@ -181,7 +181,7 @@ class LossWeights:
         if not counted:
             return (out.loss / self.accum if self.accum > 1 else out.loss), None
         count = torch.as_tensor(out.num_items, device=out.loss.device).float()
-        world = self.strategy.placement.world_size
+        world = self.strategy.data_share()[0]  # the ranks whose gradients are averaged
         if self.accum == 1:
             total = self.strategy.all_reduce_sum(count.clone()).clamp(min=1)
             return out.loss * (count * world / total), count

@@ -49,7 +49,7 @@ def run(loaded: Loaded, overrides: list) -> int:
 def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     placement, notes, _ = placed or _place(loaded)
     strategy = strategies.create(loaded.recipe.strategy, placement, loaded.recipe.ddp, loaded.recipe.fsdp,
-                                 loaded.recipe.dist_timeout, loaded.recipe.run_dir)
+                                 loaded.recipe.dist_timeout, loaded.recipe.run_dir, loaded.recipe.parallel)
     strategy.setup()
     folder = RunFolder(Path(loaded.recipe.run_dir))
     try:
@@ -101,7 +101,7 @@ def _tracked(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, check
     effective = {"strategy": strategy.name, "world_size": strategy.placement.world_size,
                  "device": strategy.device.type, "precision": recipe.precision,
                  "grad_accum_steps": recipe.trainer.grad_accum_steps,
-                 "batch_size_per_rank": recipe.data.batch_size // strategy.placement.world_size}
+                 "batch_size_per_rank": recipe.data.batch_size // strategy.data_share()[0]}
     config = {**OmegaConf.to_container(loaded.config, resolve=True), "effective": effective}
     flat = {**hparams(loaded.config), **{f"effective.{k}": v for k, v in effective.items()}}
     summary = ["train/loss", "val/loss"] + [f"val/{m}" for m in parts.metrics]
@@ -132,7 +132,8 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
     model = assemble.built(recipe, strategy, run_dir, console, init_from)
     cfg = recipe.data
-    train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, placement, recipe.seed, device)
+    train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, strategy.data_share(), recipe.seed,
+                                      device)
     precision = Precision(recipe.precision, device)
     tf32(recipe.tf32, device)
     metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}

@@ -55,14 +55,25 @@ def test_every_problem_is_reported_at_once(tmp_path):
 
 
 def test_value_checks_name_the_key_and_the_valid_values(tmp_path):
-    lines = problems(write(tmp_path, GOOD), "precision=fp8", "strategy=magic", "devices=gpu7", "trainer.max_steps=0")
+    lines = problems(write(tmp_path, GOOD), "precision=fp4", "strategy=magic", "devices=gpu7", "trainer.max_steps=0")
     text = "\n".join(lines)
     assert len(lines) == 4, text
-    assert "precision: got 'fp8'; valid: fp32, bf16, fp16" in text
+    assert "precision: got 'fp4'; valid: fp32, bf16, fp16, fp8" in text
     assert "strategy: got 'magic'; valid: auto, single, dp, ddp, fsdp, accelerate" in text
     assert "devices: got 'gpu7'" in text
     assert "trainer.max_steps: must be 1 or more, got 0" in text
     assert all(l.startswith("override '") for l in lines), text
+
+
+def test_the_parallel_section_is_checked_at_load(tmp_path):
+    lines = problems(write(tmp_path, GOOD), "strategy=ddp", "parallel.tp=2", "parallel.dp_replicate=0",
+                     "parallel.tp_plan={fc1: colwise, fc2: diagonal}")
+    text = "\n".join(lines)
+    assert len(lines) == 3, text
+    assert ("parallel.tp: lays ranks out on a device mesh under strategy fsdp, and the strategy is 'ddp'; set "
+            "strategy=fsdp, or parallel.tp=1") in text
+    assert "parallel.dp_replicate: must be 1 or more, got 0" in text
+    assert "parallel.tp_plan.fc2: got 'diagonal'; valid: colwise, rowwise, colwise_rep, rowwise_rep, embedding_rowwise" in text
 
 
 def test_missing_steps_and_epochs(tmp_path):
@@ -133,11 +144,11 @@ def test_command_line_print_config_and_errors(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "run_dir: runs/printed" in done.stdout and "${" not in done.stdout
 
-    bad = launch(str(QUICKSTART), "trainer.max_step=5", "precision=fp8")
+    bad = launch(str(QUICKSTART), "trainer.max_step=5", "precision=fp4")
     assert bad.returncode == 2
     assert bad.stderr.splitlines() == [
         "launcher: override 'trainer.max_step=5': trainer.max_step: unknown key; did you mean 'trainer.max_steps'?",
-        "launcher: override 'precision=fp8': precision: got 'fp8'; valid: fp32, bf16, fp16",
+        "launcher: override 'precision=fp4': precision: got 'fp4'; valid: fp32, bf16, fp16, fp8",
     ], bad.stderr  # every problem at once: a value check beside a name check
     assert "Traceback" not in bad.stderr
 

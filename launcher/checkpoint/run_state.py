@@ -38,7 +38,7 @@ class RunState:
                 "lr_schedule": self.schedule.state_dict() if self.schedule is not None else None,
                 "scaler": self.precision.state_dict(), "rng": rngs,
                 "world_size": self.strategy.placement.world_size, "recipe": self.recipe,
-                "stream": self.strategy.all_gather_object(self.data.state()) if self._streaming() else None}
+                "stream": self.strategy.data_states(self.data.state()) if self._streaming() else None}
 
     def _streaming(self) -> bool:
         return bool(getattr(self.data, "is_stream", False))
@@ -64,7 +64,7 @@ class RunState:
                 if not state.get("stream"):
                     raise UserError(f"checkpoint.resume: {where} was written reading map-style data and data.train is "
                                     f"now a stream; start over with checkpoint.resume=never")
-                self.note = self.data.resume(state["stream"], state.get("world_size", len(state["stream"])))
+                self.note = self.data.resume(state["stream"], len(state["stream"]))  # one per data-parallel rank
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
             raise does_not_fit(where, e) from None
         vars(self.position).update(state["position"])

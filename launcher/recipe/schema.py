@@ -15,12 +15,14 @@ from omegaconf import MISSING
 
 from launcher.errors import short
 from launcher.recipe.checks import at_least, devices_valid, int64_problems, positive, target_problems
+from launcher.recipe.slurm_options import SlurmConfig
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp", "accelerate")
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise")
 CONSOLIDATE = ("final", "every", "never")
 WANDB_MODES = ("online", "offline")
 REDUCE_DTYPES = ("fp32", "bf16")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 MAX_WORKERS = 256  # loader processes per rank: more is a typo, and would fork until the system refuses
 DEVICES_HELP = "auto, cpu, cuda, cuda:N, auto:N (N free GPUs) or a list of physical GPU ids such as [0, 3]"
 
@@ -90,6 +92,28 @@ class FSDPConfig:
             out.append(("fsdp.reduce_dtype", f"got {short(self.reduce_dtype)}; valid: {', '.join(REDUCE_DTYPES)}"))
         if self.units is not None and (not self.units or not all(isinstance(u, str) and u for u in self.units)):
             out.append(("fsdp.units", f"must be a non-empty list of class names or null, got {short(self.units)}"))
+        return out
+
+
+@dataclass
+class ParallelConfig:
+    """The device mesh of strategy fsdp: dp_replicate x dp_shard x tp ranks, dp_shard = world / (tp x dp_replicate)."""
+
+    tp: int = 1  # tensor parallel: each layer's matmuls split over this many ranks (of one node), which read one batch
+    dp_replicate: int = 1  # replicas of the sharded model (HSDP: sharded within a group, replicated across groups)
+    tp_plan: Any = "auto"  # auto: the model's own (an HF model's _tp_plan); or {module name pattern: style}
+
+    def problems(self) -> List[tuple[str, str]]:
+        out = at_least("parallel.tp", self.tp, 1) + at_least("parallel.dp_replicate", self.dp_replicate, 1)
+        plan = self.tp_plan
+        if plan == "auto":
+            return out
+        if not isinstance(plan, dict) or not plan or not all(isinstance(k, (str, int)) for k in plan):
+            return out + [("parallel.tp_plan", f"must be auto or a mapping of module name patterns (a * for any "
+                                               f"one name) to styles, got {short(plan)}")]
+        for name, style in plan.items():
+            if style not in TP_STYLES:
+                out.append((f"parallel.tp_plan.{name}", f"got {short(style)}; valid: {', '.join(TP_STYLES)}"))
         return out
 
 
@@ -196,46 +220,13 @@ class LoggingConfig:
 
 
 @dataclass
-class SlurmConfig:
-    """sbatch options for `python -m launcher.slurm submit`; its command-line flags win over these."""
-
-    nodes: int = 1  # nodes to allocate
-    gpus_per_node: int = 0  # GPUs per node; each rank takes the GPU of its local rank
-    tasks_per_node: Optional[int] = None  # layout srun: processes per node (default: gpus_per_node, or 1)
-    cpus_per_task: Optional[int] = None  # CPUs per task; null: Slurm's default
-    mem: Optional[str] = None  # e.g. 32G
-    time: str = "01:00:00"  # the job's time limit: MM, HH:MM:SS or D-HH:MM:SS
-    partition: Optional[str] = None  # partition (queue); null: the cluster's default
-    account: Optional[str] = None  # account to charge; null: your default
-    qos: Optional[str] = None  # quality of service; null: the cluster's default
-    job_name: Optional[str] = None  # default: the recipe's name
-    output: Optional[str] = None  # default: <run_dir>/slurm/%j.out
-    error: Optional[str] = None  # default: with the output
-    layout: str = "torchrun"  # torchrun: one torchrun per node | srun: one task per process, srun alone
-    signal_seconds: int = 120  # Slurm signals the job this long before its time limit: save and requeue
-    python: str = "python"  # the interpreter on the nodes (after the setup lines)
-    sbatch: List[str] = field(default_factory=list)  # extra "#SBATCH ..." lines, without the prefix
-    setup: List[str] = field(default_factory=list)  # shell lines before the run: module loads, activations
-
-    def problems(self) -> List[tuple[str, str]]:
-        out = at_least("slurm.nodes", self.nodes, 1) + at_least("slurm.gpus_per_node", self.gpus_per_node, 0)
-        out += at_least("slurm.tasks_per_node", self.tasks_per_node, 1) + at_least("slurm.cpus_per_task", self.cpus_per_task, 1)
-        out += at_least("slurm.signal_seconds", self.signal_seconds, 0)
-        if self.layout not in ("torchrun", "srun"):
-            out.append(("slurm.layout", f"got {short(self.layout)}; valid: torchrun, srun"))
-        if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", self.time):
-            out.append(("slurm.time", f"got {short(self.time)}; Slurm's forms: MM, HH:MM:SS, D-HH:MM:SS"))
-        return out
-
-
-@dataclass
 class Recipe:
     name: str = MISSING  # the run's name: its folder's and the trackers' (letters, digits, . _ -)
     run_dir: str = "runs/${name}"  # where the run's checkpoints, model.pt, logs and trackers' files go
     seed: int = 0  # seeds the model's initialisation, the data order and every RNG
     strategy: str = "auto"  # auto | single | dp | ddp | fsdp | accelerate; auto: by how the run started
     devices: Any = "auto"  # auto | auto:N | cpu | cuda | cuda:N | [ids]; auto: the GPUs, else the CPU
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 with a grad scaler, CUDA only)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 with a grad scaler, CUDA only) | fp8 (torchao, GPUs with fp8)
     tf32: Optional[bool] = None  # CUDA fp32 matmuls and convolutions in TF32: true (faster, 10-bit mantissa), false (fp32); null: torch's (convolutions only)
     nproc_per_node: Optional[int] = None  # strategy=ddp outside torchrun: workers to start (default: one per GPU)
     dist_timeout: int = 600  # seconds a collective may wait for the other ranks before every rank stops (exit 6)
@@ -248,6 +239,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -258,7 +250,8 @@ class Recipe:
 
     def problems(self) -> List[tuple[str, str]]:
         """Every value-level problem as (key, message); empty when the recipe is valid."""
-        sections = {"": self, "data.": self.data, "ddp.": self.ddp, "fsdp.": self.fsdp, "trainer.": self.trainer,
+        sections = {"": self, "data.": self.data, "ddp.": self.ddp, "fsdp.": self.fsdp, "parallel.": self.parallel,
+                    "trainer.": self.trainer,
                     "checkpoint.": self.checkpoint, "logging.": self.logging, "profile.": self.profile,
                     "memory_snapshot.": self.memory_snapshot, "slurm.": self.slurm}
         huge = [p for prefix, section in sections.items() for p in int64_problems(prefix, section)]
@@ -277,7 +270,11 @@ class Recipe:
             out += target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += target_problems(f"metrics.{metric}", spec)
-        for section in (self.data, self.ddp, self.fsdp, self.trainer, self.checkpoint, self.logging, self.profile,
+        for key in ("tp", "dp_replicate"):
+            if getattr(self.parallel, key) > 1 and self.strategy != "fsdp":
+                out.append((f"parallel.{key}", f"lays ranks out on a device mesh under strategy fsdp, and the strategy is "
+                                               f"{short(self.strategy)}; set strategy=fsdp, or parallel.{key}=1"))
+        for section in (self.data, self.ddp, self.fsdp, self.parallel, self.trainer, self.checkpoint, self.logging, self.profile,
                         self.memory_snapshot, self.slurm):
             out += section.problems()
         # A value past 64 bits is reported once, not again by the range checks of its own key.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from launcher.errors import UserError
-from launcher.recipe.schema import DDPConfig, FSDPConfig
+from launcher.recipe.schema import DDPConfig, FSDPConfig, ParallelConfig
 from launcher.scheduler import Placement
 from launcher.plain import unwrap
 from launcher.strategies.base import Strategy
@@ -16,7 +16,8 @@ from launcher.strategies.dp import DP
 from launcher.strategies.fsdp import FSDP
 from launcher.strategies.single import Single
 
-def _accelerate(placement: Placement, ddp: Optional[DDPConfig] = None, fsdp: Optional[FSDPConfig] = None) -> Strategy:
+def _accelerate(placement: Placement, ddp: Optional[DDPConfig] = None, fsdp: Optional[FSDPConfig] = None,
+                parallel: Optional[ParallelConfig] = None) -> Strategy:
     from launcher.strategies.accelerate import Accelerate  # imports accelerate only when chosen
 
     return Accelerate(placement, ddp, fsdp)
@@ -42,15 +43,15 @@ def must_spawn(name: str, placement: Placement) -> bool:
     return name in TORCHRUN and placement.launched_by == "plain"
 
 
-def create(name: str, placement: Placement, ddp: Optional[DDPConfig] = None,
-           fsdp: Optional[FSDPConfig] = None, timeout: float = 600, run_dir: Optional[str] = None) -> Strategy:
-    """The strategy for this placement, holding the recipe's `ddp` and `fsdp` sections (their options), its
+def create(name: str, placement: Placement, ddp: Optional[DDPConfig] = None, fsdp: Optional[FSDPConfig] = None,
+           timeout: float = 600, run_dir: Optional[str] = None, parallel: Optional[ParallelConfig] = None) -> Strategy:
+    """The strategy for this placement, holding the recipe's `ddp`, `fsdp` and `parallel` sections, its
     `dist_timeout` (seconds) and the run folder (where NCCL's flight recorder dumps)."""
     name = resolve(name, placement)
     if name in ONE_PROCESS and placement.world_size > 1:
         raise UserError(f"strategy: {name} runs one process, but this is one of WORLD_SIZE={placement.world_size} "
                         f"started by {placement.launched_by}; use strategy=ddp (or auto)")
-    strategy = REGISTRY[name](placement, ddp, fsdp)
+    strategy = REGISTRY[name](placement, ddp, fsdp, parallel)
     strategy.timeout, strategy.run_dir = timeout, run_dir
     return strategy
 

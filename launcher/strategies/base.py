@@ -10,7 +10,7 @@ from torch import nn
 
 from launcher.errors import PeerFailed, UserError
 from launcher.plain import to_cpu, unwrap
-from launcher.recipe.schema import DDPConfig, FSDPConfig
+from launcher.recipe.schema import DDPConfig, FSDPConfig, ParallelConfig
 from launcher.scheduler import Placement
 
 T = TypeVar("T")
@@ -38,11 +38,13 @@ class Strategy:
     name = "base"
     sharded = False  # checkpoints: rank 0 writes full state files; a sharded strategy's ranks write shards (DCP)
 
-    def __init__(self, placement: Placement, ddp: Optional[DDPConfig] = None, fsdp: Optional[FSDPConfig] = None):
+    def __init__(self, placement: Placement, ddp: Optional[DDPConfig] = None, fsdp: Optional[FSDPConfig] = None,
+                 parallel: Optional[ParallelConfig] = None):
         self.placement = placement
         self.device = torch.device(placement.device)
         self.ddp = ddp or DDPConfig()  # the recipe's ddp section: the strategies that wrap in DDP read it
         self.fsdp = fsdp or FSDPConfig()  # the recipe's fsdp section: the sharded strategy reads it
+        self.parallel = parallel or ParallelConfig()  # the recipe's parallel section (the device mesh), for fsdp
         self.timeout: float = 600  # dist_timeout: how long a collective waits for the other ranks (seconds)
         self.run_dir: Optional[str] = None
 
@@ -60,6 +62,15 @@ class Strategy:
     def notes(self) -> List[str]:
         """Lines for the console about how this strategy runs here (say, a fallback)."""
         return []
+
+    def data_share(self) -> Tuple[int, int]:
+        """(how many ranks read a share of each batch of their own, this rank's place among them): every rank,
+        unless ranks compute one batch together (tensor parallel)."""
+        return self.placement.world_size, self.placement.rank
+
+    def data_states(self, state: Any) -> List[Any]:
+        """Every data-parallel rank's `state` (its place in a stream), in the order of data_share. Collective."""
+        return self.all_gather_object(state)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model to train, already on `self.device`, wrapped for this strategy."""
@@ -116,12 +127,20 @@ class Strategy:
 
     def clip(self, params: List[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
         """The gradients' total norm over every rank's share (clipped to max_norm when given), on the device."""
-        grads = [q.grad for q in params if q.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        if hasattr(norm, "full_tensor"):  # sharded gradients (DTensor): their norm is the same on every rank
-            norm = norm.full_tensor()
+        # Sharded gradients (DTensors) on one mesh per group: a layer split by tensor parallelism lives on
+        # (dp, tp), one FSDP alone shards on dp, and torch's norm takes one mesh at a time.
+        groups: Dict[Any, List[torch.Tensor]] = {}
+        for q in params:
+            if q.grad is not None:
+                groups.setdefault(getattr(q.grad, "device_mesh", None), []).append(q)
+        norms = []
+        for group in groups.values():
+            norm = torch.nn.utils.get_total_norm([q.grad for q in group])
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # the same on every rank
+        norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms)
         if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            for group in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm.to(self.device, non_blocking=True)  # gradients offloaded to the CPU: the meter's device
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:

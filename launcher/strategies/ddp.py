@@ -27,6 +27,7 @@ FLIGHT_RECORDER = "flight_recorder"  # <run_dir>/flight_recorder/rank_<R>: NCCL'
 class DDP(Strategy):
     name = "ddp"
     module: Optional[nn.Module] = None  # the model DDP wraps, once wrapped: explain() names its parameters
+    data_group: Any = None  # where metrics and item counts are summed: the data-parallel ranks (None: the world)
 
     def setup(self) -> None:
         if self.placement.launched_by == "plain":
@@ -93,11 +94,11 @@ class DDP(Strategy):
         return model.no_sync() if skip else contextlib.nullcontext()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.data_group)
         return tensor
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce_sum(tensor) / self.placement.world_size  # gloo has no ReduceOp.AVG
+        return self.all_reduce_sum(tensor) / self.data_share()[0]  # gloo has no ReduceOp.AVG
 
     def max_over_ranks(self, values: List[int]) -> Callable[[], List[int]]:
         return host_max(values, self.host_group)
@@ -121,7 +122,7 @@ class DDP(Strategy):
         # while the interpreter is whole: left to its finalization, gloo's threads could still hold
         # work whose tensors need the GIL, and the process aborted at exit ("terminate called
         # without an active exception", about 1 run in 30).
-        self.host_group = self.writer_group = None
+        self.host_group = self.writer_group = self.data_group = None
         gc.collect()
         end_process_group()
 

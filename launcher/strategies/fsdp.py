@@ -14,6 +14,7 @@ from torch import nn
 
 from launcher import modules
 from launcher.errors import UserError
+from launcher.parallel import mesh, plans
 from launcher.plain import tied_names
 from launcher.strategies.ddp import DDP
 
@@ -26,6 +27,25 @@ class FSDP(DDP):
     precision = "fp32"
     units: List[str] = []
     left: List[str] = []  # default units left to the root, which would have split a tied parameter
+    split: Dict[str, str] = {}  # the layers split over the tp ranks, with their styles
+    shape: mesh.Layout
+    device_mesh = None
+
+    def setup(self) -> None:
+        # before the process group: a world the mesh does not fit stops every rank at once, with one line
+        p = self.parallel
+        self.shape = mesh.layout(p.tp, p.dp_replicate, self.placement.world_size)
+        super().setup()
+        self.device_mesh = mesh.device_mesh(self.shape, self.device.type)
+        self.data_group = mesh.data_group(self.shape, self.placement.rank)
+        if not self.shape.plain:
+            mesh.quiet_redistribution()
+
+    def data_share(self) -> Tuple[int, int]:
+        return self.shape.data_replicas, self.shape.data_rank(self.placement.rank)
+
+    def data_states(self, state):
+        return self.all_gather_object(state)[::self.shape.tp]  # the ranks of a tp group read the same
 
     def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
         if precision == "fp16":  # the grad scaler's unscale has no kernel for sharded (DTensor) gradients
@@ -43,12 +63,20 @@ class FSDP(DDP):
         units = ", ".join(self.units) or "none (the root alone)"
         left = (f" ({', '.join(self.left)} left to the root: it holds a weight tied to one outside it)"
                 if self.left else "")
-        return [f"fsdp: sharded over {self.placement.world_size} ranks; units {units}{left}"]
+        lines = [f"fsdp: sharded over {self.placement.world_size} ranks; units {units}{left}"]
+        if not self.shape.plain:
+            how = ", ".join(f"{n} ({s})" for n, s in list(self.split.items())[:4]) + (
+                f" and {len(self.split) - 4} more" if len(self.split) > 4 else "")
+            lines = [f"fsdp: {self.shape.describe()} = {self.placement.world_size} ranks; sharded over "
+                     f"{'dp_replicate x dp_shard' if self.shape.dp_replicate > 1 else 'dp_shard'}, units {units}{left}"]
+            lines += [f"parallel.tp: {len(self.split)} layers split over {self.shape.tp} ranks: {how}"] if self.split else []
+        return lines
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        if self.shape.tp > 1:  # before FSDP2 shards what the plan leaves whole, and the split layers' other dimension
+            self.split = plans.apply(model, self.device_mesh["tp"], self.parallel.tp_plan)
         names = self.fsdp.units if self.fsdp.units is not None else modules.default_units(model)
         found = modules.by_class(model, names, "fsdp.units") if names else []
         kept = _keeping_ties(model, found, named=self.fsdp.units is not None)
@@ -58,7 +86,7 @@ class FSDP(DDP):
         # Parameters compute in the recipe's precision (autocast still runs, as under every strategy);
         # gradients are reduced in fsdp.reduce_dtype and kept in fp32 shards for the optimizer.
         param_dtype = torch.bfloat16 if self.precision == "bf16" else None
-        options = {"mesh": init_device_mesh(self.device.type, (self.placement.world_size,)),
+        options = {"mesh": mesh.data_mesh(self.device_mesh, self.shape),
                    "reshard_after_forward": self.fsdp.reshard_after_forward,
                    "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[self.fsdp.reduce_dtype]),
                    "offload_policy": CPUOffloadPolicy() if self.fsdp.cpu_offload and self.device.type == "cuda"

@@ -25,19 +25,21 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
-        self.n_head = n_head
+        self.n_head, self.head_size = n_head, n_embd // n_head
         self.dropout = dropout
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # query, key, value of every head at once
+        # query, key and value of every head at once, packed head by head (Megatron's layout): a split of
+        # its rows into tensor-parallel shards gives each rank whole heads
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_size)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (B, T, heads * 3 * head_size) -> 3 x (B, heads, T, head_size); heads: n_head, or this rank's share
+        qkv = self.c_attn(x).view(B, T, -1, 3, self.head_size)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        y = y.transpose(1, 2).reshape(B, T, -1)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -1,0 +1,84 @@
+"""The ranks of a run laid out on a device mesh: dp_replicate x dp_shard x tp, tp innermost (the ranks of
+one tensor-parallel group are neighbours: one node's GPUs). Global rank = data-parallel rank x tp + tp rank.
+
+The ranks of one tp group read the same batch; the global batch is split over the data-parallel ranks
+(dp_replicate x dp_shard) alone, so a recipe's batch means what it means under every layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher.errors import UserError
+
+NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def data_replicas(self) -> int:
+        """The ranks that each read their own share of the batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def data_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    @property
+    def plain(self) -> bool:
+        """One dimension: every rank shards the model and reads its own share (FSDP alone)."""
+        return self.tp == 1 and self.dp_replicate == 1
+
+    def describe(self) -> str:
+        return " x ".join(f"{name} {size}" for name, size in zip(NAMES, (self.dp_replicate, self.dp_shard, self.tp))
+                          if size > 1 or name == "dp_shard")
+
+
+def layout(tp: int, dp_replicate: int, world_size: int) -> Layout:
+    """The mesh for `world_size` ranks; one line when the sizes do not divide it."""
+    if world_size % (tp * dp_replicate):
+        key = "parallel.tp" if dp_replicate == 1 else "parallel.dp_replicate" if tp == 1 else "parallel.tp x dp_replicate"
+        raise UserError(f"{key}: tp={tp} x dp_replicate={dp_replicate} does not divide the world of {world_size} "
+                        f"processes; use sizes whose product divides {world_size} (dp_shard takes the rest)")
+    return Layout(dp_replicate, world_size // (tp * dp_replicate), tp)
+
+
+def device_mesh(shape: Layout, device_type: str):
+    """The named mesh; collective (every rank builds it, in the same order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape.plain:
+        return init_device_mesh(device_type, (shape.dp_shard,))
+    return init_device_mesh(device_type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=NAMES)
+
+
+def data_mesh(mesh, shape: Layout):
+    """What FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP."""
+    if shape.plain:
+        return mesh
+    return mesh["dp_replicate", "dp_shard"] if shape.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def quiet_redistribution() -> None:
+    """DTensor warns, on every rank, each time it reduces or gathers over two mesh dimensions one after the other
+    (the gradients' norm, a save's gather), that its reduction orders could differ between ranks. Both are
+    deterministic collectives whose every participant gets the same result; the warning is left out."""
+    import logging
+
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
+        lambda record: not str(record.msg).startswith("While redistributing"))
+
+
+def data_group(shape: Layout, rank: int):
+    """The process group of this rank's data-parallel peers (the same tp rank), where the metrics and the item
+    counts are summed; None (the world) when every rank is one. Collective."""
+    import torch.distributed as dist
+
+    if shape.tp == 1:
+        return None
+    world = shape.data_replicas * shape.tp
+    mine, _ = dist.new_subgroups_by_enumeration([list(range(t, world, shape.tp)) for t in range(shape.tp)])
+    return mine

@@ -1,0 +1,128 @@
+"""Tensor-parallel plans: which of a model's layers split their matmuls over the tp ranks, and how.
+
+A plan maps module name patterns (`*` stands for one name, as in `transformer.h.*.mlp.c_fc`) to a style:
+
+    colwise             a Linear's output features (an Embedding's columns) split; its output stays split
+    rowwise             a Linear's input features split: it takes a split input and sums the parts (one all-reduce)
+    colwise_rep         colwise, its output gathered whole (an output head whose logits the loss reads)
+    rowwise_rep         rowwise on a whole input (it takes its own part)
+    embedding_rowwise   an Embedding's rows (the vocabulary) split; each rank looks up its own
+
+The Megatron pattern pairs them: colwise into a block (attention's query/key/value, the MLP's first layer),
+rowwise out of it, so the activations between stay split and one all-reduce ends each half. `auto` takes the
+model's own plan: HF models carry one (`_tp_plan`, their config's `base_model_tp_plan`), in these names."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Dict, List
+
+from torch import nn
+
+from launcher.errors import UserError, short
+from launcher.plain import tied_names
+
+HF_NAMES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep"}  # HF's, for the same
+HEADS = ("num_attention_heads", "num_key_value_heads", "n_head")  # attributes that count attention heads
+
+
+def styles() -> Dict[str, object]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
+            "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
+            "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
+            "embedding_rowwise": RowwiseParallel(input_layouts=Replicate())}
+
+
+def resolve(model: nn.Module, plan) -> Dict[str, str]:
+    """The recipe's plan, or the model's own for `auto`, in this module's style names."""
+    if plan != "auto":
+        return {str(name): style for name, style in plan.items()}  # YAML reads a Sequential's 0: as a number
+    own = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+    if not own:
+        raise UserError(f"parallel.tp_plan: auto, and the model ({type(model).__name__}) carries no plan of its own (HF "
+                        f"models' _tp_plan); give one in the recipe, {{module name pattern: style}} (recipes/charlm.yaml)")
+    known = styles()
+    out = {name: HF_NAMES.get(style, style) for name, style in own.items()}
+    other = {name: style for name, style in out.items() if style not in known}
+    if other:
+        listed = ", ".join(f"{style} ({name})" for name, style in list(other.items())[:3])
+        raise UserError(f"parallel.tp_plan: auto: the model's plan uses styles this launcher does not apply: {listed}; "
+                        f"give a plan in the recipe with {', '.join(known)}")
+    return out
+
+
+def matched(model: nn.Module, plan: Dict[str, str]) -> Dict[str, str]:
+    """Each module the plan names, with its style; a pattern that names none is a mistake."""
+    names = [name for name, _ in model.named_modules() if name]
+    out: Dict[str, str] = {}
+    for pattern, style in plan.items():
+        found = [n for n in names if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
+        if not found:
+            raise UserError(f"parallel.tp_plan: {pattern!r} names no module of the model ({type(model).__name__}); its "
+                            f"modules are named like {', '.join(names[:6])}")
+        out.update({n: style for n in found})
+    return out
+
+
+def problems(model: nn.Module, modules: Dict[str, str], tp: int) -> List[str]:
+    """What stops the plan splitting over `tp` ranks: a module it cannot split, a size that does not divide."""
+    out = []
+    holder = getattr(model, "config", model)
+    for attr in HEADS:
+        count = getattr(holder, attr, None)
+        if isinstance(count, int) and count % tp:
+            out.append(f"parallel.tp: the model's {count} attention heads ({attr}) do not split over tp={tp} ranks; "
+                       f"use a tp that divides {count}")
+    for name, style in modules.items():
+        module = model.get_submodule(name)
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or (style == "embedding_rowwise") != isinstance(module, nn.Embedding):
+            want = "an Embedding" if style == "embedding_rowwise" else "a Linear (or an Embedding)"
+            out.append(f"parallel.tp_plan: {name} is a {type(module).__name__}, and {style} splits {want}")
+            continue
+        size, what = _split(module, style)
+        if size % tp:
+            out.append(f"parallel.tp: {name} ({style}) splits its {size} {what} over tp={tp} ranks, which does not "
+                       f"divide; use a tp that divides {size}, or leave {name} out of the plan")
+    return out
+
+
+def _split(module: nn.Module, style: str):
+    if isinstance(module, nn.Embedding):
+        return (module.num_embeddings, "rows (the vocabulary)") if "rowwise" in style else (module.embedding_dim, "columns")
+    return (module.out_features, "output features") if style.startswith("colwise") else (module.in_features, "input features")
+
+
+def apply(model: nn.Module, mesh, plan) -> Dict[str, str]:
+    """Split the model's planned layers over the tp `mesh` (their parameters become DTensors); returns the
+    modules split, by name. Parameters tied before (an embedding shared with the output head) stay one."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    modules = matched(model, resolve(model, plan))
+    found = problems(model, modules, mesh.size())
+    if found:
+        raise UserError(*found)
+    ties = tied_names(model)
+    known = styles()
+    parallelize_module(model, mesh, {name: known[style] for name, style in modules.items()})
+    for names in ties:
+        _retie(model, names)
+    return modules
+
+
+def _retie(model: nn.Module, names: List[str]) -> None:
+    """parallelize_module replaces each split module's parameters, so a tied one becomes two: one again when
+    both uses are split alike (an embedding's rows and a colwise head's rows), a mistake otherwise."""
+    params = [model.get_parameter(n) for n in names]
+    if all(p is params[0] for p in params):
+        return
+    layouts = [(getattr(p, "device_mesh", None), tuple(getattr(p, "placements", ()))) for p in params]
+    if any(layout != layouts[0] for layout in layouts):
+        raise UserError(f"parallel.tp_plan: {' and '.join(names)} are one tied parameter, which the plan splits "
+                        f"differently ({short([str(layout[1]) or 'whole' for layout in layouts])}); split both alike, "
+                        f"or leave both out")
+    for name in names[1:]:
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, params[0])

@@ -1,0 +1,94 @@
+"""N-D parallelism over real torchrun processes (gloo on the CPU, where DTensor runs too): tensor parallel, FSDP x
+TP and HSDP give the weights of one process, and their checkpoints resume under every other layout."""
+
+import sys
+
+import pytest
+import torch
+
+from launcher import export
+from tests.conftest import REPO, assert_same_weights, state_dict
+from tests.test_fsdp import CHARLM, assert_close
+from tests.test_strategies import TORCHRUN, run
+
+pytestmark = pytest.mark.slow
+
+TP2 = ["strategy=fsdp", "nproc_per_node=2", "parallel.tp=2"]
+def launch(run_dir, *args, timeout: float = 300):
+    return run([sys.executable, "-m", "launcher", *args, f"run_dir={run_dir}"], timeout=timeout)
+
+
+def four(run_dir, *args):
+    """Four processes on two cores: torchrun itself (the launcher would start at most one per core)."""
+    return run([*TORCHRUN, "--standalone", "--nproc_per_node=4", "-m", "launcher", *args, "strategy=fsdp",
+                f"run_dir={run_dir}"], timeout=400)
+
+
+ADAMW = {"rtol": 1e-4, "atol": 1e-5}  # Adam divides by the gradients' own size: a split sum's last bit grows
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one")
+    launch(folder, *CHARLM, "strategy=single")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """tp x 2, the charlm recipe's plan, its Blocks recomputing their activations."""
+    folder = tmp_path_factory.mktemp("tp")
+    done = launch(folder, *CHARLM, *TP2, "trainer.activation_checkpointing=[Block]")
+    return folder, done.stdout
+
+
+def test_tensor_parallel_gives_the_weights_of_one_process(one, split):
+    folder, said = split
+    assert "fsdp: dp_shard 1 x tp 2 = 2 ranks; sharded over dp_shard, units Block" in said
+    assert "parallel.tp: 8 layers split over 2 ranks: transformer.h.0.attn.c_attn (colwise)" in said
+    assert "While redistributing" not in said
+    assert_close(one / "model.pt", folder / "model.pt", **ADAMW)
+    plain = state_dict(folder / "model.pt")  # gathered whole, in the plain model's names
+    from recipes.components.gpt import GPT
+
+    GPT(65, 32, n_layer=2, n_head=2, n_embd=32).load_state_dict(plain, strict=True)
+
+
+def test_a_one_process_checkpoint_resumes_under_fsdp_by_tp(one, tmp_path):
+    done = four(tmp_path, *CHARLM, "parallel.tp=2", f"checkpoint.resume={one / 'checkpoints' / 'step_6'}")
+    assert "dp_shard 2 x tp 2 = 4 ranks" in done.stdout and "written by 1 process, resharded to 4" in done.stdout
+    assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
+
+
+def test_a_tensor_parallel_checkpoint_resumes_under_hsdp(one, split, tmp_path):
+    folder, _ = split
+    done = four(tmp_path, *CHARLM, "parallel.dp_replicate=2", f"checkpoint.resume={folder / 'checkpoints' / 'step_6'}")
+    assert "dp_replicate 2 x dp_shard 2 = 4 ranks; sharded over dp_replicate x dp_shard" in done.stdout
+    assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
+
+
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_exports(one, split, tmp_path):
+    folder, _ = split
+    done = launch(tmp_path, *CHARLM, "strategy=single", f"checkpoint.resume={folder / 'checkpoints' / 'step_6'}")
+    assert "written by 2 processes, resharded to 1" in done.stdout
+    assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
+    exported = tmp_path / "exported.pt"  # python -m launcher.export's work, in this process
+    assert export.main([str(folder / "checkpoints" / "step_12"), str(exported)]) == 0
+    assert_same_weights(folder / "model.pt", exported)
+
+
+def test_sgd_under_tensor_parallel_is_one_process_within_1e_5(tmp_path):
+    sgd = [*CHARLM, "optimizer={_target_: torch.optim.SGD, lr: 0.5, momentum: 0.9}", "lr_schedule=null"]
+    launch(tmp_path / "one", *sgd, "strategy=single")
+    launch(tmp_path / "tp", *sgd, *TP2)
+    assert_close(tmp_path / "one" / "model.pt", tmp_path / "tp" / "model.pt", rtol=1e-5, atol=1e-6)
+
+
+def test_a_mesh_the_world_does_not_fit_is_one_line_on_every_rank(tmp_path):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "launcher", *CHARLM, "strategy=fsdp", "nproc_per_node=2",
+                           "parallel.tp=3", f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = "parallel.tp: tp=3 x dp_replicate=1 does not divide the world of 2 processes"
+    assert done.stderr.count(line) >= 1 and "Traceback" not in done.stderr
