@@ -15,13 +15,15 @@ from typing import Callable, List
 
 import torch
 
-from launcher import build, checkpoint, empty, recompute, seeding, strategies
+from launcher import build, checkpoint, empty, precision, recompute, seeding, strategies
 from launcher.errors import UserError
 
 
 def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_from) -> torch.nn.Module:
     """The plain model: on this rank's device, initialised from `init_from`; or with its parameters on the
     meta device where the strategy builds empty, to be allocated and filled by `wrapped`."""
+    if recipe.precision == "fp8":
+        _fp8_allowed(recipe, strategy)
     seeding.seed_everything(recipe.seed)
     on_meta = strategy.builds_empty(bool(init_from))
     with empty.parameters_on_meta() if on_meta else contextlib.nullcontext():
@@ -54,7 +56,18 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
         count = recompute.apply(model, recipe.trainer.activation_checkpointing)
         console.info(f"activation checkpointing: {count} modules ({', '.join(recipe.trainer.activation_checkpointing)}) "
                      f"recompute their activations in backward")
+    if recipe.precision == "fp8":
+        count = precision.to_float8(model, strategy.sharded)
+        console.info(f"precision: fp8: {count} Linear layers multiply in fp8 (torchao Float8Linear, dynamic scaling), "
+                     f"the rest computes in bf16")
     return model
+
+
+def _fp8_allowed(recipe, strategy: strategies.Strategy) -> None:
+    precision.fp8_problem(strategy.device)
+    if recipe.parallel.tp > 1:
+        raise UserError("precision: fp8 with parallel.tp > 1 would need torchao's float8 tensor-parallel styles, which "
+                        "this launcher does not apply; use parallel.tp=1 (FSDP gathers the weights in fp8), or bf16")
 
 
 def wrapped(model: torch.nn.Module, strategy: strategies.Strategy, console, init_from,

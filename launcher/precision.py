@@ -1,4 +1,4 @@
-"""Mixed precision: the autocast context, and the gradient scaler for fp16."""
+"""Mixed precision: the autocast context, the gradient scaler for fp16, and fp8 matmuls (torchao's Float8Linear)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,38 @@ import torch
 
 from launcher.errors import UserError
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: bf16 around
+FP8_CAPABILITY = (8, 9)  # CUDA's fp8 matmuls: Ada (L4, RTX 4090) and Hopper (H100) and newer
+HEADS = ("lm_head", "output", "head")  # output layers stay in bf16 (torchtitan's default): logits need the range
+
+
+def fp8_problem(device: torch.device) -> None:
+    """Before anything is built: fp8 needs a GPU with fp8 matmuls, and torchao."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        raise UserError(f"precision: fp8 needs an NVIDIA GPU with fp8 matmuls (compute capability 8.9 or newer: H100, "
+                        f"L4, RTX 4090), and this run is on {name}; use precision=bf16")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise UserError("precision: fp8 computes through torchao, which is not installed: pip install "
+                        "'launcher[fp8]'") from None
+
+
+def to_float8(model: torch.nn.Module, sharded: bool) -> int:
+    """Swap the model's Linear layers whose sizes fp8 matmuls take (multiples of 16), less its output head, for
+    torchao's Float8Linear (dynamic scaling; under FSDP2 the weights are gathered in fp8). Their parameters and
+    state_dict keys stay as they are. Returns how many were swapped."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def eligible(module: torch.nn.Module, name: str) -> bool:
+        return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
+                and module.out_features % 16 == 0 and name.rpartition(".")[2] not in HEADS)
+
+    before = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=sharded),
+                               module_filter_fn=eligible)
+    return before - sum(type(m) is torch.nn.Linear for m in model.modules())
 
 
 def tf32(allowed, device: torch.device) -> None:

@@ -71,6 +71,9 @@ CASES = [
     ("wrong-arguments", [Q, "model.widht=3"], "model.widht: 'recipes.components.mlp.MLP' takes no argument 'widht'"),
     ("out-of-range", [Q, "trainer.max_steps=0"], "trainer.max_steps: must be 1 or more, got 0"),
     ("bad-choice", [Q, "precision=fp4"], "precision: got 'fp4'; valid: fp32, bf16, fp16, fp8"),
+    ("fp8-off-a-gpu", [Q, "precision=fp8", "devices=cpu"],
+     "precision: fp8 needs an NVIDIA GPU with fp8 matmuls (compute capability 8.9 or newer: H100, L4, RTX 4090), and "
+     "this run is on cpu; use precision=bf16"),
     ("bad-peak", [Q, "logging.peak_tflops=0"], "logging.peak_tflops: must be a positive number of TFLOP/s or null"),
     ("bad-bucket-cap", [Q, "ddp.bucket_cap_mb=-1"], "ddp.bucket_cap_mb: must be a positive number of MiB below 2^43"),
     ("ddp-option-not-a-bool", [Q, "ddp.static_graph=maybe"], "ddp.static_graph: expected true or false, got 'maybe'"),

@@ -108,6 +108,15 @@ def test_a_sharded_checkpoint_resumes_under_ddp(single, sharded, tmp_path):
     assert_close(single / "model.pt", tmp_path / "model.pt")
 
 
+def test_a_sharded_checkpoint_resumes_split_over_tensor_parallel_ranks(single, sharded, tmp_path):
+    """fsdp x 2's shards read by tp x 2: the MLP's first layer split by rows, its second by columns."""
+    folder, _ = sharded
+    done = launch(tmp_path, *QUICK, *FSDP, "parallel.tp=2", "parallel.tp_plan={'0': colwise, '2': rowwise}",
+                  f"checkpoint.resume={folder / 'checkpoints' / 'step_20'}")
+    assert "parallel.tp: 2 layers split over 2 ranks: 0 (colwise), 2 (rowwise)" in done.stdout
+    assert_close(single / "model.pt", tmp_path / "model.pt")
+
+
 def test_a_one_process_checkpoint_resumes_sharded(single, tmp_path):
     done = launch(tmp_path, *QUICK, *FSDP, f"checkpoint.resume={single / 'checkpoints' / 'step_20'}")
     assert "written by 1 process, resharded to 2" in done.stdout

@@ -67,19 +67,23 @@ def test_a_bf16_folder_loads_into_fp32_weights_and_a_tied_output_layer_is_filled
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp-tp"])
 def test_two_processes_from_a_folder_end_as_one(tmp_path, strategy):
     """Under fsdp each rank reads its slices into shards of a model built on the meta device: here a bf16
     folder with a tied output layer, in shards with their index, at the learning rate of the tied-weights
-    tests (tests/test_fsdp_tied.py: a tied gradient is summed in another order over two ranks)."""
-    tied = strategy == "fsdp"
+    tests (tests/test_fsdp_tied.py: a tied gradient is summed in another order over two ranks). fsdp-tp: the
+    Llama's own tensor-parallel plan (tp 2), its tied embedding and output head split on the vocabulary."""
+    tied = strategy != "ddp"
     base = folder(tmp_path, shard_size="60KB", **({"dtype": "bf16", "tie": True} if tied else {}))
     lr = ["optimizer.lr=0.1"] if tied else []
     here(base, tmp_path / "one", *lr)
-    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", f"strategy={strategy}", "nproc_per_node=2", *lr),
-                  timeout=300)
+    how = ["strategy=fsdp", "parallel.tp=2"] if strategy == "fsdp-tp" else [f"strategy={strategy}"]
+    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", *how, "nproc_per_node=2", *lr), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (f"initialised the model from {base} into this rank's shards" in done.stdout) == (strategy == "fsdp")
+    assert (f"initialised the model from {base} into this rank's shards" in done.stdout) == tied
+    if strategy == "fsdp-tp":
+        assert "parallel.tp: 16 layers split over 2 ranks: lm_head (colwise_rep), model.embed_tokens " \
+               "(embedding_rowwise), model.layers.0.self_attn.q_proj (colwise)" in done.stdout, done.stdout
     one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "two" / "model.pt")
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -11,8 +11,6 @@ from tests.conftest import REPO, assert_same_weights, state_dict
 from tests.test_fsdp import CHARLM, assert_close
 from tests.test_strategies import TORCHRUN, run
 
-pytestmark = pytest.mark.slow
-
 TP2 = ["strategy=fsdp", "nproc_per_node=2", "parallel.tp=2"]
 def launch(run_dir, *args, timeout: float = 300):
     return run([sys.executable, "-m", "launcher", *args, f"run_dir={run_dir}"], timeout=timeout)
@@ -42,6 +40,7 @@ def split(tmp_path_factory):
     return folder, done.stdout
 
 
+@pytest.mark.slow
 def test_tensor_parallel_gives_the_weights_of_one_process(one, split):
     folder, said = split
     assert "fsdp: dp_shard 1 x tp 2 = 2 ranks; sharded over dp_shard, units Block" in said
@@ -54,12 +53,14 @@ def test_tensor_parallel_gives_the_weights_of_one_process(one, split):
     GPT(65, 32, n_layer=2, n_head=2, n_embd=32).load_state_dict(plain, strict=True)
 
 
+@pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_under_fsdp_by_tp(one, tmp_path):
     done = four(tmp_path, *CHARLM, "parallel.tp=2", f"checkpoint.resume={one / 'checkpoints' / 'step_6'}")
     assert "dp_shard 2 x tp 2 = 4 ranks" in done.stdout and "written by 1 process, resharded to 4" in done.stdout
     assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_resumes_under_hsdp(one, split, tmp_path):
     folder, _ = split
     done = four(tmp_path, *CHARLM, "parallel.dp_replicate=2", f"checkpoint.resume={folder / 'checkpoints' / 'step_6'}")
@@ -67,6 +68,7 @@ def test_a_tensor_parallel_checkpoint_resumes_under_hsdp(one, split, tmp_path):
     assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_exports(one, split, tmp_path):
     folder, _ = split
     done = launch(tmp_path, *CHARLM, "strategy=single", f"checkpoint.resume={folder / 'checkpoints' / 'step_6'}")
@@ -77,6 +79,7 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_exports(one, sp
     assert_same_weights(folder / "model.pt", exported)
 
 
+@pytest.mark.slow
 def test_sgd_under_tensor_parallel_is_one_process_within_1e_5(tmp_path):
     sgd = [*CHARLM, "optimizer={_target_: torch.optim.SGD, lr: 0.5, momentum: 0.9}", "lr_schedule=null"]
     launch(tmp_path / "one", *sgd, "strategy=single")
@@ -84,6 +87,7 @@ def test_sgd_under_tensor_parallel_is_one_process_within_1e_5(tmp_path):
     assert_close(tmp_path / "one" / "model.pt", tmp_path / "tp" / "model.pt", rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_mesh_the_world_does_not_fit_is_one_line_on_every_rank(tmp_path):
     import subprocess
 
@@ -92,3 +96,51 @@ def test_a_mesh_the_world_does_not_fit_is_one_line_on_every_rank(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     line = "parallel.tp: tp=3 x dp_replicate=1 does not divide the world of 2 processes"
     assert done.stderr.count(line) >= 1 and "Traceback" not in done.stderr
+
+
+def llama(heads=4, kv_heads=2, vocab=128, hidden=64):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_an_hf_model_s_own_plan_in_this_launcher_s_styles():
+    from launcher.parallel import plans
+
+    model = llama()
+    modules = plans.matched(model, plans.resolve(model, "auto"))
+    assert modules["lm_head"] == "colwise_rep" and modules["model.embed_tokens"] == "embedding_rowwise"
+    assert modules["model.layers.1.self_attn.k_proj"] == "colwise" and modules["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert len(modules) == 16 and plans.problems(model, modules, 2) == []
+    found = plans.problems(llama(heads=6, kv_heads=3, vocab=130, hidden=48), modules, 4)
+    assert found[:2] == ["parallel.tp: the model's 6 attention heads (num_attention_heads) do not split over tp=4 ranks; "
+                         "use a tp that divides 6",
+                         "parallel.tp: the model's 3 attention heads (num_key_value_heads) do not split over tp=4 ranks; "
+                         "use a tp that divides 3"]
+    assert ("parallel.tp: lm_head (colwise_rep) splits its 130 output features over tp=4 ranks, which does not divide; "
+            "use a tp that divides 130, or leave lm_head out of the plan") in found
+
+
+@pytest.mark.parametrize("plan, says", [
+    ("auto", "parallel.tp_plan: auto, and the model (GPT) carries no plan of its own (HF models' _tp_plan); give one "
+             "in the recipe"),
+    ({"transformer.h.*.attn.qkv": "colwise"}, "parallel.tp_plan: 'transformer.h.*.attn.qkv' names no module of the model "
+                                              "(GPT); its modules are named like transformer, transformer.wte"),
+    ({"transformer.h.*.ln_1": "colwise"}, None),
+])
+def test_a_plan_that_does_not_fit_the_model_is_one_line(plan, says):
+    from launcher.errors import UserError
+    from launcher.parallel import plans
+    from recipes.components.gpt import GPT
+
+    model = GPT(65, 16, n_layer=2, n_head=2, n_embd=32)
+    if says is None:  # a LayerNorm has nothing to split
+        modules = plans.matched(model, plans.resolve(model, plan))
+        assert plans.problems(model, modules, 2)[0] == ("parallel.tp_plan: transformer.h.0.ln_1 is a LayerNorm, and "
+                                                        "colwise splits a Linear (or an Embedding)")
+        return
+    with pytest.raises(UserError) as caught:
+        plans.matched(model, plans.resolve(model, plan))
+    assert caught.value.problems[0].startswith(says), caught.value.problems

@@ -64,11 +64,15 @@ def test_two_nodes_through_srun_alone(slurm_cluster, tmp_path, single):  # noqa:
     assert_equivalent(single, tmp_path / "model.pt")
 
 
-def test_two_nodes_sharded(slurm_cluster, tmp_path, single):  # noqa: F811
-    job = submit(slurm_cluster, tmp_path, "--nodes=2", "strategy=fsdp")
-    output = finished(slurm_cluster, tmp_path, job)
-    assert "(fsdp)" in output and "1     0           1" in output
-    assert (tmp_path / "checkpoints" / "step_40" / "__1_0.distcp").exists()  # rank 1 wrote its shards on node 1
+def test_two_nodes_sharded_and_tensor_parallel(slurm_cluster, tmp_path, single):  # noqa: F811
+    """Two nodes of two processes: the MLP's layers split over each node's pair (tp 2, intra-node), FSDP
+    sharding over the nodes (dp_shard 2)."""
+    job = submit(slurm_cluster, tmp_path, "--nodes=2", "--tasks-per-node=2", "strategy=fsdp", "parallel.tp=2",
+                 "parallel.tp_plan={'0': colwise, '2': rowwise}")
+    output = finished(slurm_cluster, tmp_path, job, timeout=240)
+    assert "(fsdp)" in output and "3     1           1" in output  # rank 3: local rank 1 on node 1
+    assert "fsdp: dp_shard 2 x tp 2 = 4 ranks" in output and "parallel.tp: 2 layers split over 2 ranks" in output
+    assert (tmp_path / "checkpoints" / "step_40" / "__3_0.distcp").exists()  # rank 3 wrote its shards on node 1
     assert_equivalent(single, tmp_path / "model.pt")
 
 

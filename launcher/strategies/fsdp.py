@@ -85,7 +85,7 @@ class FSDP(DDP):
         self.units = list(dict.fromkeys(type(m).__name__ for m in found))
         # Parameters compute in the recipe's precision (autocast still runs, as under every strategy);
         # gradients are reduced in fsdp.reduce_dtype and kept in fp32 shards for the optimizer.
-        param_dtype = torch.bfloat16 if self.precision == "bf16" else None
+        param_dtype = torch.bfloat16 if self.precision in ("bf16", "fp8") else None
         options = {"mesh": mesh.data_mesh(self.device_mesh, self.shape),
                    "reshard_after_forward": self.fsdp.reshard_after_forward,
                    "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[self.fsdp.reduce_dtype]),
