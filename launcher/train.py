@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from launcher import (assemble, build, data, first_batch, loggers, report, scheduler, spawn, strategies, hang,
+from launcher import (assemble, build, data, first_batch, holdings, loggers, report, scheduler, spawn, strategies, hang,
                       throughput, watch)
 from launcher.checkpoint import Checkpoints, RunState
 from launcher.errors import Hung, OutOfMemory, TrainingDiverged, UserError
@@ -220,6 +220,8 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
             _save_before_failing(checkpoints, parts, started, run_dir, console)
             raise
     logger.close("finished")
+    if strategy.placement.world_size > 1:  # what sharding and splitting saved each rank
+        console.info(holdings.line(strategy.placement.rank, holdings.held(parts.model, parts.optimizer)))
     final = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val/") or k == "train/loss")
     model = f"model: {run_dir / 'model.pt'}" if recipe.checkpoint.consolidate != "never" or not strategy.sharded else \
         "model: not gathered (checkpoint.consolidate=never; python -m launcher.export makes one from a checkpoint)"

@@ -80,10 +80,10 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_exports(one, sp
 
 
 @pytest.mark.slow
-def test_sgd_under_tensor_parallel_is_one_process_within_1e_5(tmp_path):
+def test_sgd_under_compiled_tensor_parallel_is_one_process_within_1e_5(tmp_path):
     sgd = [*CHARLM, "optimizer={_target_: torch.optim.SGD, lr: 0.5, momentum: 0.9}", "lr_schedule=null"]
     launch(tmp_path / "one", *sgd, "strategy=single")
-    launch(tmp_path / "tp", *sgd, *TP2)
+    launch(tmp_path / "tp", *sgd, *TP2, "trainer.compile=true")
     assert_close(tmp_path / "one" / "model.pt", tmp_path / "tp" / "model.pt", rtol=1e-5, atol=1e-6)
 
 

@@ -62,6 +62,19 @@ def test_a_stream_written_by_two_ranks_resumes_on_one(tmp_path):
     assert_equivalent(whole, tmp_path / "model.pt")
 
 
+def test_a_tensor_parallel_pair_reads_a_stream_as_one_rank_and_resumes_exactly_on_one(tmp_path, one_process):
+    """Two processes splitting the MLP's layers (tp 2) are one data-parallel rank: each reads every item of a
+    batch, as one process does, and their checkpoint holds one place in the stream, which one process resumes
+    exactly (no re-reading)."""
+    tp = ["strategy=fsdp", "nproc_per_node=2", "parallel.tp=2", "parallel.tp_plan={'0': colwise, '2': rowwise}"]
+    run(launcher(f"run_dir={tmp_path}", *tp, STREAM, "checkpoint.every=15", "checkpoint.keep=5"))
+    assert_equivalent(one_process, tmp_path / "model.pt")
+    keep_until(tmp_path, 30)
+    done = run(launcher(f"run_dir={tmp_path}", "strategy=single", STREAM))
+    assert "read it again" not in done.stdout and "resumed from" in done.stdout, done.stdout
+    assert_equivalent(one_process, tmp_path / "model.pt")
+
+
 def test_an_hf_stream_split_over_two_ranks_refuses_one(tmp_path):
     pytest.importorskip("datasets", reason="the dev extra (datasets) is not installed")
     with open(tmp_path / "rows.jsonl", "w") as f:

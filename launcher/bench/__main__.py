@@ -21,10 +21,11 @@ passages, the model's own loss) through the launcher against the loop an HF user
 (launcher/bench/raw_hf.py: the same model, batches and optimizer, read from the same recipe), one
 process, one thread; run when transformers is installed.
 
-The fsdp row: charlm at a CPU size under fsdp x2 and ddp x2 (torchrun, gloo): the bytes one rank holds
-in parameters, gradients and optimizer state at the end (of a shard, its local part; the target is half
-the full model's plus 5%), and the step-time ratio fsdp / ddp, reported and not judged: gloo's
-reduce-scatter and all-gather are slow, and FSDP's worth is memory.
+The layouts row (launcher/bench/layouts.py): charlm at a CPU size under ddp x2, fsdp x2, tp x2, fsdp x2 by
+tp x2 and HSDP 2x2 (torchrun, gloo): the bytes one rank holds in parameters, gradients and optimizer state
+at the end (of a shard, its local part; fsdp x2's target is half the full model's plus 5%), and the
+two-process layouts' step time against ddp x2, reported and not judged: gloo's collectives are slow, and
+sharding's and splitting's worth is memory.
 
 The loggers row: the reference workload with TensorBoard alone and with TensorBoard, MLflow (a local
 file store) and metrics.jsonl at once (and a profiler window set beyond the last step), against the hand-written loop, as the mean step (log steps
@@ -56,6 +57,7 @@ import sys
 import tempfile
 
 from launcher.bench.defaults import defaults
+from launcher.bench.layouts import layouts
 from launcher.bench.runs import PY, aborted_at_exit, alternate, median, ratio
 from launcher.bench.pretrained import pretrained
 from launcher.bench.startup import startup
@@ -132,33 +134,6 @@ def hf(args) -> list[str]:
 
 
 # charlm at a CPU size where the Blocks hold nearly all parameters (4 of 128 wide: 0.8M parameters).
-FSDP_RECIPE = ["recipes/charlm.yaml", "on_cpu=null", "devices=cpu", "precision=fp32", "model.n_layer=4", "model.n_head=4",
-               "model.n_embd=128", "model.block_size=64", "model.dropout=0.0", "data.batch_size=16", "data.val=null",
-               "metrics={}", "trainer.log_every=100", "trainer.eval_every=null", "checkpoint.every=null",
-               "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false"]
-
-
-def fsdp(args) -> list[str]:
-    """What one rank holds under fsdp x2 against ddp x2 (the full model's), and the step time."""
-    steps = str(args.fsdp_steps)
-    recipe = [*FSDP_RECIPE, f"trainer.max_steps={steps}"]
-    sides = {name: ([*TORCHRUN, "-m", "launcher.bench.child", *recipe, f"strategy={name}",
-                     f"run_dir={args.run_dir}/{name}"], {}) for name in ("ddp", "fsdp")}
-    res = alternate(sides, args.reps)
-    held = {name: {k: median(res[name], k) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")} for name in res}
-    total = {name: sum(held[name].values()) for name in held}
-    share = total["fsdp"] / total["ddp"]
-    r = [f["median_step_us"] / d["median_step_us"] for f, d in zip(res["fsdp"], res["ddp"])]
-    mib = lambda b: f"{b / 2**20:.2f}MiB"  # noqa: E731
-    return [f"fsdp x2 against ddp x2 (gloo), charlm 4x128 (its Blocks as units), {steps} steps, {args.reps} "
-            f"alternating repetitions (python -m launcher.bench --fsdp-steps {steps} --reps {args.reps})",
-            f"{'':16} {'parameters':>11} {'gradients':>10} {'optimizer':>10} {'per rank':>10}"] + [
-            f"{name + ' x2':16} {mib(held[name]['param_bytes']):>11} {mib(held[name]['grad_bytes']):>10} "
-            f"{mib(held[name]['optimizer_bytes']):>10} {mib(total[name]):>10}" for name in ("ddp", "fsdp")] + [
-            f"{'fsdp / ddp':16} held per rank {share:.3f} (target <= 0.525: {'met' if share <= 0.525 else 'NOT met'}); "
-            f"step time {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})"]
-
-
 def loggers(args) -> list[str]:
     """The reference workload with TensorBoard alone, and with every file-backed logger at once: what
     logging costs per step, its log steps included (the mean step), against the hand-written loop."""
@@ -217,9 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP x2 rows")
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="skip the Accelerate and Lightning peers")
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF row")
-    parser.add_argument("--fsdp-steps", type=int, default=100, help="steps per run of the fsdp row (default 100)")
+    parser.add_argument("--fsdp-steps", type=int, default=100, help="steps per run of the layouts row (default 100)")
     parser.add_argument("--no-scaling", dest="scaling", action="store_false", help="skip the scaling rows")
-    parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the fsdp row")
+    parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the layouts row (fsdp, tp, hsdp)")
     parser.add_argument("--no-loggers", dest="loggers", action="store_false", help="skip the loggers row")
     parser.add_argument("--loggers", dest="loggers_only", action="store_true", help="the loggers row alone")
     parser.add_argument("--no-startup", dest="startup", action="store_false", help="skip the start-up row")
@@ -263,7 +238,7 @@ def main() -> int:
         if args.defaults:
             print("\n".join(defaults(args, alternate, PY)), flush=True)
         if args.fsdp:
-            print("\n".join(fsdp(args)), flush=True)
+            print("\n".join(layouts(args)), flush=True)
         if args.pretrained:
             print("\n".join(pretrained(args)), flush=True)
         if args.scaling:

@@ -8,26 +8,11 @@ sharded tensor, this rank's shard)."""
 import os
 import sys
 
-import torch
-
 import launcher.train
-from launcher import data
+from launcher import data, holdings
 from launcher.bench.workload import StepClock
 from launcher.cli import main
 from launcher.metrics import TrainMeter
-
-
-def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Bytes of this rank's parameters, gradients and optimizer state (a DTensor counts its local shard)."""
-    def size(t) -> int:
-        t = getattr(t, "_local_tensor", t)
-        return t.numel() * t.element_size()
-
-    params = [p for p in model.parameters()]
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"param_bytes": sum(size(p) for p in params),
-            "grad_bytes": sum(size(p.grad) for p in params if p.grad is not None),
-            "optimizer_bytes": sum(size(v) for v in state)}
 
 
 def run(argv) -> int:
@@ -43,7 +28,7 @@ def run(argv) -> int:
 
     def measured(parts, *args):
         out = fit(parts, *args)
-        held.update(held_bytes(parts.model, parts.optimizer), loss=out.get("train/loss"))
+        held.update(holdings.held(parts.model, parts.optimizer), loss=out.get("train/loss"))
         return out
 
     launcher.train.fit = measured
