@@ -34,9 +34,10 @@ def one(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
-    """tp x 2, the charlm recipe's plan, its Blocks recomputing their activations."""
+    """tp x 2, the charlm recipe's plan, its Blocks recomputing their activations, its checkpoints written while
+    training goes on (the tests below resume from them)."""
     folder = tmp_path_factory.mktemp("tp")
-    done = launch(folder, *CHARLM, *TP2, "trainer.activation_checkpointing=[Block]")
+    done = launch(folder, *CHARLM, *TP2, "trainer.activation_checkpointing=[Block]", "checkpoint.async_save=true")
     return folder, done.stdout
 
 
@@ -85,6 +86,18 @@ def test_sgd_under_compiled_tensor_parallel_is_one_process_within_1e_5(tmp_path)
     launch(tmp_path / "one", *sgd, "strategy=single")
     launch(tmp_path / "tp", *sgd, *TP2, "trainer.compile=true")
     assert_close(tmp_path / "one" / "model.pt", tmp_path / "tp" / "model.pt", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_nan_loss_under_tensor_parallel_stops_every_rank_with_exit_3(tmp_path):
+    import subprocess
+
+    done = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", "recipes/quickstart.yaml",
+                           "model={_target_: tests.components.DivergesAt, at: 3}", "strategy=fsdp", "parallel.tp=2",
+                           "parallel.tp_plan={'0': colwise, '2': rowwise}", "trainer.max_steps=20",
+                           "logging.tensorboard=false", f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert "exitcode  : 3" in done.stderr and "the training loss is nan at step 3" in done.stderr, done.stderr[-3000:]
 
 
 @pytest.mark.slow

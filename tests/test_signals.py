@@ -92,6 +92,26 @@ def test_sigterm_under_torchrun_two_ranks_agree_save_and_resume_exactly(tmp_path
     assert_same_weights(whole_ddp, tmp_path / "stopped" / "model.pt")
 
 
+def test_sigterm_under_tensor_parallel_saves_and_resumes_as_the_run_no_signal_stopped(tmp_path, whole_ddp):
+    """The MLP's layers split over the two ranks (tp 2): they agree on a step, save its shards, and the resumed
+    run ends as ddp x2's uninterrupted one, within float rounding (a split matmul sums in another order)."""
+    import torch
+
+    from tests.conftest import state_dict
+
+    tp = ["strategy=fsdp", "parallel.tp=2", "parallel.tp_plan={'0': colwise, '2': rowwise}", f"run_dir={tmp_path}"]
+    proc = subprocess.Popen([*TORCHRUN, *tp], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    output = signal_after_first_log(proc, signal.SIGTERM)
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert proc.returncode != 0 and len(saved) == 1, output
+    assert f"stopped by SIGTERM after step {saved[0].name[5:]}: saved" in output
+    done = subprocess.run([*TORCHRUN, *tp], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = state_dict(whole_ddp), state_dict(tmp_path / "model.pt")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_to_the_launcher_that_started_torchrun_exits_as_the_plain_path(tmp_path, whole_ddp, sig, code):
     """`python -m launcher ... strategy=ddp` runs torchrun in its own process: torchrun passes the signal on,

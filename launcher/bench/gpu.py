@@ -1,5 +1,5 @@
 """python -m launcher.bench.gpu [--steps 300] [--reps 3] [--size 124M|tiny] [--device cuda|cpu]
-                              [--no-compile | --compiled-only | --fsdp | --tf32 | --finetune]
+                              [--no-compile | --compiled-only | --fsdp | --tf32 | --finetune | --fp8]
 
 The charlm recipe (a character-level GPT on Hamlet) in bf16 on one GPU, eager and with torch.compile,
 through the launcher (`launcher.bench.child recipes/charlm.yaml ...`) and through a hand-written
@@ -31,6 +31,9 @@ shows it helps).
 `--finetune` runs instead the fine-tuning row (launcher/bench/finetune.py): a Llama-3.2-1B-shaped HF
 folder fine-tuned under fsdp on one GPU, bf16, compiled, activation checkpointing off and on, against HF
 Trainer on the same folder and data.
+
+`--fp8` runs instead the fp8 row (launcher/bench/fp8.py): the same 1B Llama, compiled, precision fp8 (torchao)
+against bf16: tokens/s and the loss after --steps steps.
 
 Where one command may run only 10 minutes, `--no-compile` and `--compiled-only` split the GPU benchmark
 into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to pass 10 minutes).
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
                        help="instead: the launcher in fp32 with tf32=true against tf32=false (what TF32 gives)")
     which.add_argument("--finetune", dest="settings", action="store_const", const=("finetune",),
                        help="instead: fine-tuning a Llama-3.2-1B-shaped HF folder, fsdp, against HF Trainer")
+    which.add_argument("--fp8", dest="settings", action="store_const", const=("fp8",),
+                       help="instead: that 1B Llama compiled in precision fp8 (torchao) against bf16")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu --size tiny for a smoke test")
@@ -127,12 +132,15 @@ def main(argv=None) -> int:
 
 
 def measure(args, argv) -> int:
-    if args.settings == ("finetune",):
+    if args.settings in (("finetune",), ("fp8",)):
         from launcher.bench.finetune import measure as finetune
+        from launcher.bench.fp8 import measure as fp8
 
         print(f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}, {args.steps} "
               f"steps, {args.reps} alternating repetitions (python -m launcher.bench.gpu "
               f"{' '.join(sys.argv[1:] if argv is None else argv)})", flush=True)
+        if args.settings == ("fp8",):
+            return fp8(args)
         return finetune(args, peak_flops(torch.device(args.device), args.peak_tflops))
     layers, heads, embd, block, batch = SIZES[args.size]
     batch = args.batch or batch

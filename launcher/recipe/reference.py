@@ -29,6 +29,9 @@ dotted path of a callable) and its keyword arguments.
 """
 
 
+NAMED = {"on_cpu": "mapping of recipe keys or null", "parallel.tp_plan": "auto or mapping of str"}  # Any, in words
+
+
 def _type(kind: Any) -> str:
     text = re.sub(r"typing\.|launcher\.recipe\.schema\.", "", str(kind) if not isinstance(kind, type) else kind.__name__)
     text = text.replace("Dict[str, Dict[str, Any]]", "mapping of components").replace("Dict[str, Any]", "component")
@@ -70,7 +73,7 @@ def keys(cls: type = Recipe, prefix: str = "") -> Iterator[Tuple[str, str, str, 
             yield prefix + f.name, "section or null", _default(f), comments.get(f.name, "")
             yield from keys(inner[0], f"{prefix}{f.name}.")
         else:
-            shown = "mapping of recipe keys or null" if prefix + f.name == "on_cpu" else _type(kind)
+            shown = NAMED.get(prefix + f.name) or _type(kind)
             yield prefix + f.name, shown, _default(f), comments.get(f.name, "")
 
 
