@@ -16,6 +16,15 @@ def launch(run_dir, *args, timeout: float = 300):
     return run([sys.executable, "-m", "launcher", *args, f"run_dir={run_dir}"], timeout=timeout)
 
 
+# Megatron's sequence parallelism for charlm's GPT: between the blocks each rank holds half the sequence.
+SEQUENCE_PARALLEL = ("parallel.tp_plan={'transformer.h.0': split_sequence, 'transformer.h.*.ln_1': sequence_parallel, "
+                     "'transformer.h.*.attn': gather_sequence, 'transformer.h.*.attn.c_attn': colwise, "
+                     "'transformer.h.*.attn.c_proj': rowwise_seq, 'transformer.h.*.ln_2': sequence_parallel, "
+                     "'transformer.h.*.mlp': gather_sequence, 'transformer.h.*.mlp.c_fc': colwise, "
+                     "'transformer.h.*.mlp.c_proj': rowwise_seq, 'transformer.ln_f': sequence_parallel, "
+                     "lm_head: gather_sequence}")
+
+
 def four(run_dir, *args):
     """Four processes on two cores: torchrun itself (the launcher would start at most one per core)."""
     return run([*TORCHRUN, "--standalone", "--nproc_per_node=4", "-m", "launcher", *args, "strategy=fsdp",
@@ -55,9 +64,10 @@ def test_tensor_parallel_gives_the_weights_of_one_process(one, split):
 
 
 @pytest.mark.slow
-def test_a_one_process_checkpoint_resumes_under_fsdp_by_tp(one, tmp_path):
-    done = four(tmp_path, *CHARLM, "parallel.tp=2", f"checkpoint.resume={one / 'checkpoints' / 'step_6'}")
+def test_a_one_process_checkpoint_resumes_under_fsdp_by_sequence_parallel_tp(one, tmp_path):
+    done = four(tmp_path, *CHARLM, "parallel.tp=2", SEQUENCE_PARALLEL, f"checkpoint.resume={one / 'checkpoints' / 'step_6'}")
     assert "dp_shard 2 x tp 2 = 4 ranks" in done.stdout and "written by 1 process, resharded to 4" in done.stdout
+    assert "parallel.tp: 19 layers split over 2 ranks: transformer.h.0 (split_sequence)" in done.stdout
     assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
 
 

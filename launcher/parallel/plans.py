@@ -8,6 +8,15 @@ A plan maps module name patterns (`*` stands for one name, as in `transformer.h.
     rowwise_rep         rowwise on a whole input (it takes its own part)
     embedding_rowwise   an Embedding's rows (the vocabulary) split; each rank looks up its own
 
+and, for sequence parallelism (Megatron-SP: between the blocks each rank holds its part of the sequence,
+so the norms and the residual stream are split too, and the all-reduces become all-gathers and
+reduce-scatters):
+
+    split_sequence      the module's input, whole on every rank, split along the sequence (dim 1)
+    sequence_parallel   a norm (or dropout) run on the rank's part of the sequence; its weights whole
+    gather_sequence     the module's input, split along the sequence, gathered whole (into attention, the MLP)
+    rowwise_seq         rowwise, its summed output split along the sequence (out of attention, the MLP)
+
 The Megatron pattern pairs them: colwise into a block (attention's query/key/value, the MLP's first layer),
 rowwise out of it, so the activations between stay split and one all-reduce ends each half. `auto` takes the
 model's own plan: HF models carry one (`_tp_plan`, their config's `base_model_tp_plan`), in these names."""
@@ -27,13 +36,22 @@ HEADS = ("num_attention_heads", "num_key_value_heads", "n_head")  # attributes t
 
 
 def styles() -> Dict[str, object]:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
             "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
             "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
-            "embedding_rowwise": RowwiseParallel(input_layouts=Replicate())}
+            "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
+            "split_sequence": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                 use_local_output=True),
+            "sequence_parallel": SequenceParallel(use_local_output=True),
+            "gather_sequence": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                  use_local_output=True),
+            "rowwise_seq": RowwiseParallel(output_layouts=Shard(1))}
+
+
+SPLITS = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise", "rowwise_seq")  # split weights
 
 
 def resolve(model: nn.Module, plan) -> Dict[str, str]:
@@ -78,6 +96,8 @@ def problems(model: nn.Module, modules: Dict[str, str], tp: int) -> List[str]:
                        f"use a tp that divides {count}")
     for name, style in modules.items():
         module = model.get_submodule(name)
+        if style not in SPLITS:  # an input's or a norm's layout: nothing of the module is split
+            continue
         if not isinstance(module, (nn.Linear, nn.Embedding)) or (style == "embedding_rowwise") != isinstance(module, nn.Embedding):
             want = "an Embedding" if style == "embedding_rowwise" else "a Linear (or an Embedding)"
             out.append(f"parallel.tp_plan: {name} is a {type(module).__name__}, and {style} splits {want}")

@@ -18,7 +18,8 @@ from launcher.recipe.checks import at_least, devices_valid, int64_problems, posi
 from launcher.recipe.slurm_options import SlurmConfig
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp", "accelerate")
-TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise")
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise", "split_sequence",
+             "sequence_parallel", "gather_sequence", "rowwise_seq")
 CONSOLIDATE = ("final", "every", "never")
 WANDB_MODES = ("online", "offline")
 REDUCE_DTYPES = ("fp32", "bf16")
