@@ -64,7 +64,7 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
 
 
 def _fp8_allowed(recipe, strategy: strategies.Strategy) -> None:
-    precision.fp8_problem(strategy.device)
+    precision.check_fp8(strategy.device)
     if recipe.parallel.tp > 1:
         raise UserError("precision: fp8 with parallel.tp > 1 would need torchao's float8 tensor-parallel styles, which "
                         "this launcher does not apply; use parallel.tp=1 (FSDP gathers the weights in fp8), or bf16")

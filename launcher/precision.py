@@ -13,7 +13,7 @@ FP8_CAPABILITY = (8, 9)  # CUDA's fp8 matmuls: Ada (L4, RTX 4090) and Hopper (H1
 HEADS = ("lm_head", "output", "head")  # output layers stay in bf16 (torchtitan's default): logits need the range
 
 
-def fp8_problem(device: torch.device) -> None:
+def check_fp8(device: torch.device) -> None:
     """Before anything is built: fp8 needs a GPU with fp8 matmuls, and torchao."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

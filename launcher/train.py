@@ -101,7 +101,8 @@ def _tracked(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, check
     effective = {"strategy": strategy.name, "world_size": strategy.placement.world_size,
                  "device": strategy.device.type, "precision": recipe.precision,
                  "grad_accum_steps": recipe.trainer.grad_accum_steps,
-                 "batch_size_per_rank": recipe.data.batch_size // strategy.data_share()[0]}
+                 "batch_size_per_rank": recipe.data.batch_size // strategy.data_share()[0],
+                 "total_steps": total_steps(recipe.trainer, parts.data.steps_per_epoch)}  # a sweep's report reads it
     config = {**OmegaConf.to_container(loaded.config, resolve=True), "effective": effective}
     flat = {**hparams(loaded.config), **{f"effective.{k}": v for k, v in effective.items()}}
     summary = ["train/loss", "val/loss"] + [f"val/{m}" for m in parts.metrics]

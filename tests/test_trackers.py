@@ -98,7 +98,8 @@ def test_every_logger_at_once(tmp_path):
     config = json.loads((run_dir / "config.json").read_text())  # beside it, the recipe and what ran
     assert config["strategy"] == "auto" and config["optimizer"]["lr"] == 0.001
     assert config["effective"] == {"strategy": "single", "world_size": 1, "device": "cpu", "precision": "fp32",
-                                   "grad_accum_steps": 1, "batch_size_per_rank": config["data"]["batch_size"]}
+                                   "grad_accum_steps": 1, "batch_size_per_rank": config["data"]["batch_size"],
+                                   "total_steps": 60}
 
     ids = json.loads((run_dir / "trackers.json").read_text())
     c = client(tmp_path)

@@ -45,7 +45,7 @@ class WandB:
         run_id = run.kept.get("id") or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         try:
             self.run = wandb.init(project=self.cfg.project or run.name, entity=self.cfg.entity, mode=self.cfg.mode,
-                                  name=self.cfg.run_name or run.name, dir=str(run.run_dir), id=run_id,
+                                  name=self.cfg.run_name or run.name, group=self.cfg.group, dir=str(run.run_dir), id=run_id,
                                   resume="allow", settings=wandb.Settings(console="off", quiet=True))
             # On a resume the effective values may differ (another world size): the latest are kept.
             self.run.config.update(run.config, allow_val_change=True)

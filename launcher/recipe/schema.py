@@ -200,6 +200,7 @@ class WandbConfig:
     entity: Optional[str] = None  # default: your wandb default entity
     mode: str = "online"  # online | offline (wandb sync uploads it later)
     run_name: Optional[str] = None  # default: the recipe's name
+    group: Optional[str] = None  # runs shown together (a sweep sets its name); null: none
 
 
 @dataclass

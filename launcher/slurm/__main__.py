@@ -147,20 +147,21 @@ def _as_flag(problem: str) -> str:
     return f"--{m.group(1).replace('_', '-')} {m.group(2)}: {m.group(3)}" if m else problem
 
 
-def submit(script: str, run_dir: Path) -> int:
+def submit(script: str, run_dir: Path, name: str = "job.sbatch", what: str = "job", logs: str = "{job}.out") -> int:
+    """Write the script into <run_dir>/slurm/ and sbatch it; one line says the job and where its logs go."""
     if shutil.which("sbatch") is None:
         raise UserError("sbatch is not on PATH. HINT: submit from a Slurm login node, or start the local "
                         "cluster (bash slurm/local/up.sh) and export SLURM_CONF as it says")
     folder = run_dir / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "job.sbatch"
+    path = folder / name
     path.write_text(script)
     done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, env=os.environ)
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise UserError(f"sbatch refused {path}: {reason}")
     job = done.stdout.strip().split(";")[0]
-    print(f"submitted job {job}: script {path}, logs {folder / (job + '.out')}")
+    print(f"submitted {what} {job}: script {path}, logs {folder / logs.format(job=job)}")
     return 0
 
 

@@ -63,13 +63,15 @@ class FSDP(DDP):
         units = ", ".join(self.units) or "none (the root alone)"
         left = (f" ({', '.join(self.left)} left to the root: it holds a weight tied to one outside it)"
                 if self.left else "")
-        lines = [f"fsdp: sharded over {self.placement.world_size} ranks; units {units}{left}"]
-        if not self.shape.plain:
-            how = ", ".join(f"{n} ({s})" for n, s in list(self.split.items())[:4]) + (
-                f" and {len(self.split) - 4} more" if len(self.split) > 4 else "")
-            lines = [f"fsdp: {self.shape.describe()} = {self.placement.world_size} ranks; sharded over "
-                     f"{'dp_replicate x dp_shard' if self.shape.dp_replicate > 1 else 'dp_shard'}, units {units}{left}"]
-            lines += [f"parallel.tp: {len(self.split)} layers split over {self.shape.tp} ranks: {how}"] if self.split else []
+        if self.shape.plain:
+            return [f"fsdp: sharded over {self.placement.world_size} ranks; units {units}{left}"]
+        over = "dp_replicate x dp_shard" if self.shape.dp_replicate > 1 else "dp_shard"
+        lines = [f"fsdp: {self.shape.describe()} = {self.placement.world_size} ranks; sharded over {over}, units "
+                 f"{units}{left}"]
+        if self.split:
+            how = ", ".join(f"{n} ({s})" for n, s in list(self.split.items())[:4])
+            more = f" and {len(self.split) - 4} more" if len(self.split) > 4 else ""
+            lines.append(f"parallel.tp: {len(self.split)} layers split over {self.shape.tp} ranks: {how}{more}")
         return lines
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -1,0 +1,90 @@
+"""A sweep's grid from the command line, in Hydra's multirun syntax: `key=a,b,c` sweeps a key over values,
+`key=range(1,4)` over 1, 2, 3 (range(start, stop[, step]), Python's), a value holding a comma is quoted
+('a,b') or bracketed ([1,2] is one list value; [1,2],[3,4] two); any other `key=value` applies to every run.
+The runs are every combination, the first axis slowest; each is named by its swept values alone."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from launcher.errors import UserError
+
+RANGE = re.compile(r"range\(\s*(-?\d+)\s*,\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)")
+SAFE = re.compile(r"[\w.\-=,+]+")  # what a run's folder name may hold as it is; else a short stable id
+LONGEST = 120
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str  # its folder's name under the sweep's, e.g. lr=0.001,seed=1
+    swept: Tuple[Tuple[str, str], ...]  # (key, value) of each swept key, as typed
+
+    @property
+    def overrides(self) -> List[str]:
+        return [f"{key}={value}" for key, value in self.swept]
+
+
+def split(args: List[str]) -> Tuple[Dict[str, List[str]], List[str]]:
+    """(the swept keys with their values, in order; the overrides every run takes)."""
+    axes: Dict[str, List[str]] = {}
+    plain: List[str] = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if not eq or not key:
+            raise UserError(f"{arg!r}: expected key=value (key=a,b,c to sweep a key)")
+        values = _values(value)
+        if len(values) > 1 or RANGE.fullmatch(value.strip()):
+            if key in axes:
+                raise UserError(f"{key}: swept twice ({key}={','.join(axes[key])} and {arg}); give its values once")
+            axes[key] = values
+        else:
+            plain.append(arg)
+    return axes, plain
+
+
+def _values(value: str) -> List[str]:
+    found = RANGE.fullmatch(value.strip())
+    if found:
+        start, stop, step = (int(g) if g is not None else None for g in found.groups())
+        if step == 0:
+            raise UserError(f"{value}: a range's step cannot be 0")
+        return [str(v) for v in range(start, stop, step or 1)]
+    parts, depth, quote, current = [], 0, None, ""
+    for char in value:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        current += char
+    return parts + [current]
+
+
+def runs(axes: Dict[str, List[str]]) -> List[Run]:
+    """Every combination, the first axis varying slowest."""
+    keys = list(axes)
+    return [_run(tuple(zip(keys, combination))) for combination in itertools.product(*axes.values())]
+
+
+def _run(swept: Tuple[Tuple[str, str], ...]) -> Run:
+    name = ",".join(f"{key.rpartition('.')[2] if _short_unique(key, swept) else key}={value}" for key, value in swept)
+    if not SAFE.fullmatch(name) or len(name) > LONGEST:
+        name = "run-" + hashlib.sha1(repr(swept).encode()).hexdigest()[:10]  # sweep.json names its overrides
+    return Run(name or "run", swept)
+
+
+def _short_unique(key: str, swept: Tuple[Tuple[str, str], ...]) -> bool:
+    """Whether the key's last part (lr for optimizer.lr) names it alone among the swept keys."""
+    last = key.rpartition(".")[2]
+    return sum(k.rpartition(".")[2] == last for k, _ in swept) == 1

@@ -1,0 +1,113 @@
+"""python -m launcher.sweep on this machine: the grid (Hydra's syntax), every mistake of every combination at once
+before anything starts, runs queued one or two at a time, a failed run in the table with its exit code, a
+sweep started again skipping what is done, and Ctrl-C saving every running run for the same command to resume."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher.errors import UserError
+from launcher.sweep import folder, grid
+from launcher.sweep.__main__ import main
+from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights
+
+
+def test_the_grid_in_hydra_s_syntax():
+    axes, plain = grid.split(["optimizer.lr=0.001,0.01", "seed=range(0,3)", "trainer.max_steps=10",
+                              "model.name='a,b'", "data.val=null", "model.sizes=[1,2],[3,4]"])
+    assert axes == {"optimizer.lr": ["0.001", "0.01"], "seed": ["0", "1", "2"], "model.sizes": ["[1,2]", "[3,4]"]}
+    assert plain == ["trainer.max_steps=10", "model.name='a,b'", "data.val=null"]
+    runs = grid.runs({"optimizer.lr": ["0.001", "0.01"], "seed": ["0", "1"]})
+    assert [r.name for r in runs] == ["lr=0.001,seed=0", "lr=0.001,seed=1", "lr=0.01,seed=0", "lr=0.01,seed=1"]
+    assert runs[1].overrides == ["optimizer.lr=0.001", "seed=1"]
+    two = grid.runs({"model.lr": ["1"], "optimizer.lr": ["2", "3"]})[0]  # last parts alike: whole keys
+    assert two.name == "model.lr=1,optimizer.lr=2"
+    odd = grid.runs({"model.sizes": ["[1,2]", "[3,4]"]})  # a folder name cannot hold brackets: a stable id
+    assert odd[0].name.startswith("run-") and odd[0].name != odd[1].name
+    assert grid.runs({"model.sizes": ["[1,2]"]})[0].name == odd[0].name
+    assert grid.split(["seed=range(1,8,3)"])[0] == {"seed": ["1", "4", "7"]}
+    with pytest.raises(UserError, match="seed: swept twice"):
+        grid.split(["seed=1,2", "seed=3,4"])
+
+
+def test_every_mistake_of_every_combination_at_once_and_nothing_starts(tmp_path, capsys):
+    code = main([str(QUICKSTART), "trainer.max_steps=10,abc", "trainer.max_stepz=5", f"run_dir={tmp_path / 's'}",
+                 "seed=range(0,60)"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and lines == [
+        "launcher: 120 runs (2 x 60) are more than --max-runs 100; add --yes to start them all, or sweep fewer values",
+        "launcher: override 'trainer.max_stepz=5': trainer.max_stepz: unknown key; did you mean 'trainer.max_steps'?",
+        "launcher: override 'trainer.max_steps=abc': trainer.max_steps: expected an integer or null, got 'abc'"], lines
+    assert not (tmp_path / "s").exists()
+    assert main([str(QUICKSTART), "trainer.max_steps=10"]) == 2
+    assert "no key is swept" in capsys.readouterr().err
+    assert main([str(QUICKSTART), "seed=1,2", "--paralel", "2"]) == 2
+    assert "unknown option --paralel" in capsys.readouterr().err
+
+
+def sweep(*args, timeout=300, **kwargs):
+    return subprocess.run([sys.executable, "-m", "launcher.sweep", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_each_combination_reports_a_failure_and_skips_what_is_done(tmp_path, monkeypatch):
+    """Two runs at once: one diverges (exit 3), one finishes; the table says so, MLflow holds both under the
+    sweep's name; started again, the finished run is skipped and the failed one runs again."""
+    uri = f"file:{tmp_path / 'mlruns'}"
+    args = [QUICKSTART, *SMALL, "trainer.max_steps=20", "model={_target_: tests.components.DivergesAt, at: 1000}",
+            "model.at=5,1000", f"run_dir={tmp_path / 'grid'}", f"logging.mlflow={{tracking_uri: '{uri}'}}",
+            "--parallel", "2"]
+    done = sweep(*args)
+    assert done.returncode == 1, done.stdout + done.stderr
+    table = done.stdout.splitlines()[-3:]
+    assert table[0].split() == ["model.at", "status", "step", "train/loss", "val/accuracy", "val/loss", "time"], done.stdout
+    assert table[1].split()[:3] == ["5", "failed", "(exit"] and table[2].split()[:3] == ["1000", "done", "20/20"]
+    assert "the training loss is nan at step 5" in (tmp_path / "grid" / "at=5" / "output.log").read_text()
+    again = sweep(*args)
+    assert "2 runs in" in again.stdout and "1 done already" in again.stdout and "at=1000 started" not in again.stdout
+
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("grid").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["at=1000", "at=5", "at=5"]  # at=5 tried twice
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_every_running_run_and_the_same_command_resumes_them(tmp_path):
+    slow = [*SMALL, "model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_steps=150",
+            "trainer.log_every=10"]
+    args = [QUICKSTART, *slow, "seed=1,2", f"run_dir={tmp_path / 'grid'}", "--parallel", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.sweep", *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = [tmp_path / "grid" / f"seed={s}" / "output.log" for s in (1, 2)]
+    deadline = time.time() + 120
+    while not all(p.exists() and "step 20/" in p.read_text() for p in logs):
+        assert time.time() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() is not None else ""
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "stopped by SIGINT; the same command resumes the runs" in out
+    for s in (1, 2):
+        assert "stopped at step" in out and (tmp_path / "grid" / f"seed={s}" / "checkpoints" / "latest").exists()
+    done = sweep(*args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert all(r["status"] == "done" for r in _rows(tmp_path / "grid"))
+    alone = subprocess.run([sys.executable, "-m", "launcher", QUICKSTART, *slow, "seed=2", f"run_dir={tmp_path / 'alone'}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    assert_same_weights(tmp_path / "alone" / "model.pt", tmp_path / "grid" / "seed=2" / "model.pt")
+    assert json.loads((tmp_path / "grid" / "seed=2" / folder.EXIT).read_text())["exit_code"] == 0
+
+
+def _rows(path):
+    from launcher.sweep import report
+
+    return report.rows(folder.read(path))
