@@ -1,7 +1,9 @@
 """The launcher on a real Slurm cluster (slurm/local/): submit, several nodes, preemption and requeue."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -118,6 +120,52 @@ def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path,
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == logged and steps == sorted(set(steps)) and steps[-1] == 300, (steps, logged)
+
+
+def test_a_sweep_as_a_job_array_requeues_a_preempted_task_and_each_ends_as_alone(slurm_cluster, tmp_path):  # noqa: F811
+    """python -m launcher.sweep --slurm: one array of 4 tasks, 2 at a time; task 0 is preempted (SIGUSR1),
+    saves, requeues itself and resumes; every run's weights are those of the same run trained alone."""
+    from launcher.recipe import load
+    from launcher.sweep import folder
+    from launcher.train import train
+
+    slow = [*SLOW, "trainer.max_steps=150"]
+    grid = tmp_path / "grid"
+    done = subprocess.run([sys.executable, "-m", "launcher.sweep", *RECIPE, *slow, "optimizer.lr=0.001,0.01",
+                           "seed=1,2", f"run_dir={grid}", "--slurm", "--max-parallel", "2", f"--python={sys.executable}",
+                           "--time=5"], cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    job = re.fullmatch(r"submitted job array of 4 tasks, 2 at a time (\d+): script \S+, logs \S+\n", done.stdout)
+    assert job, done.stdout
+    job = job.group(1)
+    first = grid / "slurm" / f"{job}_0.out"
+    deadline = time.time() + 120
+    while "step 10/" not in (first.read_text() if first.exists() else ""):
+        assert time.time() < deadline, first.read_text() if first.exists() else "no log"
+        time.sleep(0.2)
+    # What Slurm sends before the time limit, to the training process (its pid is in its folder's lock).
+    # Not through `scancel --signal`: for an array task it holds slurmctld until the task's own `scontrol
+    # requeue` times out, then signals the requeued run again.
+    holder = (sweep_run_dir(grid, 0) / ".lock").read_text()
+    os.kill(int(re.match(r"pid (\d+)", holder).group(1)), signal.SIGUSR1)
+    slurm_cluster.release(f"{job}_0", timeout=60)
+    sweep = folder.read(grid)
+    deadline = time.time() + 240
+    while not all(folder.status(sweep.run_dir(r)).state == "done" for r in sweep.runs):
+        assert time.time() < deadline, [folder.status(sweep.run_dir(r)).describe() for r in sweep.runs]
+        time.sleep(1)
+    said = first.read_text()
+    assert f"requeued Slurm job {job}_0" in said and "resumed from" in said, said
+    for run in sweep.runs:
+        train(load(RECIPE[0], [*RECIPE[1:], *slow, *run.overrides, f"run_dir={tmp_path / 'alone' / run.name}"]))
+        assert_same_weights(tmp_path / "alone" / run.name / "model.pt", sweep.run_dir(run) / "model.pt")
+
+
+def sweep_run_dir(grid: Path, index: int) -> Path:
+    from launcher.sweep import folder
+
+    sweep = folder.read(grid)
+    return sweep.run_dir(sweep.runs[index])
 
 
 def test_a_bad_recipe_fails_within_seconds_with_one_line(slurm_cluster, tmp_path):  # noqa: F811

@@ -111,3 +111,18 @@ def _rows(path):
     from launcher.sweep import report
 
     return report.rows(folder.read(path))
+
+
+def test_each_run_of_a_queue_gets_gpus_of_its_own(monkeypatch):
+    from launcher.sweep.local import gpu_groups
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert gpu_groups(1, 4, share=False) == ["[0]", "[1]", "[2]", "[3]"]
+    assert gpu_groups(2, 2, share=False) == ["[0,1]", "[2,3]"]
+    with pytest.raises(UserError, match="--parallel 3: 4 GPU"):
+        gpu_groups(2, 3, share=False)
+    assert gpu_groups(2, 3, share=True) == ["[0,1]", "[2,3]", "[0,1]"]
+    with pytest.raises(UserError, match="--gpus-per-run 5: this machine shows 4 GPU"):
+        gpu_groups(5, 1, share=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu_groups(1, 2, share=False) == [None, None]  # no GPU: each run as its recipe says

@@ -41,7 +41,8 @@ class Sweep:
         values, and what the sweep sets: the run's folder, metrics.jsonl (the report reads it), and its name
         under the sweep's in the trackers (MLflow's experiment, W&B's group)."""
         name = self.folder.name
-        out = [self.recipe, *self.overrides, *run.overrides, f"run_dir={self.run_dir(run)}", "logging.jsonl=true"]
+        every = [o for o in self.overrides if not o.startswith("run_dir=")]  # the sweep's folder: each run's below
+        out = [self.recipe, *every, *run.overrides, f"run_dir={self.run_dir(run)}", "logging.jsonl=true"]
         if "mlflow" in self.trackers:
             out += [f"logging.mlflow.experiment='{name}'", f"logging.mlflow.run_name='{run.name}'"]
         if "wandb" in self.trackers:
