@@ -65,7 +65,7 @@ def run_all(sweep: Sweep, command: Callable[[Run], List[str]], slots: List[Optio
         while (todo and not stopping) or running:
             while todo and free and not stopping:
                 run, devices = todo.pop(0), free.pop(0)
-                running[_start(sweep, run, command(run), devices, len(slots) > 1)] = (run, devices, time.time())
+                running[_start(sweep, run, command(run), devices, len(slots))] = (run, devices, time.time())
                 say(f"sweep: {run.name} started" + (f" on devices {devices}" if devices else ""))
             if stopping:
                 _forward(running, stopping[0], signalled)
@@ -87,16 +87,22 @@ def run_all(sweep: Sweep, command: Callable[[Run], List[str]], slots: List[Optio
     return 1 if failed else 0
 
 
-def _start(sweep: Sweep, run: Run, argv: List[str], devices: Optional[str], quiet: bool) -> subprocess.Popen:
+def _start(sweep: Sweep, run: Run, argv: List[str], devices: Optional[str], slots: int) -> subprocess.Popen:
+    quiet = slots > 1
     run_dir = sweep.run_dir(run)
     run_dir.mkdir(parents=True, exist_ok=True)
     if devices:
         argv = [*argv, f"devices={devices}"]
     output = open(run_dir / "output.log", "ab") if quiet else None  # several at once: each its own file
+    env = dict(os.environ)
+    if quiet and not devices and "OMP_NUM_THREADS" not in env:
+        # several runs on the CPU share its cores (as torchrun shares them among its workers): each run's
+        # threads spinning on every core would slow them all several times over
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // slots))
     try:
         # a session of its own: a terminal's Ctrl-C reaches the sweep alone, which passes one signal on
         return subprocess.Popen([sys.executable, "-m", "launcher", *argv], stdout=output, stderr=output,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     finally:
         if output is not None:
             output.close()
