@@ -32,5 +32,5 @@ def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, 
 
 
 def line(rank: int, held_bytes: Dict[str, int]) -> str:
-    parts = ", ".join(f"{name} {size / MIB:.2f} MiB" for name, size in held_bytes.items())
+    parts = ", ".join(f"{name} {size / MIB:.{2 if size >= MIB else 4}f} MiB" for name, size in held_bytes.items())
     return f"memory on rank {rank}: {parts} (its own shares)"

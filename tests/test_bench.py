@@ -56,7 +56,7 @@ def test_the_loggers_defaults_and_start_up_rows():
 @pytest.mark.slow
 def test_the_hf_fsdp_and_scaling_rows():
     out = bench("--no-workload", "--no-loggers", "--no-startup", "--no-defaults", "--no-pretrained", "--scaling-steps", "6", "--hf-steps", "30",
-                "--fsdp-steps", "20")
+                "--fsdp-steps", "20", "--layouts", "two")  # the four-process layouts' memory: tests/test_parallel.py
     assert "reference workload" not in out, out
     if importlib.util.find_spec("transformers"):
         row = [l for l in out.splitlines() if l.startswith("HF GPT-2 1 proc")]
@@ -75,10 +75,8 @@ def test_the_hf_fsdp_and_scaling_rows():
     assert held and float(held.group(1)) <= 0.525 and held.group(2) == "met", out  # every Block sharded in two
     assert 0.2 < float(held.group(3)) < 50, out  # a sanity bound on what was measured, not a target
     per_rank = {name: float(re.search(rf"^{name} +\d.* (\d+\.\d+)MiB  ", out, re.M).group(1))
-                for name in ("ddp x2", "fsdp x2", "tp x2", "fsdp x2 tp x2", "hsdp 2x2")}
+                for name in ("ddp x2", "fsdp x2", "tp x2")}
     assert per_rank["tp x2"] < 0.55 * per_rank["ddp x2"], per_rank  # its Blocks' matmuls split, embeddings whole
-    assert per_rank["fsdp x2 tp x2"] < 0.3 * per_rank["ddp x2"], per_rank  # split in two, then sharded in two
-    assert per_rank["hsdp 2x2"] == per_rank["fsdp x2"], per_rank  # sharded in two, replicated twice
     assert re.search(r"^ours / raw +\d\.\d{3}$", out, re.M), out
     for loop in ("raw", "ours"):
         efficiency = float(re.search(rf"^{loop} .* (\d\.\d{{3}})$", out, re.M).group(1))

@@ -25,6 +25,21 @@ SEQUENCE_PARALLEL = ("parallel.tp_plan={'transformer.h.0': split_sequence, 'tran
                      "lm_head: gather_sequence}")
 
 
+def held(said: str) -> float:
+    """MiB rank 0 said it held at the end (parameters, gradients and optimizer state, its own shares)."""
+    import re
+
+    line = re.search(r"^memory on rank 0: (.*) \(its own shares\)$", said, re.M).group(1)
+    return sum(float(x) for x in re.findall(r"([\d.]+) MiB", line))
+
+
+def whole() -> float:
+    """MiB of CHARLM's model whole: parameters, gradients, and AdamW's two moments, in fp32."""
+    from recipes.components.gpt import GPT
+
+    return 16 * sum(p.numel() for p in GPT(65, 32, n_layer=2, n_head=2, n_embd=32).parameters()) / 2**20
+
+
 def four(run_dir, *args):
     """Four processes on two cores: torchrun itself (the launcher would start at most one per core)."""
     return run([*TORCHRUN, "--standalone", "--nproc_per_node=4", "-m", "launcher", *args, "strategy=fsdp",
@@ -69,6 +84,7 @@ def test_a_one_process_checkpoint_resumes_under_fsdp_by_sequence_parallel_tp(one
     assert "dp_shard 2 x tp 2 = 4 ranks" in done.stdout and "written by 1 process, resharded to 4" in done.stdout
     assert "parallel.tp: 19 layers split over 2 ranks: transformer.h.0 (split_sequence)" in done.stdout
     assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
+    assert 0.25 < held(done.stdout) / whole() < 0.35, done.stdout  # the blocks' layers in 4, the rest in 2
 
 
 @pytest.mark.slow
@@ -77,6 +93,7 @@ def test_a_tensor_parallel_checkpoint_resumes_under_hsdp(one, split, tmp_path):
     done = four(tmp_path, *CHARLM, "parallel.dp_replicate=2", f"checkpoint.resume={folder / 'checkpoints' / 'step_6'}")
     assert "dp_replicate 2 x dp_shard 2 = 4 ranks; sharded over dp_replicate x dp_shard" in done.stdout
     assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
+    assert 0.5 <= held(done.stdout) / whole() < 0.53, done.stdout  # sharded in two (a row more), replicated twice
 
 
 @pytest.mark.slow

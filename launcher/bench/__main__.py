@@ -2,6 +2,7 @@
                           [--no-ddp] [--no-peers] [--no-hf] [--no-fsdp] [--no-loggers] [--no-scaling] [--loggers]
                           [--no-startup] [--startup [--startup-reps 9]] [--no-defaults] [--defaults]
                           [--no-pretrained] [--pretrained [--pretrained-layers 11 --pretrained-width 2048]]
+                          [--layouts all|two]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -195,6 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fsdp-steps", type=int, default=100, help="steps per run of the layouts row (default 100)")
     parser.add_argument("--no-scaling", dest="scaling", action="store_false", help="skip the scaling rows")
     parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the layouts row (fsdp, tp, hsdp)")
+    parser.add_argument("--layouts", choices=("all", "two"), default="all",
+                        help="the layouts row's layouts: all, or the two-process ones alone (no fsdp x tp, HSDP 2x2)")
     parser.add_argument("--no-loggers", dest="loggers", action="store_false", help="skip the loggers row")
     parser.add_argument("--loggers", dest="loggers_only", action="store_true", help="the loggers row alone")
     parser.add_argument("--no-startup", dest="startup", action="store_false", help="skip the start-up row")

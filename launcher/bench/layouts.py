@@ -35,7 +35,8 @@ def layouts(args) -> list[str]:
         return {name: ([*torchrun(processes), "-m", "launcher.bench.child", *recipe, *how,
                         f"run_dir={args.run_dir}/{name.replace(' ', '_')}"], {}) for name, how in table.items()}
 
-    res = {**alternate(sides(TWO, 2), args.reps), **alternate(sides(FOUR, 4), 1)}
+    four = alternate(sides(FOUR, 4), 1) if args.layouts == "all" else {}
+    res = {**alternate(sides(TWO, 2), args.reps), **four}
     held = {name: {k: median(runs, k) for k in KINDS} for name, runs in res.items()}
     total = {name: sum(h.values()) for name, h in held.items()}
     mib = lambda b: f"{b / 2**20:.2f}MiB"  # noqa: E731
