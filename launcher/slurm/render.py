@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 from string import Template
-from typing import List
+from typing import List, Optional
 
 from launcher.errors import UserError
 from launcher.recipe.schema import SlurmConfig
@@ -22,8 +22,10 @@ def bare_python(options: SlurmConfig) -> bool:
     return options.python == "python" and not options.setup
 
 
-def render(options: SlurmConfig, recipe: Path, overrides: List[str], run_dir: Path, name: str, workdir: Path) -> str:
-    """The script. `run_dir` and `workdir` are absolute, so the job finds what the submitter meant."""
+def render(options: SlurmConfig, recipe: Path, overrides: List[str], run_dir: Path, name: str, workdir: Path,
+           arguments: Optional[str] = None) -> str:
+    """The script. `run_dir` and `workdir` are absolute, so the job finds what the submitter meant. `arguments`,
+    shell words, replace the recipe and its overrides after `-m launcher` (a job array's task picks its own)."""
     template = TEMPLATES / f"{options.layout}.sbatch"
     if not template.is_file():
         raise UserError(f"slurm.layout: no template {template}; the slurm/ folder of the launcher's "
@@ -58,5 +60,5 @@ def render(options: SlurmConfig, recipe: Path, overrides: List[str], run_dir: Pa
         setup_lines="\n".join(setup),
         python=shlex.quote(options.python),
         nproc_per_node=per_node,
-        recipe_args=" ".join(shlex.quote(a) for a in args),
+        recipe_args=arguments if arguments is not None else " ".join(shlex.quote(a) for a in args),
     )

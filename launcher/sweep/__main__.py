@@ -54,11 +54,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _sweep(argv: List[str]) -> int:
-    args, rest = _parser().parse_known_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
     overrides = [a for a in rest if "=" in a and not a.startswith("-")]
     options = [a for a in rest if a not in overrides]
     if options and not args.slurm:
-        raise UserError(f"unknown option {options[0]}; the sweep's: {', '.join(_OWN)} (Slurm's options follow --slurm)")
+        own = [o for action in parser._actions for o in action.option_strings if o.startswith("--") and o != "--help"]
+        raise UserError(f"unknown option {options[0]}; the sweep's: {', '.join(own)} (Slurm's options follow --slurm)")
     if args.parallel < 1 or args.gpus_per_run < 1:
         raise UserError("--parallel and --gpus-per-run: must be 1 or more")
     sweep = plan(args.recipe, overrides, args.max_runs, args.yes)
@@ -77,8 +79,6 @@ def _sweep(argv: List[str]) -> int:
     print(report.render(report.rows(sweep), "table"))
     return code
 
-
-_OWN = ("--dry-run", "--parallel", "--gpus-per-run", "--share-gpus", "--max-runs", "--yes", "--slurm", "--max-parallel")
 
 
 def _print_runs(sweep: folder.Sweep) -> None:

@@ -32,11 +32,8 @@ def script(sweep: Sweep, recipe: Path, options: List[str], max_parallel: Optiona
     config.setup = [*config.setup, "# this task's run: combination $SLURM_ARRAY_TASK_ID of the sweep (sweep.json)",
                     'case "$SLURM_ARRAY_TASK_ID" in', *cases, "esac", "started=$(date +%s)",
                     f"trap '{python} -m launcher.sweep mark \"$RUN_DIR\" $? $started' EXIT"]
-    text = render(config, Path(sweep.recipe), sweep.overrides, sweep.folder, sweep.folder.name, Path.cwd())
-    marker = "-m launcher "
-    at = text.rindex(marker)
-    end = text.index("\n", at) if "\n" in text[at:] else len(text)
-    return text[:at] + marker + shlex.quote(sweep.recipe) + ' "${RUN[@]}"' + text[end:]
+    return render(config, Path(sweep.recipe), sweep.overrides, sweep.folder, sweep.folder.name, Path.cwd(),
+                  arguments=f'{shlex.quote(sweep.recipe)} "${{RUN[@]}}"')
 
 
 def submit(sweep: Sweep, recipe: Path, options: List[str], max_parallel: Optional[int]) -> int:
