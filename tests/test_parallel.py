@@ -179,7 +179,11 @@ def test_a_plan_that_does_not_fit_the_model_is_one_line(plan, says):
     if says is None:  # a LayerNorm has nothing to split
         modules = plans.matched(model, plans.resolve(model, plan))
         assert plans.problems(model, modules, 2)[0] == ("parallel.tp_plan: transformer.h.0.ln_1 is a LayerNorm, and "
-                                                        "colwise splits a Linear (or an Embedding)")
+                                                        "colwise splits a Linear or an Embedding")
+        wrong = {"transformer.wpe": "rowwise", "lm_head": "embedding_rowwise"}  # an Embedding's rows take its own style
+        assert plans.problems(model, wrong, 2) == [
+            "parallel.tp_plan: transformer.wpe is an Embedding, and rowwise splits a Linear",
+            "parallel.tp_plan: lm_head is a Linear, and embedding_rowwise splits an Embedding"]
         return
     with pytest.raises(UserError) as caught:
         plans.matched(model, plans.resolve(model, plan))

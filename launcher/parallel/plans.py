@@ -52,6 +52,7 @@ def styles() -> Dict[str, object]:
 
 
 SPLITS = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise", "rowwise_seq")  # split weights
+EMBEDDING_STYLES = ("colwise", "colwise_rep", "embedding_rowwise")  # an Embedding's columns, or its rows
 
 
 def resolve(model: nn.Module, plan) -> Dict[str, str]:
@@ -98,9 +99,13 @@ def problems(model: nn.Module, modules: Dict[str, str], tp: int) -> List[str]:
         module = model.get_submodule(name)
         if style not in SPLITS:  # an input's or a norm's layout: nothing of the module is split
             continue
-        if not isinstance(module, (nn.Linear, nn.Embedding)) or (style == "embedding_rowwise") != isinstance(module, nn.Embedding):
-            want = "an Embedding" if style == "embedding_rowwise" else "a Linear (or an Embedding)"
-            out.append(f"parallel.tp_plan: {name} is a {type(module).__name__}, and {style} splits {want}")
+        takes = EMBEDDING_STYLES if isinstance(module, nn.Embedding) else () if not isinstance(module, nn.Linear) \
+            else tuple(s for s in SPLITS if s != "embedding_rowwise")
+        if style not in takes:
+            want = ("an Embedding" if style == "embedding_rowwise" else "a Linear or an Embedding"
+                    if style in EMBEDDING_STYLES else "a Linear")
+            kind = type(module).__name__
+            out.append(f"parallel.tp_plan: {name} is {'an' if kind[0] in 'AEIOU' else 'a'} {kind}, and {style} splits {want}")
             continue
         size, what = _split(module, style)
         if size % tp:
