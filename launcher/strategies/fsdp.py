@@ -110,6 +110,10 @@ class FSDP(DDP):
             if isinstance(module, FSDPModule):
                 module.reshard()
 
+    def teardown(self) -> None:
+        self.device_mesh = None  # its process groups too are released before the default one ends (DDP.teardown)
+        super().teardown()
+
     def no_sync(self, model: nn.Module, skip: bool):
         # FSDP reads the flag when a unit's backward ends (DDP reads it in forward), so it is set for the
         # whole micro-step, forward and backward, and every micro-step sets it.
