@@ -80,7 +80,6 @@ def _sweep(argv: List[str]) -> int:
     return code
 
 
-
 def _print_runs(sweep: folder.Sweep) -> None:
     every = f" (every run: {' '.join(sweep.overrides)})" if sweep.overrides else ""
     print(f"sweep: {len(sweep.runs)} runs of {sweep.recipe} in {sweep.folder}{every}")

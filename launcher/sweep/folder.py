@@ -50,13 +50,13 @@ class Sweep:
         return out
 
     def write(self) -> None:
+        from launcher.checkpoint import write_text  # (with torch: not for `report` alone)
+
         self.folder.mkdir(parents=True, exist_ok=True)
         text = json.dumps({"recipe": self.recipe, "overrides": self.overrides, "axes": self.axes,
                            "trackers": self.trackers,
                            "runs": [{"name": r.name, "overrides": r.overrides} for r in self.runs]}, indent=1)
-        temporary = self.folder / f".{SWEEP}.tmp"
-        temporary.write_text(text + "\n")
-        os.replace(temporary, self.folder / SWEEP)
+        write_text(self.folder / SWEEP, text + "\n")
 
 
 def read(folder: Path) -> Sweep:
@@ -74,8 +74,10 @@ def read(folder: Path) -> Sweep:
 
 def mark_exit(run_dir: Path, code: int, started: float) -> None:
     """Record how the run's process ended (and when it started: the report's wall time)."""
+    from launcher.checkpoint import write_text  # (with torch: not for `report` alone)
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / EXIT).write_text(json.dumps({"exit_code": code, "started": started, "ended": time.time()}) + "\n")
+    write_text(run_dir / EXIT, json.dumps({"exit_code": code, "started": started, "ended": time.time()}) + "\n")
 
 
 @dataclass
@@ -149,7 +151,8 @@ def _jsonl(path: Path) -> List[Dict[str, Any]]:
 
 
 def _locked(run_dir: Path) -> bool:
-    """Whether a run holds its folder's lock now (launcher/run_dir.py takes it for the whole run)."""
+    """Whether a run holds its folder's lock now (launcher/run_dir.py takes it for the whole run; that module
+    imports torch, which `report` does without). Another process's: a POSIX record lock is the process's own."""
     try:
         fd = os.open(run_dir / ".lock", os.O_RDWR)
     except OSError:
