@@ -57,9 +57,13 @@ def for_torchrun(lines: List[str], later: int = 0) -> None:
         return
     text = "\n".join(lines)
     data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()) + later)}}}
+    # Whole or absent: torchrun stops the other ranks as soon as one exits, and reads the file of a rank it
+    # stopped mid-write; an empty one made its report fail on json (exit 1 instead of the rank's 2).
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as f:
+        with open(partial, "w") as f:
             json.dump(data, f)
+        os.replace(partial, path)
     except OSError:
         pass  # the report then says what it says without it; our line is on stderr already
 

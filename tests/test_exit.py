@@ -52,3 +52,26 @@ def test_the_loader_workers_end_with_the_run_not_with_the_garbage_collector(tmp_
     stream = ["data.train._target_=recipes.components.synthetic.ResumableBlobStream"] if train_data == "stream" else []
     train(tmp_path, "trainer.max_steps=40", "data.num_workers=2", "trainer.eval_every=20", *stream)
     assert multiprocessing.active_children() == []
+
+
+def test_torchruns_error_file_is_whole_or_absent_when_a_rank_is_stopped_while_writing_it(tmp_path, monkeypatch):
+    """torchrun stops the other ranks as soon as one exits and reads each one's error file: a file left empty
+    by a rank stopped mid-write made torchrun's own report fail on json, exit 1 instead of the ranks' 2."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from launcher import report
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # what a signal's handler does to the rank between opening and writing
+
+    with monkeypatch.context() as m:
+        m.setattr(report.json, "dump", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            report.for_torchrun(["launcher: a mistake"])
+    assert not path.exists()
+    report.for_torchrun(["launcher: a mistake"])
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))  # as torchrun reads it
+    assert failure.message["message"] == "launcher: a mistake" and failure.timestamp > 0
