@@ -92,7 +92,21 @@ def wrapped(model: torch.nn.Module, strategy: strategies.Strategy, console, init
         for note in strategy.agree(lambda: check(out)):  # every rank runs the sharded forward
             console.info(note)
         strategy.after_forward(out)
+    elif getattr(strategy, "split", None):  # the whole model fitted the batch: the split one must too
+        strategy.agree(lambda: _split_fits(check, out))
+        strategy.after_forward(out)
     return out
+
+
+def _split_fits(check: Callable[[torch.nn.Module], List[str]], model: torch.nn.Module) -> None:
+    """The first batch through the model split by parallel.tp_plan: where the whole model took it, a failure
+    is the plan's (a colwise layer whose output, split, goes to a layer that expects it whole)."""
+    try:
+        check(model)
+    except UserError as e:
+        cause = e.problems[0].split(": the first batch gives ", 1)[-1]
+        raise UserError(f"parallel.tp_plan: the model fits the first batch whole but not split: {cause}; a colwise "
+                        f"layer's output (split) must go to a rowwise one, or use colwise_rep to gather it") from None
 
 
 def _initialised(console, init_from, load: Callable, how: str = "") -> None:
