@@ -121,6 +121,15 @@ def test_target_arguments_are_checked(tmp_path):
             "differentiable, fused") in lines
 
 
+def test_a_word_where_a_number_belongs_is_named_where_it_was_set(tmp_path):
+    lines = problems(write(tmp_path, GOOD), "optimizer.momentum=fast", "model.hidden=wide")
+    assert lines == ["override 'model.hidden=wide': model.hidden: 'recipes.components.mlp.MLP' takes a number for "
+                     "'hidden' (its default: 128), got the string 'wide'",
+                     "override 'optimizer.momentum=fast': optimizer.momentum: 'torch.optim.SGD' takes a number for "
+                     "'momentum' (its default: 0), got the string 'fast'"], lines
+    load(write(tmp_path, GOOD), ["loss.reduction=sum"])  # a word where the default is one: loads
+
+
 def test_malformed_yaml_names_the_line(tmp_path):
     path = write(tmp_path, "name: t\nmodel: {_target_: x\n")
     lines = problems(path)

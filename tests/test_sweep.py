@@ -36,11 +36,14 @@ def test_the_grid_in_hydra_s_syntax():
 
 def test_every_mistake_of_every_combination_at_once_and_nothing_starts(tmp_path, capsys):
     code = main([str(QUICKSTART), "trainer.max_steps=10,abc", "trainer.max_stepz=5", f"run_dir={tmp_path / 's'}",
-                 "seed=range(0,60)"])
+                 "optimizer.lr=0.1,abc", "seed=range(0,30)"])
     lines = capsys.readouterr().err.splitlines()
     assert code == 2 and lines == [
-        "launcher: 120 runs (2 x 60) are more than --max-runs 100; add --yes to start them all, or sweep fewer values",
+        "launcher: 120 runs (2 x 2 x 30) are more than --max-runs 100; add --yes to start them all, or sweep fewer "
+        "values",
         "launcher: override 'trainer.max_stepz=5': trainer.max_stepz: unknown key; did you mean 'trainer.max_steps'?",
+        "launcher: override 'optimizer.lr=abc': optimizer.lr: 'torch.optim.AdamW' takes a number for 'lr' (its "
+        "default: 0.001), got the string 'abc'",
         "launcher: override 'trainer.max_steps=abc': trainer.max_steps: expected an integer or null, got 'abc'"], lines
     assert not (tmp_path / "s").exists()
     assert main([str(QUICKSTART), "trainer.max_steps=10"]) == 2

@@ -50,12 +50,20 @@ def locate(path: str) -> Callable[..., Any]:
     return obj
 
 
-class UnexpectedArgument(TargetError):
-    """A keyword argument the target has no parameter for (`argument`: its name)."""
+class ArgumentError(TargetError):
+    """A problem of one keyword argument (`argument`: its name), reported where the recipe sets it."""
 
     def __init__(self, message: str, argument: str):
         super().__init__(message)
         self.argument = argument
+
+
+class UnexpectedArgument(ArgumentError):
+    """A keyword argument the target has no parameter for."""
+
+
+class WrongValue(ArgumentError):
+    """A keyword argument the target takes, given a value of another kind."""
 
 
 class MissingArguments(TargetError):
@@ -95,6 +103,7 @@ def check_arguments(spec: dict, n_positional: int = 0) -> None:
                 hint = f"did you mean '{close[0]}'? " if close else ""
                 raise UnexpectedArgument(f"'{spec['_target_']}' takes no argument '{key}'; {hint}its arguments: "
                                          f"{', '.join(named) or 'none'}", key)
+    _check_values(spec["_target_"], params, kwargs)
     try:
         signature.bind_partial(*args, **kwargs) if partial else signature.bind(*args, **kwargs)
     except TypeError as e:
@@ -103,6 +112,19 @@ def check_arguments(spec: dict, n_positional: int = 0) -> None:
         except TypeError:
             raise TargetError(f"'{spec['_target_']}' {e}; its signature is {signature}") from None
         raise MissingArguments(f"'{spec['_target_']}' {e}; its signature is {signature}") from None
+
+
+def _check_values(target: str, params, kwargs: dict) -> None:
+    """A word given where the parameter's default is a number (lr=abc): the call would fail on it, or worse,
+    carry it; a parameter whose annotation admits a str is left to the call."""
+    for key, value in kwargs.items():
+        param = params.get(key)
+        if param is None or not isinstance(value, str) or "str" in str(param.annotation) or "Any" in str(param.annotation):
+            continue
+        default = param.default
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            raise WrongValue(f"'{target}' takes a number for '{key}' (its default: {default!r}), got the string "
+                             f"{value!r}", key)
 
 
 def instantiate(spec: Any, *args: Any, key: str = "") -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from launcher.recipe.instantiate import MissingArguments, TargetError, UnexpectedArgument, check_arguments
+from launcher.recipe.instantiate import ArgumentError, MissingArguments, TargetError, check_arguments
 from launcher.recipe.schema import TARGETS, Recipe
 
 # How many positional arguments the launcher passes to each target it builds.
@@ -24,7 +24,7 @@ def check(recipe: Recipe, where) -> List[tuple]:
             target = f"{sub_key}._target_"
             try:
                 check_arguments(sub, _POSITIONAL.get(sub_key, 0))
-            except UnexpectedArgument as e:  # named where that argument was set: a line of the file, an override
+            except ArgumentError as e:  # named where that argument was set: a line of the file, an override
                 argument = f"{sub_key}.{e.argument}"
                 problems.append((sub_key, f"{where(argument)}: {argument}: {e}"))
             except MissingArguments as e:
