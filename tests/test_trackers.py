@@ -16,7 +16,8 @@ wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="the dev
 
 def every_logger(tmp_path):
     return ["logging.tensorboard=true", "logging.jsonl=true", f"logging.mlflow.tracking_uri=file:{tmp_path / 'mlruns'}",
-            "logging.mlflow.experiment=trackers", "logging.wandb.mode=offline", "trainer.eval_every=20",
+            "logging.mlflow.experiment=trackers", "logging.wandb.mode=offline", "logging.wandb.group=lr-sweep",
+            "trainer.eval_every=20",
             "trainer.max_steps=60"]
 
 
@@ -124,6 +125,9 @@ def test_every_logger_at_once(tmp_path):
     (rows,) = runs.values()
     assert [step for step, _ in rows] == [10, 20, 30, 40, 50, 60]
     (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    groups = {r.run.run_group for path in folder.glob("run-*.wandb") for r in wandb_records(path)
+              if r.WhichOneof("record_type") == "run"}
+    assert groups == {"lr-sweep"}  # logging.wandb.group: what a sweep sets to its name
     kept = [r.config for path in folder.glob("run-*.wandb") for r in wandb_records(path)
             if r.WhichOneof("record_type") == "config"]
     values = {u.key: json.loads(u.value_json) for c in kept for u in c.update}
