@@ -10,15 +10,12 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Optional
 
-from launcher import checkpoint
+from launcher import checkpoint, folder_lock
 from launcher.errors import UserError
 
 # What a run writes that belongs to its history (the recipe.yaml of the run that wrote them too).
@@ -59,26 +56,10 @@ class RunFolder:
         return found, notes, init_from
 
     def lock(self) -> None:
-        path = self.path / ".lock"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock = folder_lock.take(self.path)
         except OSError as e:
             raise _unwritable(self.path, e) from None
-        try:
-            # A POSIX record lock: held by this process alone (a forked DataLoader worker does not
-            # inherit it, as it would an flock) and released by the kernel however the process ends.
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except (BlockingIOError, PermissionError):
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise UserError(f"run_dir: {self.path} is in use by another run ({holder}); wait for it to end, or "
-                            f"give this one its own folder (name=... or run_dir=...)") from None
-        except OSError as e:  # a file system without locks (some network mounts): run unguarded
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
-        self._lock = fd
 
     def close(self) -> None:
         """Release the lock (the process's exit releases it too, however it ends)."""

@@ -8,15 +8,13 @@ from a stop that resumes (a preemption, Ctrl-C)."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from launcher import folder_lock
 from launcher.errors import UserError
 from launcher.sweep.grid import Run
 
@@ -107,7 +105,7 @@ def status(run_dir: Path) -> Status:
     total = _total_steps(run_dir)
     ended = _json(run_dir / EXIT)
     code = ended.get("exit_code") if ended else None
-    running = _locked(run_dir)
+    running = folder_lock.held(run_dir)
     seconds = None
     if ended and "started" in ended:
         seconds = (time.time() if running else ended.get("ended", time.time())) - ended["started"]
@@ -148,21 +146,3 @@ def _jsonl(path: Path) -> List[Dict[str, Any]]:
     except OSError:
         pass
     return out
-
-
-def _locked(run_dir: Path) -> bool:
-    """Whether a run holds its folder's lock now (launcher/run_dir.py takes it for the whole run; that module
-    imports torch, which `report` does without). Another process's: a POSIX record lock is the process's own."""
-    try:
-        fd = os.open(run_dir / ".lock", os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        return e.errno in (errno.EACCES, errno.EAGAIN)
-    else:
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
