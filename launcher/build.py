@@ -126,17 +126,16 @@ def _fused_kernel_shards(target: type) -> bool:
         return False
 
 
-def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int, device: torch.device):
+def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int, device: torch.device,
+             world: Optional[int] = None):
     """The training stream of this rank, and its validation batches (or None): its share of each batch, one of
-    `share` = (how many ranks read their own, this rank's place among them)."""
+    `share` = (how many ranks read their own, this rank's place among them), of `world` processes."""
     replicas, rank = share
+    data.check_batch(cfg.batch_size, replicas, world)
     collate = Collate(component(cfg.collate, "data.collate")) if cfg.collate else None
     workers = loaders.Loading(cfg.num_workers, cfg.persistent_workers, cfg.prefetch_factor, cfg.pin_memory)
     dataset = component(cfg.train, "data.train")
     if stream.is_stream(dataset):
-        if cfg.batch_size % replicas:
-            raise UserError(f"data.batch_size: {cfg.batch_size} does not divide among {replicas} "
-                            f"processes; use a multiple of {replicas}")
         train = stream.StreamData(dataset, cfg.batch_size, replicas, rank, workers,
                                   device, collate, seed)
     else:

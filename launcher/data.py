@@ -77,6 +77,15 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+def check_batch(batch_size: int, replicas: int, world: Optional[int] = None) -> None:
+    """A global batch shares out evenly among the data-parallel ranks (`world` processes, where tensor parallel
+    ranks read one share together)."""
+    if batch_size % replicas:
+        among = (f"{replicas} processes" if world in (None, replicas) else
+                 f"{replicas} data-parallel ranks ({world} processes / parallel.tp {world // replicas})")
+        raise UserError(f"data.batch_size: {batch_size} does not divide among {among}; use a multiple of {replicas}")
+
+
 class TrainData:
     """The training loader for one rank, and an endless stream of micro-batches on the device."""
 
@@ -84,9 +93,7 @@ class TrainData:
                  shuffle: bool, seed: int, num_workers: Union[int, Loading], device: torch.device,
                  collate_fn: Callable = None):
         n = _length(dataset, "data.train")
-        if batch_size % replicas:
-            raise UserError(f"data.batch_size: {batch_size} does not divide among {replicas} processes; "
-                            f"use a multiple of {replicas}")
+        check_batch(batch_size, replicas)
         self.steps_per_epoch = n // batch_size // grad_accum
         if self.steps_per_epoch == 0:
             raise UserError(f"data.train: {n} items are fewer than one optimizer step takes "

@@ -134,7 +134,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     model = assemble.built(recipe, strategy, run_dir, console, init_from)
     cfg = recipe.data
     train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, strategy.data_share(), recipe.seed,
-                                      device)
+                                      device, placement.world_size)
     precision = Precision(recipe.precision, device)
     tf32(recipe.tf32, device)
     metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}

@@ -1,5 +1,6 @@
 """The data path: batches fetched whole are the batches a per-item loader makes, in DESIGN's order."""
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
@@ -90,3 +91,14 @@ def test_the_loader_options_reach_torch_s_dataloader():
     loader = data.TrainData(dataset, 32, 1, 1, 0, True, 0, chosen, cpu).loader
     assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory) == (2, False, 4, True)
     assert loaders.Loading().options(torch.device("cuda")) == {"num_workers": 0, "pin_memory": True}
+
+
+def test_a_batch_that_does_not_share_out_names_the_data_parallel_ranks():
+    from launcher.errors import UserError
+
+    data.check_batch(8, 4, 8)  # 4 data-parallel ranks of 8 processes under tp 2: 2 items each
+    with pytest.raises(UserError, match=r"^data.batch_size: 6 does not divide among 4 data-parallel ranks \(8 processes "
+                                        r"/ parallel.tp 2\); use a multiple of 4$"):
+        data.check_batch(6, 4, 8)
+    with pytest.raises(UserError, match=r"^data.batch_size: 3 does not divide among 2 processes; use a multiple of 2$"):
+        data.check_batch(3, 2, 2)
