@@ -27,6 +27,13 @@ OPTIMIZERS = {
     "adamw-eps1e-5": ["optimizer.eps=1e-5"],
 }
 IMAGES = ["data.train._target_=tests.hf_zoo.Images", "data.collate=null"]
+# Megatron's plan written for a model that carries none (BERT and ViT in transformers 5 do not): the attention's
+# query, key and value split by heads, its output rowwise; the MLP's first layer colwise, its second rowwise.
+TP_PLANS = {
+    "bert": "{'bert.encoder.layer.*.attention.self.query': colwise, 'bert.encoder.layer.*.attention.self.key': colwise, "
+            "'bert.encoder.layer.*.attention.self.value': colwise, 'bert.encoder.layer.*.attention.output.dense': "
+            "rowwise, 'bert.encoder.layer.*.intermediate.dense': colwise, 'bert.encoder.layer.*.output.dense': rowwise}",
+}
 
 
 def overrides(model: str, optimizer: str, steps: int = 6) -> List[str]:
@@ -35,8 +42,11 @@ def overrides(model: str, optimizer: str, steps: int = 6) -> List[str]:
 
 
 def launch(run_dir: Path, args: List[str], strategy: str = "single", timeout: float = 300) -> subprocess.CompletedProcess:
-    """Train in a fresh `python -m launcher` (two processes unless single)."""
+    """Train in a fresh `python -m launcher`: one process, or two under ddp, fsdp or tp (fsdp's mesh, tp 2)."""
     procs = [] if strategy == "single" else [f"strategy={strategy}", "nproc_per_node=2"]
+    if strategy == "tp":
+        model = next(a.rsplit(".", 1)[1] for a in args if a.startswith("model._target_=tests.hf_zoo."))
+        procs = ["strategy=fsdp", "parallel.tp=2", f"parallel.tp_plan={TP_PLANS[model]}", "nproc_per_node=2"]
     done = subprocess.run([sys.executable, "-m", "launcher", str(RECIPE), f"run_dir={run_dir}", *args, *procs],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{args} {strategy}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"

@@ -16,10 +16,12 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("model, optimizer, strategy", [
     ("bert", "sgd", "ddp"), ("gpt2", "sgd", "fsdp"), ("t5", "sgd", "fsdp"), ("vit", "sgd", "fsdp"),
     ("t5", "adamw", "ddp"), ("vit", "adamw-eps1e-5", "fsdp"), ("bert", "adamw-eps1e-5", "ddp"),
+    ("bert", "sgd", "tp"),  # tensor parallel x2, by the plan tests/hf_tolerance.py writes for BERT
 ])
 def test_two_processes_end_within_rtol_1e_5_of_one(model, optimizer, strategy, tmp_path):
     args = overrides(model, optimizer)
     in_process(tmp_path / "one", args)
-    launch(tmp_path / "two", args, strategy)
+    done = launch(tmp_path / "two", args, strategy)
+    assert strategy != "tp" or "parallel.tp: 12 layers split over 2 ranks" in done.stdout, done.stdout
     one, two = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("one", "two"))
     assert outside(one, two) == []
