@@ -32,6 +32,12 @@ def test_the_grid_in_hydra_s_syntax():
     assert grid.split(["seed=range(1,8,3)"])[0] == {"seed": ["1", "4", "7"]}
     with pytest.raises(UserError, match="seed: swept twice"):
         grid.split(["seed=1,2", "seed=3,4"])
+    assert grid.split(["seed=range(3)"])[0] == {"seed": ["0", "1", "2"]}  # range(stop), as Python's
+    for args, says in ((["seed=range(5,1)"], r"seed=range\(5,1\): the range holds no value"),
+                       (["seed=range(a)"], r"seed=range\(a\): a range takes integers"),
+                       (["seed=1,2", "seed=3"], r"seed: swept \(seed=1,2\) and set for every run \(seed=3\); give it once")):
+        with pytest.raises(UserError, match=says):
+            grid.split(args)
 
 
 def test_every_mistake_of_every_combination_at_once_and_nothing_starts(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """A sweep's grid from the command line, in Hydra's multirun syntax: `key=a,b,c` sweeps a key over values,
-`key=range(1,4)` over 1, 2, 3 (range(start, stop[, step]), Python's), a value holding a comma is quoted
+`key=range(1,4)` over 1, 2, 3 (range([start, ]stop[, step]), Python's), a value holding a comma is quoted
 ('a,b') or bracketed ([1,2] is one list value; [1,2],[3,4] two); any other `key=value` applies to every run.
 The runs are every combination, the first axis slowest; each is named by its swept values alone."""
 
@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 
 from launcher.errors import UserError
 
-RANGE = re.compile(r"range\(\s*(-?\d+)\s*,\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)")
+RANGE = re.compile(r"range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?)?\)")
 SAFE = re.compile(r"[\w.\-=,+]+")  # what a run's folder name may hold as it is; else a short stable id
 LONGEST = 120
 
@@ -37,12 +37,20 @@ def split(args: List[str]) -> Tuple[Dict[str, List[str]], List[str]]:
         if not eq or not key:
             raise UserError(f"{arg!r}: expected key=value (key=a,b,c to sweep a key)")
         values = _values(value)
+        if value.strip().startswith("range(") and not RANGE.fullmatch(value.strip()):
+            raise UserError(f"{arg}: a range takes integers: range(stop), range(start, stop) or range(start, stop, step)")
+        if not values:
+            raise UserError(f"{arg}: the range holds no value (range(start, stop) counts up from start to stop - 1)")
         if len(values) > 1 or RANGE.fullmatch(value.strip()):
             if key in axes:
                 raise UserError(f"{key}: swept twice ({key}={','.join(axes[key])} and {arg}); give its values once")
             axes[key] = values
         else:
             plain.append(arg)
+    for arg in plain:
+        key = arg.partition("=")[0]
+        if key in axes:  # the later one would win in every run: runs that differ by name alone
+            raise UserError(f"{key}: swept ({key}={','.join(axes[key])}) and set for every run ({arg}); give it once")
     return axes, plain
 
 
@@ -52,6 +60,8 @@ def _values(value: str) -> List[str]:
         start, stop, step = (int(g) if g is not None else None for g in found.groups())
         if step == 0:
             raise UserError(f"{value}: a range's step cannot be 0")
+        if stop is None:  # range(stop), as Python's
+            start, stop = 0, start
         return [str(v) for v in range(start, stop, step or 1)]
     parts, depth, quote, current = [], 0, None, ""
     for char in value:
