@@ -56,6 +56,8 @@ def test_every_mistake_of_every_combination_at_once_and_nothing_starts(tmp_path,
     assert "no key is swept" in capsys.readouterr().err
     assert main([str(QUICKSTART), "seed=1,2", "--paralel", "2"]) == 2
     assert "unknown option --paralel" in capsys.readouterr().err
+    assert main([str(QUICKSTART), "seed=1,2", "--max-parallel", "2"]) == 2  # a Slurm array's, without --slurm
+    assert "--max-parallel: with --slurm (a job array's tasks at once); on this machine, --parallel N" in capsys.readouterr().err
 
 
 def sweep(*args, timeout=300, **kwargs):

@@ -44,6 +44,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             return report.main(argv[1:])
         if argv[:1] == ["mark"]:  # the Slurm array task's script: how its run's process ended
+            if len(argv) != 4:
+                raise UserError("mark RUN_FOLDER EXIT_CODE STARTED: what a Slurm array task's script calls when "
+                                "its run ends (not for typing)")
             folder.mark_exit(Path(argv[1]), int(argv[2]), float(argv[3]))
             return 0
         return _sweep(argv)
@@ -63,6 +66,9 @@ def _sweep(argv: List[str]) -> int:
         raise UserError(f"unknown option {options[0]}; the sweep's: {', '.join(own)} (Slurm's options follow --slurm)")
     if args.parallel < 1 or args.gpus_per_run < 1:
         raise UserError("--parallel and --gpus-per-run: must be 1 or more")
+    if args.max_parallel is not None and (not args.slurm or args.max_parallel < 1):
+        raise UserError("--max-parallel: array tasks at once, 1 or more, with --slurm" if args.slurm else
+                        "--max-parallel: with --slurm (a job array's tasks at once); on this machine, --parallel N")
     sweep = plan(args.recipe, overrides, args.max_runs, args.yes)
     if args.dry_run:
         _print_runs(sweep)
