@@ -16,6 +16,14 @@ def launch(run_dir, *args, timeout: float = 300):
     return run([sys.executable, "-m", "launcher", *args, f"run_dir={run_dir}"], timeout=timeout)
 
 
+def alone(run_dir, recipe, *args):
+    """One process, trained in this one (the references: a fresh process would add its start-up)."""
+    from launcher.recipe import load
+    from launcher.train import train
+
+    train(load(REPO / recipe, [*args, "strategy=single", f"run_dir={run_dir}"]))
+
+
 # Megatron's sequence parallelism for charlm's GPT: between the blocks each rank holds half the sequence.
 SEQUENCE_PARALLEL = ("parallel.tp_plan={'transformer.h.0': split_sequence, 'transformer.h.*.ln_1': sequence_parallel, "
                      "'transformer.h.*.attn': gather_sequence, 'transformer.h.*.attn.c_attn': colwise, "
@@ -52,7 +60,7 @@ ADAMW = {"rtol": 1e-4, "atol": 1e-5}  # Adam divides by the gradients' own size:
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
     folder = tmp_path_factory.mktemp("one")
-    launch(folder, *CHARLM, "strategy=single")
+    alone(folder, *CHARLM)
     return folder
 
 
@@ -110,7 +118,7 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_exports(one, sp
 @pytest.mark.slow
 def test_sgd_under_compiled_tensor_parallel_is_one_process_within_1e_5(tmp_path):
     sgd = [*CHARLM, "optimizer={_target_: torch.optim.SGD, lr: 0.5, momentum: 0.9}", "lr_schedule=null"]
-    launch(tmp_path / "one", *sgd, "strategy=single")
+    alone(tmp_path / "one", *sgd)
     launch(tmp_path / "tp", *sgd, *TP2, "trainer.compile=true")
     assert_close(tmp_path / "one" / "model.pt", tmp_path / "tp" / "model.pt", rtol=1e-5, atol=1e-6)
 
@@ -119,7 +127,7 @@ def test_sgd_under_compiled_tensor_parallel_is_one_process_within_1e_5(tmp_path)
 def test_bf16_under_tensor_parallel_rounds_as_much_as_bf16_in_one_process(one, tmp_path):
     """bf16 rounds a split matmul's partial sums apart from the whole one's, so no tolerance of fp32's holds; what
     holds is that tp x 2 in bf16 strays from fp32 as far as one process in bf16 does, keeping fp32 weights."""
-    launch(tmp_path / "one", *CHARLM, "precision=bf16", "strategy=single")
+    alone(tmp_path / "one", *CHARLM, "precision=bf16")
     launch(tmp_path / "tp", *CHARLM, "precision=bf16", *TP2)
     fp32 = state_dict(one / "model.pt")
 
@@ -128,8 +136,8 @@ def test_bf16_under_tensor_parallel_rounds_as_much_as_bf16_in_one_process(one, t
         assert all(w.dtype == torch.float32 for w in weights.values())
         return max(((weights[k] - fp32[k]).abs().max() / fp32[k].abs().max()).item() for k in fp32)
 
-    alone, split = strayed(tmp_path / "one" / "model.pt"), strayed(tmp_path / "tp" / "model.pt")
-    assert 0.01 < alone < 0.2 and 0.5 < split / alone < 2, (alone, split)  # 0.055 and 0.055 when written
+    whole, split = strayed(tmp_path / "one" / "model.pt"), strayed(tmp_path / "tp" / "model.pt")
+    assert 0.01 < whole < 0.2 and 0.5 < split / whole < 2, (whole, split)  # 0.055 and 0.055 when written
 
 
 @pytest.mark.slow
