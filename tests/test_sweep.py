@@ -137,3 +137,12 @@ def test_each_run_of_a_queue_gets_gpus_of_its_own(monkeypatch):
         gpu_groups(5, 1, share=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert gpu_groups(1, 2, share=False) == [None, None]  # no GPU: each run as its recipe says
+
+
+def test_a_slurm_dry_run_prints_the_array_s_script_and_submits_nothing(tmp_path, capsys):
+    assert main([str(QUICKSTART), "seed=1,2", f"run_dir={tmp_path / 's'}", "--slurm", "--max-parallel", "1",
+                 "--time", "10", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --array=0-1%1" in out and "#SBATCH --time=10" in out and "#SBATCH --job-name=s" in out, out
+    assert f"    1) RUN=(seed=2 run_dir={tmp_path / 's' / 'seed=2'} logging.jsonl=true)" in out, out
+    assert not (tmp_path / "s").exists()

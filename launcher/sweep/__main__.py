@@ -72,6 +72,10 @@ def _sweep(argv: List[str]) -> int:
     sweep = plan(args.recipe, overrides, args.max_runs, args.yes)
     if args.dry_run:
         _print_runs(sweep)
+        if args.slurm:  # and the array's script, as python -m launcher.slurm render prints a job's
+            from launcher.sweep.array import script
+
+            print(script(sweep, args.recipe, options, args.max_parallel), end="")
         return 0
     sweep.write()
     if args.slurm:

@@ -10,7 +10,6 @@ import shlex
 from pathlib import Path
 from typing import List, Optional
 
-from launcher.errors import UserError
 from launcher.sweep.folder import Sweep
 
 
@@ -39,8 +38,6 @@ def script(sweep: Sweep, recipe: Path, options: List[str], max_parallel: Optiona
 def submit(sweep: Sweep, recipe: Path, options: List[str], max_parallel: Optional[int]) -> int:
     from launcher.slurm.__main__ import submit as sbatch
 
-    if max_parallel is not None and max_parallel < 1:
-        raise UserError("--max-parallel: must be 1 or more")
     at_once = f", {max_parallel} at a time" if max_parallel else ""
     return sbatch(script(sweep, recipe, options, max_parallel), sweep.folder, name="array.sbatch",
                   what=f"job array of {len(sweep.runs)} tasks{at_once}", logs="{job}_<task>.out")
