@@ -105,8 +105,10 @@ def _split_fits(check: Callable[[torch.nn.Module], List[str]], model: torch.nn.M
         check(model)
     except UserError as e:
         cause = e.problems[0].split(": the first batch gives ", 1)[-1]
-        raise UserError(f"parallel.tp_plan: the model fits the first batch whole but not split: {cause}; a colwise "
-                        f"layer's output (split) must go to a rowwise one, or use colwise_rep to gather it") from None
+        raise UserError(f"parallel.tp_plan: the model fits the first batch whole but not split: {cause}; either a "
+                        f"colwise layer's split output reaches a layer that wants it whole (make that one rowwise, or "
+                        f"the colwise one colwise_rep), or the model's code sizes a tensor by the whole layer (by its "
+                        f"head count, say): leave that layer out of the plan") from None
 
 
 def _initialised(console, init_from, load: Callable, how: str = "") -> None:

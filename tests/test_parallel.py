@@ -157,7 +157,7 @@ def test_a_nan_loss_under_tensor_parallel_stops_every_rank_with_exit_3(tmp_path)
     (["parallel.tp=3"], "parallel.tp: tp=3 x dp_replicate=1 does not divide the world of 2 processes"),
     (["parallel.tp=2", "parallel.tp_plan={'transformer.h.*.mlp.c_fc': colwise}"],  # c_proj then gets half its input
      "parallel.tp_plan: the model fits the first batch whole but not split: RuntimeError: mat1 and mat2 shapes cannot "
-     "be multiplied (256x64 and 128x32); a colwise layer's output (split) must go to a rowwise one"),
+     "be multiplied (256x64 and 128x32); either a colwise layer's split output reaches a layer that wants it whole"),
 ], ids=["mesh", "plan"])
 def test_a_mesh_the_world_does_not_fit_or_a_plan_the_model_does_not_is_one_line_on_every_rank(tmp_path, args, line):
     import subprocess
