@@ -100,7 +100,8 @@ def wrapped(model: torch.nn.Module, strategy: strategies.Strategy, console, init
 
 def _split_fits(check: Callable[[torch.nn.Module], List[str]], model: torch.nn.Module) -> None:
     """The first batch through the model split by parallel.tp_plan: where the whole model took it, a failure
-    is the plan's (a colwise layer whose output, split, goes to a layer that expects it whole)."""
+    is the plan's (a colwise output reaching a layer that wants it whole, or a split layer whose model sizes
+    tensors by the whole of it)."""
     try:
         check(model)
     except UserError as e:
