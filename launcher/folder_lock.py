@@ -10,6 +10,7 @@ import os
 import socket
 import time
 from pathlib import Path
+
 from launcher.errors import UserError
 
 
