@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from launcher import item_rng
-from launcher.loaders import Loading, loading, shut
+from launcher.loaders import Loader, Loading, loading, shut
 from launcher.collate import default
 from launcher.errors import UserError, first_line
 
@@ -104,7 +104,8 @@ class TrainData:
         self.sampler = EpochSampler(dataset, replicas, rank, shuffle, seed, per_rank, self.batches_per_epoch,
                                     keyed=self.seeded)
         self.collate = collate_fn or default
-        self.loader = _loader(dataset, per_rank, self.sampler, num_workers, device, seed, self.collate, drop_last=True)
+        self.loader = _loader(dataset, per_rank, self.sampler, num_workers, device, seed, self.collate, drop_last=True,
+                              key="data.train")
         self.dataset, self.seed, self.device = dataset, seed, device
 
     is_stream = False
@@ -179,7 +180,7 @@ def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank
         return None
     n = _length(dataset, "data.val")
     loader = _loader(dataset, max(batch_size // replicas, 1), ShardSampler(n, replicas, rank, keyed=_draws(dataset)),
-                     num_workers, device, seed, collate_fn or default, drop_last=False)
+                     num_workers, device, seed, collate_fn or default, drop_last=False, key="data.val")
 
     return ValBatches(loader, device)
 
@@ -222,13 +223,13 @@ def _batched(dataset: Dataset) -> Dataset:
 
 
 def _loader(dataset, batch_size, sampler, num_workers: Union[int, Loading], device, seed, collate_fn,
-            drop_last) -> DataLoader:
+            drop_last, key: str) -> DataLoader:
     if _draws(dataset):  # the keyed sampler's batches, made and collated under their items' seeds
         dataset, collate_fn = item_rng.Seeded(dataset, seed, collate_fn), _as_is
     else:
         dataset = _batched(dataset)
-    return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn,
+    return Loader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn, key=key,
         **loading(num_workers).options(device),
         # Its own generator: worker seeds never draw from (and so never shift) the global RNG.
         generator=torch.Generator().manual_seed(seed),

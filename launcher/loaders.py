@@ -1,14 +1,31 @@
-"""How a rank's DataLoaders fetch and end: the recipe's loader options (worker processes, kept between
-epochs or not, how far ahead, page-locked or not), and stopping a loader's workers when the run ends
-rather than when the garbage collector finds the loader."""
+"""How a rank's DataLoaders fetch, start and end: the recipe's loader options (worker processes, kept
+between epochs or not, how far ahead, page-locked or not), where workers are started from, and stopping
+a loader's workers when the run ends rather than when the garbage collector finds the loader.
+
+Workers are forked from the rank, as torch does on Linux, except in a process group on CPython before
+3.12. There gloo's and NCCL's threads make a Python thread state whenever they free a collective's
+tensors, and a fork at that instant leaves the worker hung for good before it runs a line
+(CPython gh-112275: the child takes the interpreter's list lock before making it anew; seen here
+on 3.11.7, one resumed DDP run in a few). Workers are then forked from a fork server instead, a
+process of one thread started once per rank (about 1.5 s, torch imported there): the dataset and the
+collate function must pickle, as they must on macOS and Windows.
+"""
 
 from __future__ import annotations
 
+import functools
+import pickle
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader
+
+from launcher.errors import UserError, first_line
+
+FORK_SAFE = sys.version_info >= (3, 12)  # a fork beside threads that make thread states cannot hang the child
 
 
 @dataclass(frozen=True)
@@ -29,7 +46,52 @@ class Loading:
             out["persistent_workers"] = self.persistent
             if self.prefetch is not None:
                 out["prefetch_factor"] = self.prefetch
+            out.update(_start())
         return out
+
+
+def _start() -> dict:
+    """Where workers are started from: forked from this process, or from a fork server (see above)."""
+    import torch.distributed as dist
+
+    if FORK_SAFE or not (dist.is_available() and dist.is_initialized()):
+        return {}
+    return {"multiprocessing_context": fork_server()}
+
+
+@functools.lru_cache(maxsize=1)
+def fork_server():
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    # imported once in the server, so each worker is a fork that has them
+    context.set_forkserver_preload(["torch", "launcher.data", "launcher.stream"])
+    forkserver.ensure_running()  # started now, it imports them while the rank builds the rest of the run
+    return context
+
+
+class Loader(DataLoader):
+    """torch's DataLoader, which says in one line, naming the recipe key, when its workers cannot be started
+    from the fork server because what they need does not pickle."""
+
+    def __init__(self, *args, key: str, **kwargs):
+        self.key = key
+        super().__init__(*args, **kwargs)
+
+    def _get_iterator(self):
+        try:
+            with warnings.catch_warnings():  # torch's warning says less than the line below
+                warnings.filterwarnings("ignore", message="Got pickle error when attempting to start a worker")
+                return super()._get_iterator()
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            if self.multiprocessing_context is None or "pickle" not in str(e).lower():
+                raise
+            raise UserError(
+                f"{self.key}: its loader workers start from a fork server here (torch.distributed on Python "
+                f"{sys.version_info.major}.{sys.version_info.minor}, where a fork beside gloo's or NCCL's threads "
+                f"can hang), so the dataset and collate function must pickle, and they do not: {first_line(e)}; "
+                f"make them picklable, or set data.num_workers=0, or use Python 3.12 or newer") from None
 
 
 def loading(value: Union[int, Loading]) -> Loading:

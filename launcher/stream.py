@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from launcher import item_rng
 from launcher.collate import default
 from launcher.data import placed
-from launcher.loaders import Loading, loading, stop_workers
+from launcher.loaders import Loader, Loading, loading, stop_workers
 from launcher.errors import UserError
 
 
@@ -222,7 +222,7 @@ def loader(share: Share, start: Dict[str, Any], collate: Callable, num_workers: 
     # A stream's loader is never started again between epochs (its stream has none); each evaluation's ends
     # with its stream
     options = {**loading(num_workers).options(device), "persistent_workers": False}
-    return DataLoader(_Workers(share, start, collate), batch_size=None, collate_fn=_as_is, **options,
+    return Loader(_Workers(share, start, collate), batch_size=None, collate_fn=_as_is, **options, key=share.key,
                       # its own generator: starting the iterator (a resume does) draws nothing from the global one
                       generator=torch.Generator().manual_seed(share.seed))
 

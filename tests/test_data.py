@@ -102,3 +102,37 @@ def test_a_batch_that_does_not_share_out_names_the_data_parallel_ranks():
         data.check_batch(6, 4, 8)
     with pytest.raises(UserError, match=r"^data.batch_size: 3 does not divide among 2 processes; use a multiple of 2$"):
         data.check_batch(3, 2, 2)
+
+
+def test_in_a_process_group_workers_start_where_a_fork_cannot_hang(tmp_path):
+    """In a process group on CPython before 3.12, loader workers are forked from a fork server, not from the
+    rank beside gloo's threads (CPython gh-112275); they make the batches forked workers make, and a dataset
+    that does not pickle is one line naming its key."""
+    import torch.distributed as dist
+    from launcher.errors import UserError
+
+    cpu = torch.device("cpu")
+
+    def batches(dataset):
+        train = data.TrainData(dataset, 32, 1, 1, 0, True, 0, loaders.Loading(workers=2, persistent=False), cpu)
+        try:
+            return [b for _, b in zip(range(3), train.stream(data.Position()))], train.loader
+        finally:
+            train.close()
+
+    assert "multiprocessing_context" not in loaders.Loading(workers=2).options(cpu)
+    forked, _ = batches(Blobs(n=256))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        served, loader = batches(Blobs(n=256))
+        method = loader.multiprocessing_context.get_start_method() if loader.multiprocessing_context else "fork"
+        assert method == ("fork" if loaders.FORK_SAFE else "forkserver")
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(forked, served))
+        unpicklable = Blobs(n=256)
+        unpicklable.transform = lambda x: x
+        if not loaders.FORK_SAFE:
+            with pytest.raises(UserError, match=r"^data.train: its loader workers start from a fork server here "
+                                                r"\(torch.distributed on Python 3.\d+, .*; make them picklable"):
+                batches(unpicklable)
+    finally:
+        dist.destroy_process_group()
