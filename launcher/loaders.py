@@ -14,6 +14,7 @@ collate function must pickle, as they must on macOS and Windows.
 from __future__ import annotations
 
 import functools
+import gc
 import pickle
 import sys
 import warnings
@@ -87,11 +88,13 @@ class Loader(DataLoader):
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             if self.multiprocessing_context is None or "pickle" not in str(e).lower():
                 raise
-            raise UserError(
-                f"{self.key}: its loader workers start from a fork server here (torch.distributed on Python "
-                f"{sys.version_info.major}.{sys.version_info.minor}, where a fork beside gloo's or NCCL's threads "
-                f"can hang), so the dataset and collate function must pickle, and they do not: {first_line(e)}; "
-                f"make them picklable, or set data.num_workers=0, or use Python 3.12 or newer") from None
+            reason = first_line(e)
+        gc.collect()  # the half-made iterator's queues let go of their semaphores (else a warning at exit)
+        raise UserError(
+            f"{self.key}: its loader workers start from a fork server here (torch.distributed on Python "
+            f"{sys.version_info.major}.{sys.version_info.minor}, where a fork beside gloo's or NCCL's threads "
+            f"can hang), so the dataset and collate function must pickle, and they do not: {reason}; "
+            f"make them picklable, or set data.num_workers=0, or use Python 3.12 or newer")
 
 
 def loading(value: Union[int, Loading]) -> Loading:
