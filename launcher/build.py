@@ -133,7 +133,8 @@ def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int
     replicas, rank = share
     data.check_batch(cfg.batch_size, replicas, world)
     collate = Collate(component(cfg.collate, "data.collate")) if cfg.collate else None
-    workers = loaders.Loading(cfg.num_workers, cfg.persistent_workers, cfg.prefetch_factor, cfg.pin_memory)
+    workers = loaders.Loading(cfg.num_workers, cfg.persistent_workers, cfg.prefetch_factor, cfg.pin_memory,
+                              cfg.multiprocessing_context)
     dataset = component(cfg.train, "data.train")
     if stream.is_stream(dataset):
         train = stream.StreamData(dataset, cfg.batch_size, replicas, rank, workers,

@@ -32,22 +32,26 @@ FORK_SAFE = sys.version_info >= (3, 12)  # a fork beside threads that make threa
 @dataclass(frozen=True)
 class Loading:
     """How a rank's loaders fetch: worker processes, and what torch's DataLoader does with them (the recipe's
-    data.num_workers, persistent_workers, prefetch_factor, pin_memory)."""
+    data.num_workers, persistent_workers, prefetch_factor, pin_memory, multiprocessing_context)."""
 
     workers: int = 0
     persistent: bool = True  # workers kept between epochs and evaluations, not started again for each
     prefetch: Optional[int] = None  # batches each worker makes ahead; None: torch's (2)
     pin_memory: Optional[bool] = None  # None: where the batches go to a GPU
+    start: Optional[str] = None  # how workers start (fork, forkserver, spawn); None: chosen below
 
     def options(self, device: torch.device) -> dict:
-        """DataLoader's keyword arguments."""
+        """DataLoader's keyword arguments (and Loader's `named`: whether the recipe chose how workers start)."""
         out = {"num_workers": self.workers,
                "pin_memory": device.type == "cuda" if self.pin_memory is None else self.pin_memory}
         if self.workers:
             out["persistent_workers"] = self.persistent
             if self.prefetch is not None:
                 out["prefetch_factor"] = self.prefetch
-            out.update(_start())
+            if self.start is not None:
+                out["multiprocessing_context"], out["named"] = _context(self.start), True
+            else:
+                out.update(_start())
         return out
 
 
@@ -58,6 +62,12 @@ def _start() -> dict:
     if FORK_SAFE or not (dist.is_available() and dist.is_initialized()):
         return {}
     return {"multiprocessing_context": fork_server()}
+
+
+def _context(method: str):
+    import multiprocessing
+
+    return fork_server() if method == "forkserver" else multiprocessing.get_context(method)
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,10 +84,10 @@ def fork_server():
 
 class Loader(DataLoader):
     """torch's DataLoader, which says in one line, naming the recipe key, when its workers cannot be started
-    from the fork server because what they need does not pickle."""
+    because what they need does not pickle (started otherwise than by a fork)."""
 
-    def __init__(self, *args, key: str, **kwargs):
-        self.key = key
+    def __init__(self, *args, key: str, named: bool = False, **kwargs):
+        self.key, self.named = key, named
         super().__init__(*args, **kwargs)
 
     def _get_iterator(self):
@@ -90,11 +100,16 @@ class Loader(DataLoader):
                 raise
             reason = first_line(e)
         gc.collect()  # the half-made iterator's queues let go of their semaphores (else a warning at exit)
-        raise UserError(
-            f"{self.key}: its loader workers start from a fork server here (torch.distributed on Python "
-            f"{sys.version_info.major}.{sys.version_info.minor}, where a fork beside gloo's or NCCL's threads "
-            f"can hang), so the dataset and collate function must pickle, and they do not: {reason}; "
-            f"make them picklable, or set data.num_workers=0, or use Python 3.12 or newer")
+        method = self.multiprocessing_context.get_start_method()
+        if self.named:
+            why, instead = f"start by {method} (data.multiprocessing_context)", "or set data.multiprocessing_context=fork"
+        else:
+            why = (f"start from a fork server here (torch.distributed on Python {sys.version_info.major}."
+                   f"{sys.version_info.minor}, where a fork beside gloo's or NCCL's threads can hang)")
+            instead = ("or set data.num_workers=0, or data.multiprocessing_context=fork (which can hang here), or use "
+                       "Python 3.12 or newer")
+        raise UserError(f"{self.key}: its loader workers {why}, so the dataset and collate function must pickle, and "
+                        f"they do not: {reason}; make them picklable, {instead}")
 
 
 def loading(value: Union[int, Loading]) -> Loading:

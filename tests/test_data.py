@@ -91,6 +91,9 @@ def test_the_loader_options_reach_torch_s_dataloader():
     loader = data.TrainData(dataset, 32, 1, 1, 0, True, 0, chosen, cpu).loader
     assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.pin_memory) == (2, False, 4, True)
     assert loaders.Loading().options(torch.device("cuda")) == {"num_workers": 0, "pin_memory": True}
+    for method in ("fork", "forkserver", "spawn"):  # data.multiprocessing_context, as the recipe names it
+        loader = data.TrainData(dataset, 32, 1, 1, 0, True, 0, loaders.Loading(workers=2, start=method), cpu).loader
+        assert loader.multiprocessing_context.get_start_method() == method
 
 
 def test_a_batch_that_does_not_share_out_names_the_data_parallel_ranks():
@@ -132,7 +135,12 @@ def test_in_a_process_group_workers_start_where_a_fork_cannot_hang(tmp_path):
         unpicklable.transform = lambda x: x
         if not loaders.FORK_SAFE:
             with pytest.raises(UserError, match=r"^data.train: its loader workers start from a fork server here "
-                                                r"\(torch.distributed on Python 3.\d+, .*; make them picklable"):
+                                                r"\(torch.distributed on Python 3.\d+, .*; make them picklable, or set "
+                                                r"data.num_workers=0, or data.multiprocessing_context=fork"):
                 batches(unpicklable)
+        chosen = loaders.Loading(workers=2, persistent=False, start="spawn")
+        with pytest.raises(UserError, match=r"^data.train: its loader workers start by spawn "
+                                            r"\(data.multiprocessing_context\), so .* do not: .*lambda"):
+            data.TrainData(unpicklable, 32, 1, 1, 0, True, 0, chosen, cpu).stream(data.Position()).__next__()
     finally:
         dist.destroy_process_group()

@@ -275,6 +275,10 @@ INT64 = 2**63
     ("name=" + "a" * 256, "name: got 'aaaaaaaaa"),
     ("name=.", "name: got '.'"),
     ("slurm.setup=5", "slurm.setup: expected a list such as [a, b], got 5"),
+    ("data.multiprocessing_context=fro", "data.multiprocessing_context: is how loader workers start: one of fork, "
+                                         "forkserver, spawn or null, got 'fro'"),
+    ("data.multiprocessing_context=spawn", "data.multiprocessing_context: is how loader workers start, and "
+                                           "data.num_workers is 0"),
 ])
 def test_values_out_of_the_range_of_what_consumes_them(tmp_path, override, says):
     lines = problems(write(tmp_path, GOOD), override)

@@ -24,6 +24,7 @@ CONSOLIDATE = ("final", "every", "never")
 WANDB_MODES = ("online", "offline")
 REDUCE_DTYPES = ("fp32", "bf16")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+START_METHODS = ("fork", "forkserver", "spawn")  # how a DataLoader's workers may start (multiprocessing's)
 MAX_WORKERS = 256  # loader processes per rank: more is a typo, and would fork until the system refuses
 DEVICES_HELP = "auto, cpu, cuda, cuda:N, auto:N (N free GPUs) or a list of physical GPU ids such as [0, 3]"
 
@@ -40,6 +41,7 @@ class DataConfig:
     persistent_workers: bool = True  # with workers: kept between epochs and evaluations, not started again
     prefetch_factor: Optional[int] = None  # with workers: batches each makes ahead; null: torch's default (2)
     pin_memory: Optional[bool] = None  # page-locked batches, copied to a GPU asynchronously; null: on CUDA
+    multiprocessing_context: Optional[str] = None  # with workers: fork, forkserver or spawn; null: fork, or forkserver under torch.distributed before Python 3.12
     shuffle: bool = True  # a new permutation each epoch (seed + epoch); map-style data only
     tokens_per_sample: Optional[int] = None  # turns samples/s into tokens/s in the logs
     collate: Optional[Target] = None  # collate(list of items) -> batch, e.g. padding; null: torch's default_collate
@@ -56,6 +58,12 @@ class DataConfig:
         if self.prefetch_factor is not None and self.num_workers == 0:
             out.append(("data.prefetch_factor", "is what each loader worker makes ahead, and data.num_workers is 0; "
                                                 "set data.num_workers, or leave prefetch_factor null"))
+        if self.multiprocessing_context not in (None, *START_METHODS):
+            out.append(("data.multiprocessing_context", f"is how loader workers start: one of {', '.join(START_METHODS)} "
+                                                        f"or null, got {self.multiprocessing_context!r}"))
+        elif self.multiprocessing_context is not None and self.num_workers == 0:
+            out.append(("data.multiprocessing_context", "is how loader workers start, and data.num_workers is 0; "
+                                                        "set data.num_workers, or leave multiprocessing_context null"))
         return out
 
 
