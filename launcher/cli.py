@@ -18,7 +18,7 @@ from typing import List, Optional
 
 from launcher.errors import (EXIT_BUG, EXIT_DIVERGED, EXIT_HUNG, EXIT_OOM, EXIT_REQUEUE, EXIT_USER, Hung, OutOfMemory,
                              PeerFailed, TrainingDiverged, UserError)
-from launcher.report import for_torchrun, mistake, rank, say
+from launcher.report import agreed, for_torchrun, mistake, rank, say
 from launcher.stopping import RequeueFailed, Stopped, exit_code
 
 USAGE = "python -m launcher RECIPE.yaml [key=value ...] [--print-config]"
@@ -88,6 +88,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         say(str(e), every_rank=True)  # each rank's own: its step, its device, its peak
         return EXIT_OOM
     except TrainingDiverged as e:
-        say(f"{e}; stopped without saving. The last good checkpoint is kept; lower the learning rate "
-            f"or enable trainer.clip_grad_norm, then resume")
+        # every rank meets it at the same step (the losses are all-reduced before they are checked)
+        agreed(f"{e}; stopped without saving. The last good checkpoint is kept; lower the learning rate "
+               f"or enable trainer.clip_grad_norm, then resume")
         return EXIT_DIVERGED

@@ -22,16 +22,30 @@ def mistake(e: UserError) -> None:
     # Under a real torchrun every rank meets the same recipe problem; an agreed one every rank learnt of.
     rank0_says_it = not e.every_rank and (e.agreed or "TORCHELASTIC_RUN_ID" in os.environ)
     if here != "0" and rank0_says_it:
-        # Dated later than rank 0's: torchrun names the earliest error file as the root cause, and both
-        # are written within the same second or two.
-        for_torchrun(["launcher: rank 0 reports the mistake"], later=60)
-        # torchrun stops every rank as soon as one exits: give rank 0, busy with the same work,
-        # the moment it needs to say it.
-        time.sleep(3)
+        _leave_it_to_rank0("the mistake")
         return
     for problem in e.problems:
         _print(problem, prefixed=here != "0" or (e.every_rank and _several()))
     for_torchrun([f"launcher: {p}" for p in e.problems])
+
+
+def agreed(message: str) -> None:
+    """A line every rank meets at the same step (a value all-reduced, as the training loss): rank 0 says it."""
+    if rank() != "0":
+        if _several():
+            _leave_it_to_rank0("the line")
+        return
+    _print(message, prefixed=False)
+    for_torchrun([f"launcher: {message}"])
+
+
+def _leave_it_to_rank0(what: str) -> None:
+    # Dated later than rank 0's: torchrun names the earliest error file as the root cause, and both
+    # are written within the same second or two.
+    for_torchrun([f"launcher: rank 0 reports {what}"], later=60)
+    # torchrun stops every rank as soon as one exits: give rank 0, busy with the same work,
+    # the moment it needs to say it.
+    time.sleep(3)
 
 
 def say(message: str, every_rank: bool = False) -> None:
