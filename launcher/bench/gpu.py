@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, help="one device's peak, for MFU where it is not known")
     parser.add_argument("--recompute", choices=("off", "on", "both"), default="both",
                         help="with --finetune: activation checkpointing off, on, or each (default)")
+    parser.add_argument("--with-trainer", action="store_true",
+                        help="with --fp8: HF Trainer alternates with both sides (the fine-tuning row without recompute)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--no-compile", dest="settings", action="store_const", const=(False,), default=(False, True))
     which.add_argument("--compiled-only", dest="settings", action="store_const", const=(True,))
