@@ -4,6 +4,10 @@ nested too deeply, a key given twice) is one line naming the file and, where the
 Why the checks before OmegaConf: PyYAML's composer and OmegaConf's walks recurse once per nesting
 level (libyaml's C composer, which OmegaConf uses, crashes the interpreter on ~100000 levels instead of
 raising), and OmegaConf's message for a duplicate key names neither its section nor where it was first.
+
+The nesting is counted on the event stream of PyYAML's own pure-Python parser, a state machine that
+recurses nowhere, whichever libyaml the wheel bundles: PyYAML 6.0.4's libyaml refuses deep nesting with
+a ScannerError before its first event, and any later one may draw its line elsewhere.
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ from launcher.errors import UserError, first_line
 
 MAX_BYTES = 1 << 20  # recipes are a few KB; OmegaConf refuses more than 10000 values anyway
 MAX_DEPTH = 32  # recipes nest three or four levels; this keeps every recursive walk far from Python's limit
-# The event stream alone is read by the C parser where there is one: a state machine, fast and not recursive.
-_EVENTS = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class TooDeep(Exception):
@@ -62,16 +64,15 @@ def read(path: Path) -> tuple[dict, Dict[str, int]]:
 def compose(text: str) -> Optional[yaml.Node]:
     """yaml.compose, raising TooDeep before anything recursive meets deep nesting (YAMLError if not YAML)."""
     depth = 0
-    try:  # the event stream is read by a state machine, not recursively
-        for event in yaml.parse(text, Loader=_EVENTS):
-            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-                depth += 1
-                if depth > MAX_DEPTH:
-                    raise TooDeep(event.start_mark.line + 1)
-            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-                depth -= 1
-    except yaml.YAMLError:
-        pass  # the composer below reports it, with the pure-Python parser's fuller message
+    # Not yaml.CSafeLoader: its libyaml is the wheel's, and its limits are not ours (module docstring). A
+    # YAMLError here is the one the composer would raise at the same token, no deeper than MAX_DEPTH.
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise TooDeep(event.start_mark.line + 1)
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
     node = yaml.compose(text, Loader=yaml.SafeLoader)
     # An alias nests its whole anchored value once more (or itself): count levels over distinct nodes,
     # each remembering the line of the top-level value it hangs from (where the alias is used).
