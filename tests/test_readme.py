@@ -155,16 +155,17 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
             recipe = yaml.safe_load((tmp_path / argv[3]).read_text())
             name = _option(argv, "name", recipe["name"])
             steps = recipe["on_cpu"]["trainer"]["max_steps"]
+            assert "resumed" not in out and "nothing to train" not in out, f"{shown}\n{out}"
+            assert f"training {name}: {steps} steps" in out and f"step {steps}/{steps}" in out, f"{shown}\n{out}"
             assert name not in trained, f"{shown}: the run folder of an earlier command"
             trained.append(name)
-            assert f"training {name}: {steps} steps" in out and f"step {steps}/{steps}" in out, f"{shown}\n{out}"
-            assert "resumed" not in out and "nothing to train" not in out, f"{shown}\n{out}"
             assert "initialised the model from runs/tiny-llama" in out, out
             if _option(argv, "strategy") == "fsdp":
                 assert f"fsdp: sharded over {_option(argv, 'nproc_per_node')} ranks" in out, out
             assert (tmp_path / "runs" / name / "model.pt").exists()
-            if "peft" in str(recipe["model"]["_target_"]):  # "keeps its adapters' config in <run_dir>/adapter_config.json"
-                assert "8 adapter tensors as built" in out and (tmp_path / "runs" / name / "adapter_config.json").exists()
+            if "peft" in str(recipe["model"]["_target_"]):  # "keeps its adapters' config in <run_dir>/..."
+                assert "8 adapter tensors as built" in out, out
+                assert (tmp_path / "runs" / name / "adapter_config.json").exists()
             else:
                 assert f"`runs/{name}/`" in text, f"{shown}: the text does not say where it trains"
         elif argv[:3] == ["python", "-m", "launcher.export"]:  # the run as an HF folder from_pretrained loads

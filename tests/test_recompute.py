@@ -106,8 +106,8 @@ def test_auto_names_the_model_s_repeated_blocks_as_fsdp_finds_its_units(tmp_path
                                         r"_no_split_modules, no ModuleList of layers\); name the classes to recompute, "
                                         r"of its: MLP, Linear, ReLU$"):
         recompute.chosen(MLP(), "auto")
-    with pytest.raises(UserError, match=r"trainer.activation_checkpointing: must be a list of class names \(\[Block\]\), "
-                                        r"auto \(the model's repeated blocks\) or null, got 'Block'$"):
+    with pytest.raises(UserError, match=r"trainer.activation_checkpointing: must be a list of class names "
+                                        r"\(\[Block\]\), auto \(the model's repeated blocks\) or null, got 'Block'$"):
         load(CHARLM, ["trainer.activation_checkpointing=Block"])
     assert load(CHARLM, ["trainer.activation_checkpointing=[]"]).recipe.trainer.activation_checkpointing == []  # off
     charlm(tmp_path / "named", "trainer.activation_checkpointing=[Block]")

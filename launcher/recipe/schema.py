@@ -149,7 +149,8 @@ class TrainerConfig:
         if self.clip_grad_norm is not None and not positive(self.clip_grad_norm):
             out.append(("trainer.clip_grad_norm", f"must be a positive number or null, got {self.clip_grad_norm}"))
         names = self.activation_checkpointing
-        if names not in (None, "auto") and not (isinstance(names, list) and all(isinstance(n, str) and n for n in names)):
+        named = isinstance(names, list) and all(isinstance(n, str) and n for n in names)
+        if names not in (None, "auto") and not named:
             out.append(("trainer.activation_checkpointing", f"must be a list of class names ([Block]), auto (the "
                                                             f"model's repeated blocks) or null, got {short(names)}"))
         return out
