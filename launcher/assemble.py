@@ -53,9 +53,10 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
         _initialised(console, init_from, lambda: checkpoint.load_model_state(model, Path(init_from),
                                                                               map_location=strategy.device))
     if recipe.trainer.activation_checkpointing:
-        count = recompute.apply(model, recipe.trainer.activation_checkpointing)
-        console.info(f"activation checkpointing: {count} modules ({', '.join(recipe.trainer.activation_checkpointing)}) "
-                     f"recompute their activations in backward")
+        names = recompute.chosen(model, recipe.trainer.activation_checkpointing)
+        count = recompute.apply(model, names)
+        console.info(f"activation checkpointing: {count} modules ({', '.join(names)}) recompute their activations in "
+                     f"backward")
     if recipe.precision == "fp8":
         count = precision.to_float8(model, strategy.sharded)
         console.info(f"precision: fp8: {count} Linear layers multiply in fp8 (torchao Float8Linear, dynamic scaling), "

@@ -19,10 +19,14 @@ def by_class(model: nn.Module, names: List[str], key: str) -> List[nn.Module]:
     have = classes(model)
     missing = [n for n in names if n not in have]
     if missing:
-        listed = [c for c in have if c not in CONTAINERS]
-        shown = ", ".join(listed[:LISTED]) + (f" and {len(listed) - LISTED} more" if len(listed) > LISTED else "")
-        raise UserError(f"{key}: the model has no class {', '.join(missing)}; its classes: {shown}")
+        raise UserError(f"{key}: the model has no class {', '.join(missing)}; its classes: {listed(model)}")
     return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def listed(model: nn.Module) -> str:
+    """The model's classes, torch's containers left out, the first few named: for a message."""
+    own = [c for c in classes(model) if c not in CONTAINERS]
+    return ", ".join(own[:LISTED]) + (f" and {len(own) - LISTED} more" if len(own) > LISTED else "")
 
 
 def classes(model: nn.Module) -> List[str]:

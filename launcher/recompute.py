@@ -10,14 +10,28 @@ DDP, FSDP2 (whose hooks run around the call, outside the recomputed region), Dat
 from __future__ import annotations
 
 import functools
-from typing import List
+from typing import List, Union
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from launcher.modules import by_class
+from launcher.errors import UserError
+from launcher.modules import by_class, default_units, listed
 
 KEY = "trainer.activation_checkpointing"
+
+
+def chosen(model: nn.Module, setting: Union[str, List[str]]) -> List[str]:
+    """The class names `trainer.activation_checkpointing` names: its list, or for `auto` the model's repeated
+    blocks, found as fsdp.units: null finds its units (an HF model's `_no_split_modules`: LlamaDecoderLayer,
+    Qwen2DecoderLayer, GPT2Block; else the layers of its ModuleLists)."""
+    if setting != "auto":
+        return list(setting)
+    found = default_units(model)
+    if not found:
+        raise UserError(f"{KEY}: auto finds no repeated blocks in {type(model).__name__} (no _no_split_modules, no "
+                        f"ModuleList of layers); name the classes to recompute, of its: {listed(model)}")
+    return found
 
 
 def apply(model: nn.Module, names: List[str]) -> int:

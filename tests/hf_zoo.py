@@ -40,6 +40,13 @@ def llama(vocab_size: int = 256, tie_word_embeddings: bool = True) -> torch.nn.M
     return transformers.LlamaForCausalLM(config)
 
 
+def qwen2(vocab_size: int = 256) -> torch.nn.Module:
+    config = transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=False)
+    return transformers.Qwen2ForCausalLM(config)
+
+
 def vit(classes: int = 4) -> torch.nn.Module:
     config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                     image_size=16, patch_size=4, num_channels=3, num_labels=classes, **NO_DROPOUT)

@@ -1,11 +1,16 @@
 """The README is the front door: its commands are the ones CI runs, and its snippets work."""
 
 import dataclasses
+import importlib.util
+import os
 import re
+import shlex
 import subprocess
 import sys
+import textwrap
 import typing
 
+import pytest
 import yaml
 from omegaconf import OmegaConf
 
@@ -100,3 +105,85 @@ def test_the_recipe_reference_is_current_and_says_what_each_key_does():
     assert set(schema_keys(Recipe)) <= set(rows)
     assert not [key for key, (_, _, meaning) in rows.items() if len(meaning) < 8], "keys without a meaning"
     assert "docs/recipe.md" in README
+
+
+def section(title: str) -> str:
+    """The README's text under `## title`, up to the next section of that level."""
+    return re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", README, re.S | re.M).group(1)
+
+
+def commands(text: str) -> list[list[str]]:
+    """Every command of the text's ```bash blocks, in order: continuation lines joined, comments dropped."""
+    blocks = re.findall(r"^( *)```bash\n(.*?)^\1```", text, re.S | re.M)
+    lines = "\n".join(textwrap.dedent(body) for _, body in blocks).replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in lines.splitlines() if shlex.split(line, comments=True)]
+
+
+def _option(argv: list[str], key: str, default: str | None = None) -> str | None:
+    found = [a.split("=", 1)[1] for a in argv if a.startswith(key + "=")]
+    return found[-1] if found else default
+
+
+@pytest.mark.slow
+def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
+    """A newcomer types the section's commands in order on a CPU: each does what its text says. Before, the
+    fsdp command resumed the finished single run and trained nothing, and the export folder was not the one
+    the recipe named. Run as written, in a folder standing for a fresh clone (the repo's recipes, no runs/)."""
+    import safetensors
+    import torch
+    import transformers
+
+    text = section("Fine-tuning a pretrained model")
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}  # this checkout's launcher; a CPU
+    trained: list[str] = []
+    walked = commands(text)
+    for argv in walked:
+        shown = " ".join(argv)
+        if argv[:4] == ["python", "-m", "pip", "install"]:  # not run: it would reinstall this checkout elsewhere
+            extra = re.search(r"\.\[(\w+)\]", shown).group(1)
+            assert extra in (REPO / "pyproject.toml").read_text() and importlib.util.find_spec(extra), shown
+            continue
+        done = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, f"{shown}\n{out}"
+        if argv[:3] == ["python", "-m", "recipes.components.hf_folder"]:  # writes a folder from_pretrained loads
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / argv[3])
+            assert type(model).__name__ == "LlamaForCausalLM" and f"`{argv[3]}/`" in text
+        elif argv[:3] == ["python", "-m", "launcher"]:  # trains a run of its own, from the folder, every step
+            recipe = yaml.safe_load((tmp_path / argv[3]).read_text())
+            name = _option(argv, "name", recipe["name"])
+            steps = recipe["on_cpu"]["trainer"]["max_steps"]
+            assert "resumed" not in out and "nothing to train" not in out, f"{shown}\n{out}"
+            assert f"training {name}: {steps} steps" in out and f"step {steps}/{steps}" in out, f"{shown}\n{out}"
+            assert name not in trained, f"{shown}: the run folder of an earlier command"
+            trained.append(name)
+            assert "initialised the model from runs/tiny-llama" in out, out
+            if _option(argv, "strategy") == "fsdp":
+                assert f"fsdp: sharded over {_option(argv, 'nproc_per_node')} ranks" in out, out
+            assert (tmp_path / "runs" / name / "model.pt").exists()
+            if "peft" in str(recipe["model"]["_target_"]):  # "keeps its adapters' config in <run_dir>/..."
+                assert "8 adapter tensors as built" in out, out
+                assert (tmp_path / "runs" / name / "adapter_config.json").exists()
+            else:
+                assert f"`runs/{name}/`" in text, f"{shown}: the text does not say where it trains"
+        elif argv[:3] == ["python", "-m", "launcher.export"]:  # the run as an HF folder from_pretrained loads
+            run, out_dir = tmp_path / argv[3], tmp_path / argv[4]
+            assert f"`{argv[4]}/`" in text and f"from_pretrained(\"{argv[4]}\")" in text
+            assert f"{argv[4]} --format hf --dtype bf16" in (REPO / "recipes" / "hf_finetune.yaml").read_text()
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
+            assert not any(info.values()), info
+            with safetensors.safe_open(out_dir / "model.safetensors", "pt") as f:
+                assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+            trained_weights = torch.load(run / "model.pt", weights_only=True)
+            for key, value in model.state_dict().items():
+                if key in trained_weights:
+                    torch.testing.assert_close(value, trained_weights[key].to(value.dtype), rtol=0, atol=0)
+        else:
+            pytest.fail(f"{shown}: a command of the section this test does not check; say here what it does")
+    assert [a[:4] for a in walked[:4]] == [["python", "-m", "recipes.components.hf_folder", "runs/tiny-llama"],
+                                            ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
+                                            ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
+                                            ["python", "-m", "launcher.export", "runs/hf_finetune"]]
+    assert trained == ["hf_finetune", "hf_finetune-fsdp", "hf_lora"], trained

@@ -95,3 +95,40 @@ def test_default_units():
 def test_by_class_names_every_missing_class():
     with pytest.raises(UserError, match="fsdp.units: the model has no class A, B; its classes: GPT, "):
         modules.by_class(GPT(**TINY), ["A", "Block", "B"], "fsdp.units")
+
+
+def test_auto_names_the_model_s_repeated_blocks_as_fsdp_finds_its_units(tmp_path):
+    from launcher.recipe import load
+
+    assert recompute.chosen(GPT(**TINY), "auto") == ["Block"]  # the layers of its ModuleList
+    assert recompute.chosen(GPT(**TINY), ["Block"]) == ["Block"]
+    with pytest.raises(UserError, match=r"^trainer.activation_checkpointing: auto finds no repeated blocks in MLP \(no "
+                                        r"_no_split_modules, no ModuleList of layers\); name the classes to recompute, "
+                                        r"of its: MLP, Linear, ReLU$"):
+        recompute.chosen(MLP(), "auto")
+    with pytest.raises(UserError, match=r"trainer.activation_checkpointing: must be a list of class names "
+                                        r"\(\[Block\]\), auto \(the model's repeated blocks\) or null, got 'Block'$"):
+        load(CHARLM, ["trainer.activation_checkpointing=Block"])
+    assert load(CHARLM, ["trainer.activation_checkpointing=[]"]).recipe.trainer.activation_checkpointing == []  # off
+    charlm(tmp_path / "named", "trainer.activation_checkpointing=[Block]")
+    charlm(tmp_path / "auto", "trainer.activation_checkpointing=auto")
+    assert_same_weights(tmp_path / "named" / "model.pt", tmp_path / "auto" / "model.pt")
+
+
+@pytest.mark.parametrize("arch, block", [("qwen2", "Qwen2DecoderLayer"), ("gpt2", "GPT2Block")])
+def test_the_fine_tuning_recipe_recomputes_any_causal_lm_s_blocks(tmp_path, capsys, arch, block):
+    """recipes/hf_finetune.yaml says "Llama, Qwen, ...": it named LlamaDecoderLayer, so a Qwen2 or GPT-2 folder
+    ended with exit 2 before a step; `auto` takes the blocks from the model, as fsdp's units do."""
+    from launcher.recipe import load
+    from launcher.train import train
+    from tests import hf_zoo
+
+    pytest.importorskip("transformers").utils.logging.disable_progress_bar()
+    getattr(hf_zoo, arch)().save_pretrained(tmp_path / arch)
+    train(load(REPO / "recipes" / "hf_finetune.yaml", [
+        f"model.config.pretrained_model_name_or_path={tmp_path / arch}", f"run_dir={tmp_path / 'run'}", "devices=cpu",
+        "trainer.max_steps=2", "trainer.eval_every=null", "data.train.max_len=32", "data.val=null",
+        "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false"]))
+    out = capsys.readouterr().out
+    assert f"activation checkpointing: 2 modules ({block}) recompute their activations in backward" in out, out
+    assert f"initialised the model from {tmp_path / arch}" in out and (tmp_path / "run" / "model.pt").exists()

@@ -60,6 +60,45 @@ def test_every_mistake_of_every_combination_at_once_and_nothing_starts(tmp_path,
     assert "--max-parallel: with --slurm (a job array's tasks at once); on this machine, --parallel N" in capsys.readouterr().err
 
 
+def test_a_stray_comma_or_a_value_given_twice_is_one_line_each_before_anything_starts(tmp_path, capsys):
+    """`lr=0.1,,0.2` made a run of a null lr that passed the check and failed after the others trained;
+    `seed=3,3` made two runs of one folder (the second refused by the lock, the table two `done` rows).
+    Hydra's grammar refuses an empty element; it runs a repeated value twice, each job in a numbered folder:
+    here a run's folder is named by its values, so two runs of one folder (or of one recipe, spelt two ways)
+    are a mistake."""
+    with pytest.raises(UserError) as caught:
+        grid.split(["optimizer.lr=0.1,,0.2", "data.val.n=,", "seed=3,3,4", "model.hidden=8,", "trainer.max_steps=10"])
+    assert caught.value.problems == [
+        "optimizer.lr=0.1,,0.2: an empty value between commas (a stray comma?); to sweep an empty string, quote "
+        "it: ''",
+        "data.val.n=,: an empty value between commas (a stray comma?); to sweep an empty string, quote it: ''",
+        "seed=3,3,4: 3 is given 2 times; each value is one run in a folder of its own, so give it once",
+        "model.hidden=8,: an empty value between commas (a stray comma?); to sweep an empty string, quote it: ''"]
+    assert grid.split(["model.name='',a", "data.val=", "optimizer.lr=0.1,1e-1"])[0] == {
+        "model.name": ["''", "a"], "optimizer.lr": ["0.1", "1e-1"]}  # quoted empty: a value; `key=`: every run's
+    for args, line in (
+            (["optimizer.lr=0.1,,0.2"], "launcher: optimizer.lr=0.1,,0.2: an empty value between commas (a stray "
+                                        "comma?); to sweep an empty string, quote it: ''"),
+            (["optimizer.lr=,"], "launcher: optimizer.lr=,: an empty value between commas (a stray comma?); to "
+                                 "sweep an empty string, quote it: ''"),
+            (["optimizer.lr=0.1,0.1"], "launcher: optimizer.lr=0.1,0.1: 0.1 is given 2 times; each value is one "
+                                       "run in a folder of its own, so give it once (to repeat a run, sweep its "
+                                       "seed: seed=range(3))"),
+            (["optimizer.lr=0.1,1e-1,0.2", "seed=0,1"],  # two folders, one recipe: one line for the two values
+             "launcher: optimizer.lr=0.1 and optimizer.lr=1e-1: the same run twice (one recipe in the folders "
+             "lr=0.1,seed=0/ and lr=1e-1,seed=0/); give each value once (to repeat a run, sweep its seed: "
+             "seed=range(3))"),
+            (["seed=3,03"], "launcher: seed=3 and seed=03: the same run twice (one recipe in the folders seed=3/ "
+                            "and seed=03/); give each value once")):
+        assert main([str(QUICKSTART), *args, f"run_dir={tmp_path / 's'}", "--dry-run"]) == 2
+        assert capsys.readouterr().err.splitlines() == [line]
+        assert not (tmp_path / "s").exists()
+    assert main([str(QUICKSTART), "seed=3,3", f"run_dir={tmp_path / 's'}"]) == 2  # without --dry-run: nothing trains
+    assert capsys.readouterr().err.splitlines() == [
+        "launcher: seed=3,3: 3 is given 2 times; each value is one run in a folder of its own, so give it once"]
+    assert not (tmp_path / "s").exists()
+
+
 def sweep(*args, timeout=300, **kwargs):
     return subprocess.run([sys.executable, "-m", "launcher.sweep", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, **kwargs)

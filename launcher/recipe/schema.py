@@ -135,7 +135,7 @@ class TrainerConfig:
     log_every: int = 50  # optimizer steps between two log lines (and the only host reads of the loop)
     eval_every: Optional[int] = None  # steps between evaluations (one at the end too); null: at the end only
     compile: bool = False  # torch.compile the (wrapped) model; checkpoints keep the plain model's keys
-    activation_checkpointing: Optional[List[str]] = None  # class names whose activations are recomputed in backward
+    activation_checkpointing: Any = None  # [class names] recomputed in backward; auto: the model's blocks; null: none
 
     def problems(self) -> List[tuple[str, str]]:
         out = []
@@ -148,6 +148,11 @@ class TrainerConfig:
         out += at_least("trainer.eval_every", self.eval_every, 1)
         if self.clip_grad_norm is not None and not positive(self.clip_grad_norm):
             out.append(("trainer.clip_grad_norm", f"must be a positive number or null, got {self.clip_grad_norm}"))
+        names = self.activation_checkpointing
+        named = isinstance(names, list) and all(isinstance(n, str) and n for n in names)
+        if names not in (None, "auto") and not named:
+            out.append(("trainer.activation_checkpointing", f"must be a list of class names ([Block]), auto (the "
+                                                            f"model's repeated blocks) or null, got {short(names)}"))
         return out
 
 
