@@ -6,16 +6,30 @@ once for starting the processes and importing torch:
 CASES.json maps a case's name to its command line after `python -m launcher` (the recipe, then overrides).
 Each rank writes CASES.rank<R>.json beside it: for each case, the error it ended with ("Type: first line", or
 null) and what it printed. A case that fails on every rank alike (an exception at the same step) lets the
-next one run, so that one launch tells every case's outcome."""
+next one run, so that one launch tells every case's outcome. `several(cases, folder)` does all this from a test."""
 
 import contextlib
 import io
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Dict, List
 
 sys.path.insert(0, os.getcwd())  # run as a script from the repository's root: `launcher` and `recipes` import
+
+
+def several(cases: Dict[str, List[str]], folder: Path, nproc: int = 2, timeout: float = 300) -> List[dict]:
+    """Run `cases` in one torchrun launch of `nproc` processes; each rank's results, by rank."""
+    from tests.conftest import REPO
+
+    (folder / "cases.json").write_text(json.dumps({name: [str(arg) for arg in args] for name, args in cases.items()}))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           "tests/several_runs.py", str(folder / "cases.json")], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((folder / f"cases.rank{rank}.json").read_text()) for rank in range(nproc)]
 
 
 def main(cases_file: str) -> None:

@@ -3,9 +3,6 @@ otherwise (as HF Trainer's adamw_torch_fused), the same under every strategy, an
 its checkpoint's did where the new layout can (every layout's checkpoints resume under every other); TF32 as
 the recipe says."""
 
-import json
-import sys
-
 import pytest
 import torch
 
@@ -121,24 +118,17 @@ RESUMED = ["trainer.max_steps=20", "checkpoint.every=10"]
 def resumed(tmp_path_factory):
     """Each of FUSED_WITHOUT_RULE trained in one process (fused), and its step 10 resumed under each of LAYOUTS on two
     ranks: the four resumes in one torchrun launch (tests/several_runs.py)."""
-    import subprocess
-
-    from tests.conftest import REPO
+    from tests.several_runs import several
 
     root = tmp_path_factory.mktemp("layouts")
     cases = {}
     for name, spec in FUSED_WITHOUT_RULE.items():
         train(root / name, f"optimizer={spec}", *RESUMED)
         for layout, args in LAYOUTS.items():
-            cases[f"{name}-{layout}"] = [str(QUICKSTART), *SMALL, f"optimizer={spec}", *RESUMED, *args,
+            cases[f"{name}-{layout}"] = [QUICKSTART, *SMALL, f"optimizer={spec}", *RESUMED, *args,
                                          f"run_dir={root / f'{name}-{layout}'}",
                                          f"checkpoint.resume={root / name / 'checkpoints' / 'step_10'}"]
-    (root / "cases.json").write_text(json.dumps(cases))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "tests/several_runs.py", str(root / "cases.json")], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return root, [json.loads((root / f"cases.rank{rank}.json").read_text()) for rank in (0, 1)]
+    return root, several(cases, root)
 
 
 @pytest.mark.slow
