@@ -94,9 +94,11 @@ def implementation_resumed(optimizer: Any) -> Optional[str]:
     if loaded and not fused_steps(type(optimizer), params):
         for group in groups:
             group["fused"], group["foreach"] = built, optimizer.defaults.get("foreach")
-        said = (f"optimizer: its checkpoint stepped with fused=True, which {type(optimizer).__name__} cannot on this "
-                f"layout's sharded parameters (torch's DTensor has no rule for its fused kernel); it goes on with "
-                f"torch's default (fused=False), as a fresh run here does, which rounds apart in the last bits")
+        why = ("this layout's sharded parameters (torch's DTensor has no rule for its fused kernel)" if _sharded(params)
+               else "these parameters (no fused kernel for their devices or dtypes)")
+        said = (f"optimizer: its checkpoint stepped with fused=True, which {type(optimizer).__name__} cannot on {why}; "
+                f"it goes on with torch's default (fused=False), as a fresh run here does, which rounds apart in the "
+                f"last bits")
     else:
         said = (f"optimizer: resumed with its checkpoint's implementation (fused={bool(loaded)}), as the run "
                 f"started, so that it continues exactly")
