@@ -64,11 +64,15 @@ def optimizer(spec: Dict[str, Any], params: list) -> Tuple[Any, Optional[str]]:
     """The recipe's optimizer over `params`, and a line naming its implementation when the launcher chose it.
 
     A torch optimizer with a fused implementation (Adam, AdamW, SGD, Adagrad), where the recipe names neither
-    `fused` nor `foreach`, gets `fused=True` when every parameter allows it (floating point, on a device torch
-    has fused kernels for, the CPU included): HF Trainer picks adamw_torch_fused for its users, torchtitan
-    `implementation: fused`. torch's own default is a loop over the tensors on the CPU and `foreach` on
-    CUDA. Every strategy meets parameters of the same devices and dtypes, so every one chooses alike; a
-    checkpoint's optimizer state says how its run stepped, and a resumed run steps the same way."""
+    `fused` nor `foreach`, gets `fused=True` where its fused kernel can step these parameters (`fused_steps`):
+    HF Trainer picks adamw_torch_fused for its users, torchtitan `implementation: fused`. torch's own default
+    is a loop over the tensors on the CPU and `foreach` on CUDA. A checkpoint's optimizer state says how its
+    run stepped, and a resumed run steps the same way where it can (`implementation_resumed`)."""
+    target = locate(spec["_target_"])
+    if spec.get("fused") is True and _torch_optimizer(target) and _sharded(params) and not _fused_kernel_shards(target):
+        raise UserError(f"optimizer.fused: true, and {spec['_target_']}'s fused kernel cannot step this layout's "
+                        f"sharded parameters (torch {torch.__version__.split('+')[0]}'s DTensor has no rule for it); "
+                        f"set optimizer.fused=false, or leave it out and the launcher picks")
     if _fusable(spec, params):
         built = component({**spec, "fused": True}, "optimizer", params)
         where = sorted({q.device.type for q in params})
@@ -78,23 +82,38 @@ def optimizer(spec: Dict[str, Any], params: list) -> Tuple[Any, Optional[str]]:
 
 
 def implementation_resumed(optimizer: Any) -> Optional[str]:
-    """After a resume: a line when the checkpoint's optimizer stepped otherwise than this one was built to
-    (its param groups, loaded, carry `fused`): the run goes on as it started, so that it ends exactly."""
-    built, groups = getattr(optimizer, "defaults", {}).get("fused"), getattr(optimizer, "param_groups", [{}])
+    """After a resume, the implementation the optimizer steps with, and a line when it is not the one it was built
+    with. The checkpoint's (its param groups, loaded, carry `fused`) where this layout can run it, so that the run
+    goes on as it started and ends exactly; where it cannot (a one-process run's fused SGD resumed under fsdp or
+    tp, whose DTensors have no rule for it), the one this layout built, as a fresh run here steps."""
+    built, groups = getattr(optimizer, "defaults", {}).get("fused"), getattr(optimizer, "param_groups", [])
     loaded = groups[0].get("fused") if groups else None
     if bool(built) == bool(loaded):
         return None
-    return (f"optimizer: resumed with its checkpoint's implementation (fused={bool(loaded)}), as the run "
-            f"started, so that it continues exactly")
+    params = [q for group in groups for q in group["params"]]
+    if loaded and not fused_steps(type(optimizer), params):
+        for group in groups:
+            group["fused"], group["foreach"] = built, optimizer.defaults.get("foreach")
+        why = ("this layout's sharded parameters (torch's DTensor has no rule for its fused kernel)" if _sharded(params)
+               else "these parameters (no fused kernel for their devices or dtypes)")
+        said = (f"optimizer: its checkpoint stepped with fused=True, which {type(optimizer).__name__} cannot on {why}; "
+                f"it goes on with torch's default (fused=False), as a fresh run here does, which rounds apart in the "
+                f"last bits")
+    else:
+        said = (f"optimizer: resumed with its checkpoint's implementation (fused={bool(loaded)}), as the run "
+                f"started, so that it continues exactly")
+    # GradScaler hands a fused step its scale (fp16); torch's loop over the tensors refuses one.
+    optimizer._step_supports_amp_scaling = bool(groups[0]["fused"])
+    return said
 
 
-def _fusable(spec: Dict[str, Any], params: list) -> bool:
-    if not params or any(key in spec for key in ("fused", "foreach", "differentiable")):
-        return False
-    target = locate(spec["_target_"])
-    if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)
-            and target.__module__.startswith("torch.optim.")):
-        return False
+def fused_steps(target: type, params: list) -> bool:
+    """The one rule for the fused implementation: whether optimizer class `target` has a fused kernel that can
+    step `params`, a fresh run's as a resumed one's. It must take `fused`, every parameter be floating point on
+    a device torch has fused kernels for (the CPU included), and sharded parameters (DTensors: FSDP2's shards,
+    tensor parallel's splits) have a DTensor sharding rule for the kernel: torch 2.13 has Adam's and AdamW's,
+    not SGD's or Adagrad's, whose first step would fail ('aten._fused_sgd_.default does not have a sharding
+    strategy registered')."""
     try:
         takes = "fused" in inspect.signature(target).parameters
         from torch.optim.optimizer import _get_fused_kernels_supported_devices
@@ -102,9 +121,22 @@ def _fusable(spec: Dict[str, Any], params: list) -> bool:
         devices = set(_get_fused_kernels_supported_devices())
     except (TypeError, ValueError, ImportError):
         return False
-    if not (takes and all(torch.is_floating_point(q) and q.device.type in devices for q in params)):
+    if not (params and takes and all(torch.is_floating_point(q) and q.device.type in devices for q in params)):
         return False
     return not _sharded(params) or _fused_kernel_shards(target)
+
+
+def _fusable(spec: Dict[str, Any], params: list) -> bool:
+    """Whether the launcher chooses fused: the recipe left the implementation to it, and the rule allows it."""
+    if not params or any(key in spec for key in ("fused", "foreach", "differentiable")):
+        return False
+    target = locate(spec["_target_"])
+    return _torch_optimizer(target) and fused_steps(target, params)
+
+
+def _torch_optimizer(target: Any) -> bool:
+    return (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)
+            and target.__module__.startswith("torch.optim."))
 
 
 def _sharded(params: list) -> bool:
@@ -112,8 +144,8 @@ def _sharded(params: list) -> bool:
 
 
 def _fused_kernel_shards(target: type) -> bool:
-    """Whether DTensor can run the optimizer's fused kernel on sharded parameters (FSDP2's): torch 2.13 has
-    sharding rules for Adam's and AdamW's, not SGD's or Adagrad's, which fail at the first step."""
+    """Whether DTensor has a sharding rule for the optimizer's fused kernel (looked up, not assumed: a later
+    torch may add SGD's and Adagrad's)."""
     try:
         from torch.distributed.tensor import DTensor
 

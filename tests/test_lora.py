@@ -1,14 +1,14 @@
 """LoRA through peft (recipes/hf_lora.yaml): the base model's weights from an HF folder, frozen; the adapters
-as peft builds them, trained; the same weights under one process, ddp (in a world of one, in this process)
-and fsdp x2; a resumed run ends bitwise equal; a LoRA run's own checkpoint initialises a LoRA model whole;
-export merges the adapters or writes them as peft does."""
+as peft builds them, trained; the same weights under one process, ddp (in a world of one, in this process),
+fsdp x2 and tp x2 (peft's LoRA layers split with the layers they wrap); a resumed run ends bitwise equal; a LoRA
+run's own checkpoint initialises a LoRA model whole; export merges the adapters or writes them as peft does."""
 
 import json
 
 import pytest
 import torch
 
-from tests.conftest import REPO, assert_same_weights, launch, state_dict
+from tests.conftest import REPO, assert_same_weights, state_dict
 from tests.test_hf_folders import folder
 
 pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
@@ -71,17 +71,92 @@ def test_lora_under_ddp_ends_as_one_process(tmp_path, one_rank):
     assert one.keys() == ddp.keys() and all(torch.equal(one[k], ddp[k]) for k in one)
 
 
-@pytest.mark.slow
-def test_lora_under_fsdp_x2_ends_as_one_process(tmp_path):
-    base = folder(tmp_path)
-    here(base, tmp_path / "one", *SGD)
-    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", "strategy=fsdp", "nproc_per_node=2", *SGD), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "fsdp.empty_init: a peft model's adapters are not in checkpoint.init_from's weights" in done.stdout
-    one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "two" / "model.pt")
-    assert one.keys() == two.keys()
+# tp x 2 on the model's own plan (under peft's prefix): q_proj and v_proj split colwise with their lora_B, o_proj
+# rowwise with its lora_A
+TP = ["strategy=fsdp", "parallel.tp=2", "model.peft_config.target_modules=[q_proj,v_proj,o_proj]"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """LoRA under fsdp x2 and under tp x2 in one torchrun launch (tests/several_runs.py), and one process's runs."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("lora")
+    base = folder(root)
+    here(base, root / "one", *SGD)
+    here(base, root / "one-tp", *SGD, TP[-1])
+    return root, several({"fsdp": [RECIPE, *overrides(base, root / "fsdp", "strategy=fsdp", *SGD)],
+                          "tp": [RECIPE, *overrides(base, root / "tp", *TP, *SGD)]}, root)
+
+
+def assert_as_one(one, other):
+    one, other = state_dict(one / "model.pt"), state_dict(other / "model.pt")
+    assert one.keys() == other.keys()
     for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(other[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_x2_ends_as_one_process(two_ranks):
+    root, ranks = two_ranks
+    assert [results["fsdp"]["error"] for results in ranks] == [None, None]
+    assert "fsdp.empty_init: a peft model's adapters are not in checkpoint.init_from's weights" in ranks[0]["fsdp"]["said"]
+    assert_as_one(root / "one", root / "fsdp")
+
+
+@pytest.mark.slow
+def test_lora_under_tensor_parallel_splits_the_adapters_with_their_layers_and_ends_as_one_process(two_ranks):
+    """Before: 'parallel.tp_plan: 'lm_head' names no module of the model (PeftModelForCausalLM)', a pattern of the
+    plan the model wrapped by peft carries, in the wrapped model's names."""
+    root, ranks = two_ranks
+    assert [results["tp"]["error"] for results in ranks] == [None, None]
+    said = ranks[0]["tp"]["said"]
+    assert ("parallel.tp: 22 layers split over 2 ranks: base_model.model.lm_head (colwise_rep), "
+            "base_model.model.model.embed_tokens (embedding_rowwise), "
+            "base_model.model.model.layers.0.self_attn.q_proj.base_layer (colwise), "
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default (colwise) and 18 more") in said
+    assert_as_one(root / "one-tp", root / "tp")
+
+
+def peft_llama(**lora):
+    import peft
+
+    from tests.test_parallel import llama
+
+    return peft.get_peft_model(llama(), peft.LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM", **lora))
+
+
+def test_the_auto_plan_of_a_peft_model_is_its_base_model_s_with_each_adapter_split_as_its_layer():
+    from launcher.parallel import plans
+
+    model = peft_llama(target_modules=["q_proj", "o_proj"])
+    modules = plans.matched(model, plans.resolve(model, "auto"))  # before: 'lm_head' names no module of the model
+    layer = "base_model.model.model.layers.1.self_attn"
+    assert modules["base_model.model.lm_head"] == "colwise_rep" and modules[f"{layer}.k_proj"] == "colwise"
+    assert modules[f"{layer}.q_proj.base_layer"] == modules[f"{layer}.q_proj.lora_B.default"] == "colwise"
+    assert modules[f"{layer}.o_proj.base_layer"] == modules[f"{layer}.o_proj.lora_A.default"] == "rowwise"
+    assert not {f"{layer}.q_proj", f"{layer}.q_proj.lora_A.default", f"{layer}.o_proj.lora_B.default"} & modules.keys()
+    assert len(modules) == 16 + 2 * 2 and plans.problems(model, modules, 2) == []  # a wrapper: its layer and adapter
+
+
+@pytest.mark.parametrize("lora, line", [
+    ({"target_modules": ["embed_tokens"]},
+     "parallel.tp_plan: base_model.model.model.embed_tokens (embedding_rowwise) is peft.tuners.lora.layer.Embedding "
+     "around an Embedding, which tensor parallel does not split"),
+    ({"target_modules": ["q_proj"], "use_dora": True},
+     "parallel.tp_plan: base_model.model.model.layers.0.self_attn.q_proj (colwise) is peft.tuners.lora.layer.Linear "
+     "around a Linear, which tensor parallel does not split"),
+], ids=["embedding", "dora"])
+def test_adapters_tensor_parallel_cannot_split_are_one_line_each(lora, line):
+    from launcher.errors import UserError
+    from launcher.parallel import plans
+
+    model = peft_llama(**lora)
+    with pytest.raises(UserError) as caught:
+        plans.matched(model, plans.resolve(model, "auto"))
+    assert caught.value.problems[0].startswith(line), caught.value.problems
+    assert caught.value.problems[0].endswith("(it splits LoRA on a Linear, colwise or rowwise); leave "
+                                             f"{line.split()[1]} out of the plan or out of peft's target_modules")
 
 
 def test_export_merges_the_adapters_or_writes_them_as_peft_does(tmp_path):

@@ -1,12 +1,13 @@
 """The optimizer's implementation: a torch optimizer with a fused one gets it unless the recipe says
 otherwise (as HF Trainer's adamw_torch_fused), the same under every strategy, and a resumed run steps as
-its checkpoint's did; TF32 as the recipe says."""
+its checkpoint's did where the new layout can (every layout's checkpoints resume under every other); TF32 as
+the recipe says."""
 
 import pytest
 import torch
 
 from launcher.build import optimizer
-from tests.conftest import train
+from tests.conftest import QUICKSTART, SMALL, train
 
 PARAMS = lambda: [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]  # noqa: E731
 
@@ -75,3 +76,75 @@ def test_fsdp_s_sharded_parameters_get_fused_only_where_dtensor_can_run_its_kern
 
     assert _fused_kernel_shards(torch.optim.Adam) and _fused_kernel_shards(torch.optim.AdamW)
     assert not _fused_kernel_shards(torch.optim.SGD) and not _fused_kernel_shards(torch.optim.Adagrad)
+
+
+def test_fused_true_on_parameters_dtensor_cannot_step_fused_is_one_line(tmp_path, one_rank):
+    """fsdp in a world of one (this process): its shards are DTensors, as at any world size."""
+    from launcher.errors import UserError
+
+    with pytest.raises(UserError) as caught:
+        train(tmp_path, "strategy=fsdp", "devices=cpu", "optimizer={_target_: torch.optim.SGD, lr: 0.1, fused: true}")
+    assert caught.value.problems == [
+        "optimizer.fused: true, and torch.optim.SGD's fused kernel cannot step this layout's sharded parameters "
+        f"(torch {torch.__version__.split('+')[0]}'s DTensor has no rule for it); set optimizer.fused=false, or leave "
+        "it out and the launcher picks"]
+
+
+def test_a_resumed_implementation_gets_the_grad_scaler_s_hand_off_it_takes():
+    """A fused optimizer takes fp16's scale from GradScaler inside its step; torch's loop over the tensors asserts it
+    gets none. A fused=False checkpoint resumed by an optimizer built fused steps unfused: GradScaler must unscale."""
+    from launcher.build import implementation_resumed
+
+    params = PARAMS()
+    built, _ = optimizer({"_target_": "torch.optim.SGD", "lr": 0.1}, params)
+    built.load_state_dict(torch.optim.SGD(params, lr=0.1, fused=False).state_dict())
+    assert implementation_resumed(built).startswith("optimizer: resumed with its checkpoint's implementation (fused=False)")
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(sum(q.sum() for q in params)).backward()
+    scaler.step(built)  # AssertionError: Expected grad_scale and found_inf to be None, before
+    scaler.update()
+
+
+# Each optimizer the launcher makes fused whose fused kernel torch 2.13's DTensor has no rule for (Adam's and AdamW's
+# have one: the charlm tests of tests/test_parallel.py resume AdamW from one process under dp_shard 2 x tp 2).
+FUSED_WITHOUT_RULE = {"SGD": "{_target_: torch.optim.SGD, lr: 0.1, momentum: 0.9}",
+                      "Adagrad": "{_target_: torch.optim.Adagrad, lr: 0.1}"}
+LAYOUTS = {"fsdp": ["strategy=fsdp", "devices=cpu"],
+           "tp": ["strategy=fsdp", "devices=cpu", "parallel.tp=2", "parallel.tp_plan={'0': colwise, '2': rowwise}"]}
+RESUMED = ["trainer.max_steps=20", "checkpoint.every=10"]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Each of FUSED_WITHOUT_RULE trained in one process (fused), and its step 10 resumed under each of LAYOUTS on two
+    ranks: the four resumes in one torchrun launch (tests/several_runs.py)."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("layouts")
+    cases = {}
+    for name, spec in FUSED_WITHOUT_RULE.items():
+        train(root / name, f"optimizer={spec}", *RESUMED)
+        for layout, args in LAYOUTS.items():
+            cases[f"{name}-{layout}"] = [QUICKSTART, *SMALL, f"optimizer={spec}", *RESUMED, *args,
+                                         f"run_dir={root / f'{name}-{layout}'}",
+                                         f"checkpoint.resume={root / name / 'checkpoints' / 'step_10'}"]
+    return root, several(cases, root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", FUSED_WITHOUT_RULE)
+def test_a_fused_one_process_checkpoint_resumes_under_fsdp_and_tp_as_one_process_ends(resumed, name, layout):
+    """Before: 'aten._fused_sgd_.default does not have a sharding strategy registered' on every rank at the first
+    step. Now the run goes on with torch's default, says so, and ends as the uninterrupted run within rtol 1e-5."""
+    from tests.test_fsdp import assert_close
+
+    root, ranks = resumed
+    for results in ranks:
+        assert results[f"{name}-{layout}"]["error"] is None, results[f"{name}-{layout}"]["error"]
+    said = ranks[0][f"{name}-{layout}"]["said"]
+    assert "written by 1 process, resharded to 2" in said
+    assert (f"optimizer: its checkpoint stepped with fused=True, which {name} cannot on this layout's sharded "
+            f"parameters (torch's DTensor has no rule for its fused kernel); it goes on with torch's default "
+            f"(fused=False), as a fresh run here does, which rounds apart in the last bits") in said
+    assert_close(root / name / "model.pt", root / f"{name}-{layout}" / "model.pt")

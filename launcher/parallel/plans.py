@@ -19,12 +19,19 @@ reduce-scatters):
 
 The Megatron pattern pairs them: colwise into a block (attention's query/key/value, the MLP's first layer),
 rowwise out of it, so the activations between stay split and one all-reduce ends each half. `auto` takes the
-model's own plan: HF models carry one (`_tp_plan`, their config's `base_model_tp_plan`), in these names."""
+model's own plan: HF models carry one (`_tp_plan`, their config's `base_model_tp_plan`), in these names; a
+wrapper's (peft's PeftModel) is its wrapped model's, under the wrapper's prefix (`base_model.model.`).
+
+A planned layer that peft wrapped in LoRA (its `base_layer`, and adapters `lora_A` then `lora_B`, added to its
+output) is split as the layer and its adapters together: the base layer takes the layer's style; for a column
+split the small `lora_B` is split alike (its rank-r input whole, its output the rank's columns, added to the
+base's), `lora_A` whole; for a row split `lora_A` takes the split input and sums its parts, `lora_B` whole."""
 
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, List
+import inspect
+from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
@@ -59,12 +66,12 @@ def resolve(model: nn.Module, plan) -> Dict[str, str]:
     """The recipe's plan, or the model's own for `auto`, in this module's style names."""
     if plan != "auto":
         return {str(name): style for name, style in plan.items()}  # YAML reads a Sequential's 0: as a number
-    own = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+    prefix, own = _own_plan(model)
     if not own:
         raise UserError(f"parallel.tp_plan: auto, and the model ({type(model).__name__}) carries no plan of its own (HF "
                         f"models' _tp_plan); give one in the recipe, {{module name pattern: style}} (recipes/charlm.yaml)")
     known = styles()
-    out = {name: HF_NAMES.get(style, style) for name, style in own.items()}
+    out = {prefix + name: HF_NAMES.get(style, style) for name, style in own.items()}
     other = {name: style for name, style in out.items() if style not in known}
     if other:
         listed = ", ".join(f"{style} ({name})" for name, style in list(other.items())[:3])
@@ -73,8 +80,20 @@ def resolve(model: nn.Module, plan) -> Dict[str, str]:
     return out
 
 
+def _own_plan(model: nn.Module) -> Tuple[str, Optional[dict]]:
+    """The plan the outermost module that carries one holds, and that module's name as a prefix. Looked up
+    without __getattr__, through which a wrapper (peft's) answers with its wrapped model's plan, in the wrapped
+    model's names."""
+    for name, module in model.named_modules():
+        for attr in ("tp_plan", "_tp_plan"):
+            if inspect.getattr_static(module, attr, None) is not None and getattr(module, attr):
+                return (f"{name}." if name else ""), getattr(module, attr)
+    return "", None
+
+
 def matched(model: nn.Module, plan: Dict[str, str]) -> Dict[str, str]:
-    """Each module the plan names, with its style; a pattern that names none is a mistake."""
+    """Each module the plan names, with its style (a LoRA layer's base layer and adapters in its place); a
+    pattern that names none is a mistake."""
     names = [name for name, _ in model.named_modules() if name]
     out: Dict[str, str] = {}
     for pattern, style in plan.items():
@@ -83,6 +102,37 @@ def matched(model: nn.Module, plan: Dict[str, str]) -> Dict[str, str]:
             raise UserError(f"parallel.tp_plan: {pattern!r} names no module of the model ({type(model).__name__}); its "
                             f"modules are named like {', '.join(names[:6])}")
         out.update({n: style for n in found})
+    return _through_adapters(model, out)
+
+
+COLUMNS, ROWS = ("colwise", "colwise_rep"), ("rowwise", "rowwise_rep")
+
+
+def _through_adapters(model: nn.Module, modules: Dict[str, str]) -> Dict[str, str]:
+    """`modules` with each split layer that peft wrapped in LoRA replaced by its base layer and the adapter
+    that splits alike (see the module's docstring); what cannot be split so is one line each."""
+    out: Dict[str, str] = {}
+    wrong = []
+    for name, style in modules.items():
+        module = model.get_submodule(name)
+        if style not in SPLITS or not isinstance(getattr(module, "base_layer", None), nn.Module):
+            out[name] = style
+            continue
+        adapters = getattr(module, "lora_A", None)
+        plain = (isinstance(adapters, nn.ModuleDict) and isinstance(module.base_layer, nn.Linear)
+                 and not getattr(module, "lora_variant", None) and not len(getattr(module, "lora_magnitude_vector", ())))
+        if not plain or style not in COLUMNS + ROWS:
+            inner = type(module.base_layer).__name__
+            what = f"{type(module).__module__}.{type(module).__name__} around {'an' if inner[0] in 'AEIOU' else 'a'} {inner}"
+            wrong.append(f"parallel.tp_plan: {name} ({style}) is {what}, which tensor parallel does not split (it splits "
+                         f"LoRA on a Linear, colwise or rowwise); leave {name} out of the plan or out of peft's "
+                         f"target_modules")
+            continue
+        out[f"{name}.base_layer"] = style
+        for key in adapters:
+            out[f"{name}.lora_B.{key}" if style in COLUMNS else f"{name}.lora_A.{key}"] = style
+    if wrong:
+        raise UserError(*wrong)
     return out
 
 
