@@ -121,25 +121,34 @@ def test_a_folder_without_its_index_or_with_pytorch_model_bin_says_so(tmp_path):
             done.stderr
 
 
-def test_a_lora_run_into_a_plain_model_names_peft_and_the_merge(tmp_path):
-    """It said a base key 'is missing from the file'."""
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_a_lora_run_into_a_plain_model_names_peft_and_the_merge(tmp_path, strategy, request):
+    """It said a base key 'is missing from the file' (a full checkpoint, whatever reads it) or 'from the
+    checkpoint' (fsdp's own sharded checkpoint into a model built on meta)."""
     pytest.importorskip("peft", reason="the dev extra (peft) is not installed")
     from tests.test_lora import here as lora_here
 
+    how = [*FSDP] if strategy == "fsdp" else []
+    if strategy == "fsdp":
+        request.getfixturevalue("one_rank")
     base = folder(tmp_path)
-    lora = tmp_path / "lora"
-    lora_here(base, lora, "trainer.max_steps=1")
+    lora, step = tmp_path / "lora", tmp_path / "lora" / "checkpoints" / "step_1"
+    lora_here(base, lora, *how, "trainer.max_steps=1")
     with pytest.raises(UserError) as info:
-        here(base, tmp_path / "run", f"checkpoint.init_from={lora}")
+        here(base, tmp_path / "run", *how, f"checkpoint.init_from={lora}")
     (line,) = info.value.problems
-    assert line == (f"checkpoint.init_from: {lora} (its weights in {lora / 'checkpoints' / 'step_1'}): "
-                    f"a peft model's weights (its adapters, 'base_model.model.model.layers.0.self_attn.q_proj.lora_A."
-                    f"default.weight', ...), and this model is not a peft model: merge the adapters into the base "
-                    f"model's weights first, python -m launcher.export {lora} OUT --format hf --merge-lora, "
-                    f"and initialise from OUT (or build this model with peft, as recipes/hf_lora.yaml does)")
-    done = export(lora, tmp_path / "merged", "--format", "hf", "--merge-lora")  # what the line says works
+    said, named = ((f"{lora} (its weights in {step})", lora) if strategy == "single" else
+                   (f"{lora}: does not fit this model", step))
+    adapter = "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight'" if strategy == "single" else \
+        line.split("(its adapters, ", 1)[-1].split(", ...)", 1)[0]
+    assert ".lora_" in adapter and line == (
+        f"checkpoint.init_from: {said}: a peft model's weights (its adapters, {adapter}, ...), and this model is "
+        f"not a peft model: merge the adapters into the base model's weights first, python -m launcher.export {named} "
+        f"OUT --format hf --merge-lora, and initialise from OUT (or build this model with peft, as "
+        f"recipes/hf_lora.yaml does)"), line
+    done = export(named, tmp_path / "merged", "--format", "hf", "--merge-lora")  # what the line says works
     assert done.returncode == 0, done.stderr
-    here(base, tmp_path / "run", *ONE_STEP, f"checkpoint.init_from={tmp_path / 'merged'}")
+    here(base, tmp_path / "run", *how, *ONE_STEP, f"checkpoint.init_from={tmp_path / 'merged'}")
 
 
 def test_export_to_a_file_name_as_a_folder_is_refused(tmp_path):

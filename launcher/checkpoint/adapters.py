@@ -48,9 +48,10 @@ def base_view(model: nn.Module, state: Dict[str, object]) -> Optional[Tuple[Dict
     return base, back, adapters
 
 
-def merge_first(where: str, path: Path, key: str) -> str:
-    """The line for a peft model's weights named to initialise a model that is not a peft model."""
-    return (f"{where}: a peft model's weights (its adapters, {key!r}, ...), and this model is not a peft model: merge "
+def merge_first(path: Path, key: str) -> str:
+    """What to say of a peft model's weights (at `path`, `key` one of its adapters) named to initialise a model
+    that is not a peft model."""
+    return (f"a peft model's weights (its adapters, {key!r}, ...), and this model is not a peft model: merge "
             f"the adapters into the base model's weights first, python -m launcher.export {path} OUT --format hf "
             f"--merge-lora, and initialise from OUT (or build this model with peft, as recipes/hf_lora.yaml does)")
 

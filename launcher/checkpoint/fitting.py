@@ -33,7 +33,7 @@ def fit(state: Any, expected: Dict[str, Any], path: Path, where: Optional[str] =
     inside = f" ({where})" if where else ""
     peft = [k for k in state if adapters.is_adapter_key(k)]
     if peft and not any(adapters.is_adapter_key(k) for k in expected):
-        raise UserError(adapters.merge_first(f"{path}{inside}", path, peft[0]))
+        raise UserError(f"{path}{inside}: {adapters.merge_first(path, peft[0])}")
     groups = _tie_groups(expected, ties)
     given = set(state)
     state = _ties_filled(state, groups)
