@@ -89,28 +89,36 @@ def wrapped(model: torch.nn.Module, strategy: strategies.Strategy, console, init
     if strategy.sharded and init_from:  # what a rank held to get here (python -m launcher.bench --pretrained)
         console.info(f"host memory: {peak_host_memory() / 2**20:.0f} MiB at most on rank 0 up to here, the pretrained "
                      f"weights loaded" + ("" if built_empty else " (built whole on every rank)"))
-    if built_empty:
-        for note in strategy.agree(lambda: check(out)):  # every rank runs the sharded forward
+    split = getattr(strategy, "split", None)
+    if built_empty:  # every rank runs the sharded forward
+        for note in strategy.agree(lambda: _split_fits(check, out, whole=False) if split else check(out)):
             console.info(note)
         strategy.after_forward(out)
-    elif getattr(strategy, "split", None):  # the whole model fitted the batch: the split one must too
+    elif split:  # the whole model fitted the batch: the split one must too
         strategy.agree(lambda: _split_fits(check, out))
         strategy.after_forward(out)
     return out
 
 
-def _split_fits(check: Callable[[torch.nn.Module], List[str]], model: torch.nn.Module) -> None:
+def _split_fits(check: Callable[[torch.nn.Module], List[str]], model: torch.nn.Module, whole: bool = True) -> List[str]:
     """The first batch through the model split by parallel.tp_plan: where the whole model took it, a failure
     is the plan's (a colwise output reaching a layer that wants it whole, or a split layer whose model sizes
-    tensors by the whole of it)."""
+    tensors by the whole of it). A model built on the meta device was not tried whole: a forward that fails
+    names the plan first, and how to tell it from the data's mistake."""
     try:
-        check(model)
+        return check(model)
     except UserError as e:
+        if not whole and ": the first batch gives " not in e.problems[0]:
+            raise  # the data's own (its items do not batch), found before the forward
         cause = e.problems[0].split(": the first batch gives ", 1)[-1]
-        raise UserError(f"parallel.tp_plan: the model fits the first batch whole but not split: {cause}; either a "
-                        f"colwise layer's split output reaches a layer that wants it whole (make that one rowwise, or "
-                        f"the colwise one colwise_rep), or the model's code sizes a tensor by the whole layer (by its "
-                        f"head count, say): leave that layer out of the plan") from None
+        tried = ("the model fits the first batch whole but not split" if whole else
+                 "the first batch does not go through the model split by the plan")
+        untried = ("" if whole else "; the model was built on the meta device and not tried whole "
+                   "(fsdp.empty_init=false tries it whole first, which tells the plan's mistake from the data's)")
+        raise UserError(f"parallel.tp_plan: {tried}: {cause}; either a colwise layer's split output reaches a layer "
+                        f"that wants it whole (make that one rowwise, or the colwise one colwise_rep), or the model's "
+                        f"code sizes a tensor by the whole layer (by its head count, say): leave that layer out of the "
+                        f"plan{untried}") from None
 
 
 def _initialised(console, init_from, load: Callable, how: str = "") -> None:

@@ -4,6 +4,7 @@ it is built; the step; the data."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -40,6 +41,7 @@ def component(spec: Dict[str, Any], key: str, *args: Any) -> Any:
     """Build a recipe component and check it is what its section needs. A constructor that rejects the
     recipe's arguments (a negative size, a value out of its range) is the recipe's mistake: one line naming
     the key, not a traceback."""
+    _model_folders_here(spec, key)
     try:
         built = instantiate(spec, *args, key=key)
     except UnexpectedArgument as e:  # a keyword the call refused, which its signature could not show
@@ -58,6 +60,33 @@ def component(spec: Dict[str, Any], key: str, *args: Any) -> Any:
         raise
     check_built(key, spec["_target_"], built)
     return built
+
+
+def _model_folders_here(spec: Any, key: str) -> None:
+    """A pretrained_model_name_or_path that names a local folder (./, /, ~, more than OWNER/NAME, or inside a
+    folder that is here) is there: one line now, where transformers would first ask the Hub for a repo of that
+    name (which waits for the network before it says anything)."""
+    if isinstance(spec, dict):
+        for name, value in spec.items():
+            if name == "pretrained_model_name_or_path" and isinstance(value, str) and _missing_folder(value):
+                there = next(p for p in Path(value).expanduser().absolute().parents if p.is_dir())
+                raise UserError(f"{key}.{name}: {value}: no such folder (the nearest that is there: {there}); name "
+                                f"a model folder as save_pretrained writes it, or a Hub repo id (NAME or OWNER/NAME)")
+            _model_folders_here(value, f"{key}.{name}")
+    elif isinstance(spec, (list, tuple)):
+        for i, value in enumerate(spec):
+            _model_folders_here(value, f"{key}.{i}")
+
+
+def _missing_folder(name: str) -> bool:
+    """A name that says a local path (a Hub repo id is NAME or OWNER/NAME, neither inside a folder here) which
+    is not there."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return False
+    parts = Path(name).parts
+    return (name.startswith(("./", "../", "/", "~")) or name in (".", "..") or len(parts) > 2
+            or (len(parts) == 2 and Path(parts[0]).is_dir()))
 
 
 def optimizer(spec: Dict[str, Any], params: list) -> Tuple[Any, Optional[str]]:

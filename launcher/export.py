@@ -38,6 +38,7 @@ from launcher.errors import UserError
 from launcher.report import say
 
 SUFFIXES = (".pt", ".safetensors")
+FILE_SUFFIXES = SUFFIXES + (".bin", ".pth", ".ckpt")  # a name that says "a file": not a folder's
 
 
 def write(state: Dict[str, torch.Tensor], out: Path) -> None:
@@ -76,6 +77,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if not args.checkpoint.exists():
             raise UserError(f"{args.checkpoint}: no such file or folder")
+        if args.format in ("hf", "peft") and args.out.suffix in FILE_SUFFIXES:
+            raise UserError(f"{args.out}: --format {args.format} writes a folder, and this name ends in "
+                            f"{args.out.suffix} as a file's does; name a folder (e.g. {args.out.with_suffix('')}), or "
+                            f"leave --format out to write one {' or '.join(SUFFIXES)} file")
         if args.format == "hf":
             cfg, limit = _config(args.checkpoint, args.config), _bytes(args.max_shard_size)
         elif args.format == "file" and args.out.suffix not in SUFFIXES:

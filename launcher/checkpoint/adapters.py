@@ -48,6 +48,14 @@ def base_view(model: nn.Module, state: Dict[str, object]) -> Optional[Tuple[Dict
     return base, back, adapters
 
 
+def merge_first(path: Path, key: str) -> str:
+    """What to say of a peft model's weights (at `path`, `key` one of its adapters) named to initialise a model
+    that is not a peft model."""
+    return (f"a peft model's weights (its adapters, {key!r}, ...), and this model is not a peft model: merge "
+            f"the adapters into the base model's weights first, python -m launcher.export {path} OUT --format hf "
+            f"--merge-lora, and initialise from OUT (or build this model with peft, as recipes/hf_lora.yaml does)")
+
+
 def base_name(key: str) -> str:
     name = key[len(PREFIX):] if key.startswith(PREFIX) else key
     return name.replace(".base_layer.", ".")

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint import files, layout, manifest, run_state
+from launcher.checkpoint import adapters, files, layout, manifest, run_state
 from launcher.errors import UserError
 
 NAME = "sharded"
@@ -163,7 +163,7 @@ def read(folder: Path, state: Dict[str, Any]) -> None:
 
     reader = dcp_safe.Reader(folder)
     if "model" in state:  # not the run state alone
-        _check_fits(reader.metadata, state["model"])
+        _check_fits(reader.metadata, state["model"], folder)
     with _alone():
         dcp.load(state, storage_reader=reader, planner=dcp_safe.WeightsOnly(), no_dist=not dist.is_initialized())
 
@@ -172,11 +172,14 @@ class DoesNotFit(ValueError):
     """The checkpoint's keys or shapes differ from the model's (the first difference)."""
 
 
-def _check_fits(metadata: Any, model: Dict[str, Any]) -> None:
+def _check_fits(metadata: Any, model: Dict[str, Any], folder: Path) -> None:
     """The model's keys and shapes against those the checkpoint's index holds: the first difference as
     one line, as for a full checkpoint (DCP itself would say only `CheckpointException ranks:...`). Every
     rank reads the same index, so every rank stops here, before any collective of the load."""
     saved = _tensors(metadata, "model.")
+    peft = [key for key in saved if adapters.is_adapter_key(key)]
+    if peft and not any(adapters.is_adapter_key(key) for key in model):
+        raise DoesNotFit(adapters.merge_first(folder, peft[0]))
     for key, tensor in model.items():
         if key not in saved:
             raise DoesNotFit(f"'{key}' is missing from the checkpoint")

@@ -80,29 +80,41 @@ def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cp
     view = adapters.base_view(model, expected)
     if view is None:
         fitted, where = fitting.fit(state, expected, path, where)
-        model.load_state_dict(fitted, strict=True)
+        model.load_state_dict(_tensors(fitted, map_location), strict=True)
         return where
     try:  # a checkpoint of this adapted model itself
         fitted, said = fitting.fit(state, expected, path, where)
-        model.load_state_dict(fitted, strict=True)
+        model.load_state_dict(_tensors(fitted, map_location), strict=True)
         return said
     except UserError:  # the base model's weights (a pretrained folder): the adapters stay as built
         base, back, adapter_keys = view
         fitted, said = fitting.fit(state, base, path, where)
-    missing, unexpected = model.load_state_dict({back[k]: v for k, v in fitted.items()}, strict=False)
+    missing, unexpected = model.load_state_dict({back[k]: v for k, v in _tensors(fitted, map_location).items()},
+                                                strict=False)
     assert sorted(missing) == sorted(adapter_keys) and not unexpected, (missing, unexpected)
     return "; ".join([*([said] if said else []), f"the base model's weights; its {len(adapter_keys)} adapter tensors as built"])
 
 
 def _read(path: Path, map_location: Any = "cpu") -> Tuple[Any, Optional[str]]:
-    """What `path` holds, to fit to a model, and where in it the weights were (a run folder's newest)."""
+    """What `path` holds, to fit to a model, and where in it the weights were (a run folder's newest). An HF
+    folder's or a .safetensors file's tensors are hf.Slice, headers alone: nothing is read until they fit."""
     files.file_or_folder(path)
+    source = newest_if_run_folder(path) if path.is_dir() else path
+    if source.suffix == ".safetensors" or (source.is_dir() and formats.of(source) is hf):
+        if not source.is_dir():
+            manifest.check_file(source)
+        return hf.slices(source), (f"its weights in {source}" if source != path else None)
     if path.is_dir():  # a checkpoint folder of any format, or a run folder (checked as export checks them)
         weights, source = read(path)
         state = {k: v.to(map_location) for k, v in weights.items()}
         return state, (f"its weights in {source}" if Path(source) != path else None)
     manifest.check_file(path)
     return _file(path, map_location), None
+
+
+def _tensors(fitted: Dict[str, Any], map_location: Any) -> Dict[str, torch.Tensor]:
+    """The fitted weights as tensors: an hf.Slice read now, one tensor at a time."""
+    return {k: (v.read() if isinstance(v, hf.Slice) else v).to(map_location) for k, v in fitted.items()}
 
 
 def _file(path: Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
