@@ -64,7 +64,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(note, file=sys.stderr)
             print(OmegaConf.to_yaml(loaded.config), end="")
             return 0
-        from launcher.train import run
+        from launcher.run.train import run
 
         return run(loaded, args.overrides)
     except UserError as e:

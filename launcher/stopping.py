@@ -26,7 +26,7 @@ SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 FIRST_CHECK = 10  # the step of the first check, before any step has been timed
 CHECK_SECONDS = 0.5
 MAX_INTERVAL = 1000
-# Set by launcher/spawn.py for the workers it starts: the pid of the process they must not outlive.
+# Set by launcher/placement/spawn.py for the workers it starts: the pid of the process they must not outlive.
 PARENT = "LAUNCHER_PARENT_PID"
 
 

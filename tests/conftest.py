@@ -47,7 +47,7 @@ def one_rank(monkeypatch):
 def train(run_dir: Path, *overrides: str, recipe: Path = QUICKSTART) -> dict:
     """Train in this process (fast: torch is already imported) and return the last logged values."""
     from launcher.recipe import load
-    from launcher.train import train as run
+    from launcher.run.train import train as run
 
     return run(load(recipe, [*SMALL, f"run_dir={run_dir}", *overrides]))
 

@@ -56,7 +56,7 @@ def launch(run_dir: Path, args: List[str], strategy: str = "single", timeout: fl
 def in_process(run_dir: Path, args: List[str]) -> None:
     """Train one process here, in the caller's process (a test's: transformers is imported already)."""
     from launcher.recipe import load
-    from launcher.train import train
+    from launcher.run.train import train
 
     train(load(RECIPE, [f"run_dir={run_dir}", *args]))
 

@@ -35,7 +35,7 @@ def several(cases: Dict[str, List[str]], folder: Path, nproc: int = 2, timeout: 
 def main(cases_file: str) -> None:
     from launcher.errors import first_line
     from launcher.recipe import load
-    from launcher.train import train
+    from launcher.run.train import train
 
     cases = json.loads(Path(cases_file).read_text())
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

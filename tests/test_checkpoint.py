@@ -14,11 +14,11 @@ from torch import nn
 from launcher.checkpoint import Checkpoints, RunState, choose, complete, load_model_state
 from launcher.checkpoint import full
 from launcher.cli import main
-from launcher.data import Position
+from launcher.data.sampling import Position
 from launcher.errors import UserError
-from launcher.precision import Precision
+from launcher.model.precision import Precision
 from launcher.recipe.schema import CheckpointConfig
-from launcher.scheduler import Placement
+from launcher.placement.scheduler import Placement
 from launcher.strategies import Strategy
 from recipes.components.mlp import MLP
 from tests.conftest import SMALL, assert_same_weights, launch, state_dict, train

@@ -4,7 +4,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset, default_collate
 
-from launcher import collate, data, loaders
+from launcher.data import collate
+from launcher.data import sampling as data
+from launcher.data import loaders
 from recipes.components.chars import CharText
 from recipes.components.synthetic import Blobs
 

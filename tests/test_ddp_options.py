@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from launcher.recipe.schema import DDPConfig
-from launcher.scheduler import Placement
+from launcher.placement.scheduler import Placement
 from launcher.strategies import create
 from launcher.strategies.ddp import options, unused_parameters, with_sync_batchnorm
 from tests.components_ddp import UnusedHead, WithBatchNorm

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from launcher.errors import UserError
-from launcher.scheduler import Placement, place
+from launcher.placement.scheduler import Placement, place
 from tests.conftest import launch
 
 # What torchrun sets for a worker (among others).
@@ -103,7 +103,7 @@ FREE = [("0", 1000), ("1", 30000), ("2", 30000), ("3", 5000)]
     ([3], {"CUDA_VISIBLE_DEVICES": "3"}, "3"),
 ])
 def test_gpu_selection(devices, env, expected):
-    from launcher.scheduler import select_gpus
+    from launcher.placement.scheduler import select_gpus
 
     gpus = [g for g in FREE if "CUDA_VISIBLE_DEVICES" not in env or g[0] in env["CUDA_VISIBLE_DEVICES"].split(",")]
     assert select_gpus(devices, env, lambda: gpus) == expected
@@ -115,7 +115,7 @@ def test_gpu_selection(devices, env, expected):
     ([0, 7], FREE, "devices: GPU 7 of [0, 7] is not there; visible: 0, 1, 2, 3"),
 ])
 def test_gpu_selection_errors(devices, gpus, message):
-    from launcher.scheduler import select_gpus
+    from launcher.placement.scheduler import select_gpus
 
     with pytest.raises(UserError, match=re.escape(message)):
         select_gpus(devices, {}, lambda: gpus)
@@ -139,7 +139,7 @@ def test_without_accelerate_installed_exit_2_with_the_install_command(tmp_path):
     (1, 0, "cpu", 1, 1),
 ])
 def test_process_count(nproc, gpus, device, cpus, expected):
-    from launcher.spawn import process_count
+    from launcher.placement.spawn import process_count
 
     assert process_count(nproc, gpus, device, cpus) == expected
 
@@ -152,7 +152,7 @@ def test_process_count(nproc, gpus, device, cpus, expected):
                          "per GPU; use nproc_per_node=2 or fewer"),
 ])
 def test_process_count_refuses_more_than_the_machine_holds(nproc, gpus, device, cpus, message):
-    from launcher.spawn import process_count
+    from launcher.placement.spawn import process_count
 
     with pytest.raises(UserError) as info:
         process_count(nproc, gpus, device, cpus)

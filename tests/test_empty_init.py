@@ -1,5 +1,5 @@
 """Pretrained weights into shards: under fsdp with checkpoint.init_from the model is built on the meta
-device, its shards allocated and filled with the slices each rank holds (launcher/empty.py,
+device, its shards allocated and filled with the slices each rank holds (launcher/model/empty.py,
 launcher/checkpoint/sliced.py), from every source init_from reads. In-process: fsdp as a torchrun world
 of one (gloo); tests/test_hf_folders.py runs two processes and measures host memory."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from launcher import empty
+from launcher.model import empty
 from tests.conftest import state_dict
 from tests.test_hf_folders import folder, here
 

@@ -5,9 +5,9 @@ import sys
 import pytest
 import torch
 
-import launcher.loop
-import launcher.train  # before any patching: its `from launcher.loop import fit` must bind the real fit
-from launcher.metrics import TrainMeter
+import launcher.run.loop
+import launcher.run.train  # before any patching: its `from launcher.run.loop import fit` must bind the real fit
+from launcher.run.metrics import TrainMeter
 from recipes.components.mlp import MLP
 from tests.conftest import state_dict, train
 
@@ -43,7 +43,7 @@ def test_no_host_sync_between_log_steps(tmp_path, monkeypatch, request, precisio
     (fsdp: in this process, as a torchrun world of one on nccl)."""
     if strategy == "fsdp":
         request.getfixturevalue("one_rank")
-    fit = launcher.loop.fit
+    fit = launcher.run.loop.fit
 
     def strict_fit(parts, *args):
         parts.save = allowing_syncs(parts.save)
@@ -53,10 +53,10 @@ def test_no_host_sync_between_log_steps(tmp_path, monkeypatch, request, precisio
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    monkeypatch.setattr(launcher.loop, "fit", strict_fit)
-    monkeypatch.setattr(launcher.train, "fit", strict_fit)
+    monkeypatch.setattr(launcher.run.loop, "fit", strict_fit)
+    monkeypatch.setattr(launcher.run.train, "fit", strict_fit)
     monkeypatch.setattr(TrainMeter, "read", allowing_syncs(TrainMeter.read))
-    monkeypatch.setattr(launcher.loop, "evaluate", allowing_syncs(launcher.loop.evaluate))
+    monkeypatch.setattr(launcher.run.loop, "evaluate", allowing_syncs(launcher.run.loop.evaluate))
     values = train(tmp_path, "devices=cuda", f"strategy={strategy}", f"precision={precision}", "trainer.grad_accum_steps=2",
                    "trainer.clip_grad_norm=1.0", "trainer.eval_every=40", "checkpoint.every=30",
                    "lr_schedule={_target_: torch.optim.lr_scheduler.CosineAnnealingLR, T_max: 80}")
@@ -150,7 +150,7 @@ def test_fsdp_cpu_offload_trains_and_resumes(tmp_path, one_rank):
 
 
 def test_batches_copied_ahead_on_a_side_stream_are_the_host_batches():
-    from launcher import data
+    from launcher.data import sampling as data
     from recipes.components.synthetic import Blobs
 
     dataset = Blobs(n=200)

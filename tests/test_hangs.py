@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher import hang
+from launcher.observe import hang
 from tests.conftest import REPO, assert_same_weights, launch
 from tests.test_strategies import RECIPE, run
 

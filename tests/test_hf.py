@@ -23,7 +23,7 @@ SHORT = ["trainer.max_steps=6", "trainer.log_every=3", "trainer.eval_every=null"
 
 def train_here(run_dir, *overrides, val=False):
     from launcher.recipe import load
-    from launcher.train import train
+    from launcher.run.train import train
 
     short = [o for o in SHORT if o != "data.val=null" or not val]
     return train(load(RECIPE, [*short, f"run_dir={run_dir}", *overrides]))
@@ -53,7 +53,7 @@ def test_accumulation_weighs_every_token_alike(reference, tmp_path):
 
 def test_a_mean_of_micro_batch_means_would_differ(reference, tmp_path, monkeypatch):
     # What HF Trainer did until late 2024: each micro-batch's mean counts alike. So the test above can fail.
-    from launcher.step import ModelLoss
+    from launcher.model.step import ModelLoss
 
     counted = ModelLoss.__call__
 

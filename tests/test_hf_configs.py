@@ -11,7 +11,7 @@ from tests.conftest import launch
 transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
 
 TEXT = {"train": {"_target_": "tests.hf_zoo.text"}, "batch_size": 8,
-        "collate": {"_target_": "launcher.collate.Pad", "values": {"labels": -100}}}
+        "collate": {"_target_": "launcher.data.collate.Pad", "values": {"labels": -100}}}
 IMAGES = {"train": {"_target_": "tests.hf_zoo.Images", "n": 64}, "batch_size": 8}
 SMALL = dict(num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
 MODELS = {
@@ -43,7 +43,7 @@ def recipe(tmp_path, name: str) -> str:
 @pytest.mark.parametrize("name", ["vit", "bert", "llama"])
 def test_a_config_key_that_pretrainedconfig_takes_trains(name, tmp_path):
     from launcher.recipe import load
-    from launcher.train import train
+    from launcher.run.train import train
 
     values = train(load(recipe(tmp_path, name), []))
     assert values["train/loss"] > 0 and (tmp_path / name / "model.pt").exists()

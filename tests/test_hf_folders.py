@@ -38,7 +38,7 @@ def overrides(base, run_dir, *extra):
 
 def here(base, run_dir, *extra):
     from launcher.recipe import load
-    from launcher.train import train
+    from launcher.run.train import train
 
     return train(load(RECIPE, overrides(base, run_dir, *extra)))
 

@@ -1,6 +1,6 @@
 """Randomness inside items (augmentation in `__getitem__`, a stream's generator, a masking collate) is a
 function of (seed, epoch, item index) alone: a resumed run ends bitwise equal to an uninterrupted one
-whatever data.num_workers, and the items are the same whatever the world size (launcher/item_rng.py)."""
+whatever data.num_workers, and the items are the same whatever the world size (launcher/data/item_rng.py)."""
 
 import random
 import sys
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from launcher import item_rng
+from launcher.data import item_rng
 from tests.conftest import assert_same_weights, state_dict, train
 from tests.test_loop import stop_after
 

@@ -6,7 +6,7 @@ the recipe says."""
 import pytest
 import torch
 
-from launcher.build import optimizer
+from launcher.run.build import optimizer
 from tests.conftest import QUICKSTART, SMALL, train
 
 PARAMS = lambda: [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]  # noqa: E731
@@ -53,7 +53,7 @@ def test_a_run_says_its_choice_and_a_resumed_run_steps_as_its_checkpoint_did(tmp
 
 
 def test_tf32_is_the_recipe_s_word_on_cuda_and_torch_s_default_without_one():
-    from launcher.precision import tf32
+    from launcher.model.precision import tf32
 
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
@@ -72,7 +72,7 @@ def test_fsdp_s_sharded_parameters_get_fused_only_where_dtensor_can_run_its_kern
     """torch 2.13's DTensor has sharding rules for fused Adam and AdamW, not SGD or Adagrad, whose first
     step under fsdp failed ('aten._fused_sgd_.default does not have a sharding strategy registered'):
     those keep torch's default there (tests/test_hf_folders.py trains SGD under fsdp x2)."""
-    from launcher.build import _fused_kernel_shards
+    from launcher.run.build import _fused_kernel_shards
 
     assert _fused_kernel_shards(torch.optim.Adam) and _fused_kernel_shards(torch.optim.AdamW)
     assert not _fused_kernel_shards(torch.optim.SGD) and not _fused_kernel_shards(torch.optim.Adagrad)
@@ -93,7 +93,7 @@ def test_fused_true_on_parameters_dtensor_cannot_step_fused_is_one_line(tmp_path
 def test_a_resumed_implementation_gets_the_grad_scaler_s_hand_off_it_takes():
     """A fused optimizer takes fp16's scale from GradScaler inside its step; torch's loop over the tensors asserts it
     gets none. A fused=False checkpoint resumed by an optimizer built fused steps unfused: GradScaler must unscale."""
-    from launcher.build import implementation_resumed
+    from launcher.run.build import implementation_resumed
 
     params = PARAMS()
     built, _ = optimizer({"_target_": "torch.optim.SGD", "lr": 0.1}, params)

@@ -19,7 +19,7 @@ def launch(run_dir, *args, timeout: float = 300):
 def alone(run_dir, recipe, *args):
     """One process, trained in this one (the references: a fresh process would add its start-up)."""
     from launcher.recipe import load
-    from launcher.train import train
+    from launcher.run.train import train
 
     train(load(REPO / recipe, [*args, "strategy=single", f"run_dir={run_dir}"]))
 

@@ -109,6 +109,21 @@ def test_targets_must_import(tmp_path, target, expected):
     assert expected in lines[0]
 
 
+def test_a_target_by_the_path_its_module_had_before_the_move_into_folders_is_found_there():
+    """CHANGELOG.md, 0.2: launcher.collate became launcher.data.collate, and so on; old recipes still build."""
+    from launcher.recipe.instantiate import TargetError, locate
+
+    from launcher.data import collate, sampling
+    from launcher.model import step
+    from launcher.run import metrics
+
+    assert locate("launcher.collate.Pad") is collate.Pad and locate("launcher.metrics.Accuracy") is metrics.Accuracy
+    assert locate("launcher.step.Supervised") is step.Supervised and locate("launcher.step.ModelLoss") is step.ModelLoss
+    assert locate("launcher.data.TensorBatches") is sampling.TensorBatches  # data.py is data/sampling.py
+    with pytest.raises(TargetError, match="'launcher.data.collate' has no attribute 'Nope'"):
+        locate("launcher.collate.Nope")
+
+
 def test_target_arguments_are_checked(tmp_path):
     lines = problems(write(tmp_path, GOOD), "model.widht=3", "optimizer.lrr=1")
     text = "\n".join(lines)

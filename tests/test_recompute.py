@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from launcher import modules, recompute
+from launcher.model import modules
+from launcher.model import recompute
 from launcher.errors import UserError
 from recipes.components.gpt import GPT
 from recipes.components.mlp import MLP
@@ -65,7 +66,7 @@ def test_dataparallel_replicas_recompute_their_own_parameters():
 
 def charlm(run_dir, *overrides):
     from launcher.recipe import load
-    from launcher.train import train
+    from launcher.run.train import train
 
     return train(load(CHARLM, [*SMALL_CHARLM, f"run_dir={run_dir}", *overrides]))
 
@@ -120,7 +121,7 @@ def test_the_fine_tuning_recipe_recomputes_any_causal_lm_s_blocks(tmp_path, caps
     """recipes/hf_finetune.yaml says "Llama, Qwen, ...": it named LlamaDecoderLayer, so a Qwen2 or GPT-2 folder
     ended with exit 2 before a step; `auto` takes the blocks from the model, as fsdp's units do."""
     from launcher.recipe import load
-    from launcher.train import train
+    from launcher.run.train import train
     from tests import hf_zoo
 
     pytest.importorskip("transformers").utils.logging.disable_progress_bar()

@@ -30,7 +30,7 @@ SHOWN = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "SLURM_STEP_GPUS", "SLURM
 # Run by every task: one JSON line with the placement and the variables Slurm set.
 PROBE = f"""
 import dataclasses, json, os
-from launcher.scheduler import place
+from launcher.placement.scheduler import place
 visible = len([v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()])
 placement, notes = place(os.environ, "auto", visible)
 env = {{k: os.environ[k] for k in {SHOWN!r} if k in os.environ}}

@@ -127,7 +127,7 @@ def test_a_sweep_as_a_job_array_requeues_a_preempted_task_and_each_ends_as_alone
     saves, requeues itself and resumes; every run's weights are those of the same run trained alone."""
     from launcher.recipe import load
     from launcher.sweep import folder
-    from launcher.train import train
+    from launcher.run.train import train
 
     slow = [*SLOW, "trainer.max_steps=150"]
     grid = tmp_path / "grid"

@@ -6,12 +6,14 @@ from collections import namedtuple
 import pytest
 import torch
 
-from launcher import collate, data, step
+from launcher.data import collate
+from launcher.data import sampling as data
+from launcher.model import step
 from tests.conftest import QUICKSTART, launch, train
 
 def test_the_tutorials_data_without_targets_and_a_model_that_returns_its_loss(tmp_path):
     from launcher.recipe import load
-    from launcher.train import train as run
+    from launcher.run.train import train as run
 
     overrides = ["model={_target_: tests.components_step.AutoEncoder}", "loss=null", "metrics={}",
                  "data.train={_target_: tests.components_step.RandomDataset}", "data.val=null",
@@ -34,10 +36,10 @@ def test_a_model_without_a_loss_and_no_loss_in_the_recipe_says_what_to_add(tmp_p
 
 
 def test_a_loss_the_step_cannot_take_is_one_line(tmp_path):
-    done = launch(str(QUICKSTART), "step={_target_: launcher.step.ModelLoss}", f"run_dir={tmp_path}",
+    done = launch(str(QUICKSTART), "step={_target_: launcher.model.step.ModelLoss}", f"run_dir={tmp_path}",
                   "trainer.max_steps=1")
     assert done.returncode == 2
-    assert done.stderr.strip() == ("launcher: loss: unused: step launcher.step.ModelLoss takes no loss argument; "
+    assert done.stderr.strip() == ("launcher: loss: unused: step launcher.model.step.ModelLoss takes no loss argument; "
                                    "remove loss:, or give the step the arguments it takes")
 
 

@@ -123,7 +123,7 @@ def test_a_mistake_under_torchrun_exits_2_on_every_rank_with_one_line(tmp_path):
     ({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, ("fp32", 2), ("fp32", 4), ["gradient_accumulation_steps 4: it wins"]),
 ])
 def test_accelerate_settles_precision_and_accumulation(monkeypatch, env, recipe, expected, says):
-    from launcher.scheduler import Placement
+    from launcher.placement.scheduler import Placement
     from launcher.strategies.accelerate import Accelerate
 
     for key in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from launcher import throughput
+from launcher.observe import throughput
 from launcher.loggers import format_values
 from recipes.components.gpt import GPT
 

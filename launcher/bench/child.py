@@ -8,11 +8,12 @@ sharded tensor, this rank's shard)."""
 import os
 import sys
 
-import launcher.train
-from launcher import data, holdings
+import launcher.run.train
+from launcher.data import sampling as data
+from launcher.observe import holdings
 from launcher.bench.workload import StepClock
 from launcher.cli import main
-from launcher.metrics import TrainMeter
+from launcher.run.metrics import TrainMeter
 
 
 def run(argv) -> int:
@@ -24,14 +25,14 @@ def run(argv) -> int:
         clock.tick()
 
     TrainMeter.step_done = ticking
-    fit, held = launcher.train.fit, {}
+    fit, held = launcher.run.train.fit, {}
 
     def measured(parts, *args):
         out = fit(parts, *args)
         held.update(holdings.held(parts.model, parts.optimizer), loss=out.get("train/loss"))
         return out
 
-    launcher.train.fit = measured
+    launcher.run.train.fit = measured
     if os.environ.get("BENCH_FETCH") == "per-item":
         data.TensorBatches = lambda dataset: dataset
     code = main(argv)

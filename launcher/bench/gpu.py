@@ -7,7 +7,7 @@ best-practice loop of the same model and the same work per step (launcher/bench/
 alternating, each run in a fresh process, the order reversed every repetition.
 
 Per compile setting and side: the median step time, tokens/s (batch x block / step time), MFU
-(tokens/s x the model's flops_per_token() / the device's dense bf16 peak, launcher.throughput), the
+(tokens/s x the model's flops_per_token() / the device's dense bf16 peak, launcher.observe.throughput), the
 peak memory allocated, and the step-time ratio ours / raw: the median over repetitions of runs made
 next to each other, with its range (1.02 is 0.98x raw's throughput).
 
@@ -50,7 +50,7 @@ import sys
 import torch
 
 from launcher.bench.runs import PY, alternate, median, ratio
-from launcher.throughput import peak_flops
+from launcher.observe.throughput import peak_flops
 from recipes.components.gpt import GPT
 
 # layers, heads, embd, block, batch

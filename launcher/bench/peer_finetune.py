@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from launcher.bench.workload import StepClock
-from launcher.collate import Pad
+from launcher.data.collate import Pad
 from recipes.components.passages import Passages
 
 SKIP = 3  # the benchmark's code for a peer whose library is not installed

@@ -17,7 +17,7 @@ import yaml
 
 from launcher.bench.raw_hf import RECIPE, arguments
 from launcher.bench.workload import StepClock
-from launcher.collate import Pad
+from launcher.data.collate import Pad
 from recipes.components.passages import Passages
 
 SKIP = 3  # the benchmark's code for a peer whose library is not installed

@@ -1,6 +1,6 @@
 """The limit for the GPU benchmark: a hand-written bf16 training loop, best practice, of the GPT of
 recipes/charlm.yaml on CharText(recipes/data/hamlet.txt), doing per step the work the launcher does
-with that recipe (launcher/loop.py): autocast bf16 around forward and loss, backward, clip_grad_norm_,
+with that recipe (launcher/run/loop.py): autocast bf16 around forward and loss, backward, clip_grad_norm_,
 AdamW step (fused on CUDA), zero_grad(set_to_none=True), the cosine schedule's step.
 
     python -m launcher.bench.raw_gpt --steps N --batch B --block T --layers L --heads H --embd E \
@@ -29,7 +29,7 @@ import argparse
 import torch
 
 from launcher.bench.workload import StepClock
-from launcher.collate import default as collate
+from launcher.data.collate import default as collate
 from recipes.components.chars import CharText
 from recipes.components.gpt import GPT, SequenceCrossEntropy
 

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from launcher.bench.workload import StepClock
-from launcher.collate import Pad
+from launcher.data.collate import Pad
 from recipes.components.passages import Passages
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "hf_causal_lm.yaml"
@@ -26,7 +26,7 @@ READ_EVERY = 100
 # no longer the workload this loop reproduces.
 BUILDS = {"model": "transformers.GPT2LMHeadModel", "model.config": "transformers.GPT2Config",
           "optimizer": "torch.optim.AdamW", "data.train": "recipes.components.passages.Passages",
-          "data.collate": "launcher.collate.Pad"}
+          "data.collate": "launcher.data.collate.Pad"}
 
 
 def arguments(recipe: dict, key: str) -> dict:

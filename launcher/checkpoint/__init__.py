@@ -7,7 +7,7 @@ without running anything in them, resumed under any strategy at any world size.
     <run_dir>/model.pt                the final model
 
 This face is what the rest of the launcher uses; one file per concern behind it:
-    manager.py    Checkpoints: save, resume, finish an asynchronous save (train.py uses it)
+    manager.py    Checkpoints: save, resume, finish an asynchronous save (run/train.py uses it)
     formats.py    the formats, in the order a folder is recognised: full.py, sharded.py, hf.py (read, and
                   written by export --format hf)
     layout.py     step folders, `latest`, choosing one to resume, sealing, retention

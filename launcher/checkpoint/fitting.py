@@ -11,7 +11,7 @@ import torch
 
 from launcher.checkpoint import adapters
 from launcher.errors import UserError
-from launcher.plain import strip_prefixes
+from launcher.model.plain import strip_prefixes
 
 # Where other tools nest a model's weights in their files (Lightning's .ckpt: state_dict).
 NESTINGS = ("state_dict", "model", "model_state_dict", "module", "net")

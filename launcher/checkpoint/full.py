@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from launcher.checkpoint import files, fitting, layout, manifest, run_state
-from launcher.plain import strip_prefixes
+from launcher.model.plain import strip_prefixes
 
 NAME = "full"
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from launcher.checkpoint import files, fitting, formats, hf, manifest, sharded, weights
 from launcher.errors import UserError
-from launcher.plain import tied_names
+from launcher.model.plain import tied_names
 
 
 def load(model: nn.Module, path: Path) -> Optional[str]:

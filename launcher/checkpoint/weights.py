@@ -11,7 +11,7 @@ import torch
 
 from launcher.checkpoint import adapters, files, fitting, formats, hf, layout, manifest
 from launcher.errors import UserError
-from launcher.plain import strip_prefixes
+from launcher.model.plain import strip_prefixes
 
 
 def read(path: Path, mmap: bool = False) -> Tuple[Dict[str, torch.Tensor], str]:

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 from torch import nn
 
 from launcher.errors import UserError, short
-from launcher.plain import tied_names
+from launcher.model.plain import tied_names
 
 HF_NAMES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep"}  # HF's, for the same
 HEADS = ("num_attention_heads", "num_key_value_heads", "n_head")  # attributes that count attention heads

@@ -2,7 +2,7 @@
 
 A `_target_` can name any callable, so an object of the wrong kind (a list for the optimizer, a schedule
 that needs a metric) would otherwise fail with a traceback at the first step, far from its recipe key.
-What the first batch reveals (the step's and metrics' outputs) is checked in `launcher.first_batch`.
+What the first batch reveals (the step's and metrics' outputs) is checked in `launcher.run.first_batch`.
 A `_partial_: true` component is a functools.partial, callable like the function it wraps.
 """
 
@@ -48,7 +48,7 @@ def check(key: str, target: str, built: Any) -> None:
 
 
 def _check_dataset(key: str, target: str, built: Any, what: str) -> None:
-    # An IterableDataset may define __len__ too: it is read as a stream all the same (launcher/stream.py).
+    # An IterableDataset may define __len__ too: it is read as a stream all the same (launcher/data/stream.py).
     if isinstance(built, torch.utils.data.IterableDataset):
         return
     if not (hasattr(built, "__getitem__") and hasattr(built, "__len__")):

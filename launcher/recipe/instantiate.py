@@ -18,8 +18,29 @@ class TargetError(Exception):
     """A `_target_` that does not import, is not callable, or does not accept its arguments."""
 
 
+# Modules of the launcher that moved into folders (CHANGELOG.md, 0.2): a recipe naming a callable by its old
+# path (launcher.collate.Pad) still gets it, from the new one.
+MOVED = {"data": "data.sampling", "stream": "data.stream", "loaders": "data.loaders", "collate": "data.collate",
+         "item_rng": "data.item_rng", "train": "run.train", "assemble": "run.assemble", "build": "run.build",
+         "loop": "run.loop", "first_batch": "run.first_batch", "metrics": "run.metrics", "step": "model.step",
+         "precision": "model.precision", "recompute": "model.recompute", "empty": "model.empty",
+         "modules": "model.modules", "plain": "model.plain", "watch": "observe.watch", "hang": "observe.hang",
+         "throughput": "observe.throughput", "holdings": "observe.holdings", "scheduler": "placement.scheduler",
+         "spawn": "placement.spawn"}
+
+
 def locate(path: str) -> Callable[..., Any]:
     """Import `a.b.C` (or `a.b.C.method`) and return it. Raises TargetError if the path does not name a callable."""
+    try:
+        return _locate(path)
+    except TargetError:
+        parts = path.split(".") if isinstance(path, str) else []
+        if len(parts) < 3 or parts[0] != "launcher" or parts[1] not in MOVED:
+            raise
+        return _locate(".".join(["launcher", MOVED[parts[1]], *parts[2:]]))  # the old path of a moved module
+
+
+def _locate(path: str) -> Callable[..., Any]:
     if not isinstance(path, str):
         raise TargetError(f"_target_ must be a dotted Python path such as torch.nn.CrossEntropyLoss, got {path!r}")
     parts = path.split(".")

@@ -8,8 +8,8 @@ from typing import Callable, Dict, Optional
 
 from launcher.errors import UserError
 from launcher.recipe.schema import DDPConfig, FSDPConfig, ParallelConfig
-from launcher.scheduler import Placement
-from launcher.plain import unwrap
+from launcher.placement.scheduler import Placement
+from launcher.model.plain import unwrap
 from launcher.strategies.base import Strategy
 from launcher.strategies.ddp import DDP
 from launcher.strategies.dp import DP

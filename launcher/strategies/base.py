@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from launcher.errors import PeerFailed, UserError
-from launcher.plain import to_cpu, unwrap
+from launcher.model.plain import to_cpu, unwrap
 from launcher.recipe.schema import DDPConfig, FSDPConfig, ParallelConfig
-from launcher.scheduler import Placement
+from launcher.placement.scheduler import Placement
 
 T = TypeVar("T")
 MISTAKE_KEY = "launcher/mistake"  # in the run's c10d store: the rank that stopped for a user mistake

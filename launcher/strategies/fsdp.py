@@ -12,10 +12,10 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from launcher import modules
+from launcher.model import modules
 from launcher.errors import UserError
 from launcher.parallel import mesh, plans
-from launcher.plain import tied_names
+from launcher.model.plain import tied_names
 from launcher.strategies.ddp import DDP
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

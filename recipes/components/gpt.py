@@ -7,7 +7,7 @@ the token embedding. Initialisation follows nanoGPT: every weight N(0, 0.02), bi
 zero, and the projections that write into the residual stream N(0, 0.02 / sqrt(2 * n_layer)).
 
 `forward(idx)` returns logits only; the loss is a separate module so that the launcher's
-step (`loss(model(x), y)`, launcher.step.Supervised) and its metrics see the logits. No dropout by default:
+step (`loss(model(x), y)`, launcher.model.step.Supervised) and its metrics see the logits. No dropout by default:
 dropout draws random numbers, which would make runs under different strategies differ.
 """
 

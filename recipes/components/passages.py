@@ -5,7 +5,7 @@ Item i is a dict `{"input_ids", "attention_mask", "labels"}` of LongTensors of o
 UTF-8 byte (a vocabulary of 256). The first `prompt` labels are -100: like an instruction prompt, they
 are read and not predicted, so passages differ in how many tokens they train on. `with_id` adds a
 string field, as a dataset read from files carries. Padding is the collate's work
-(`launcher.collate.Pad`).
+(`launcher.data.collate.Pad`).
 """
 
 from __future__ import annotations

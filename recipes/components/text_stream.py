@@ -6,7 +6,7 @@ HF causal-LM recipe.
       train: {_target_: recipes.components.text_stream.text_stream, files: "corpus/*.jsonl"}
 
 Each row's `field` (a string) becomes `{"input_ids", "attention_mask", "labels"}` lists of at most
-`max_len` tokens, the first `prompt` labels -100 (`launcher.collate.Pad` pads them into tensors). The result is an HF `datasets.IterableDataset`: the
+`max_len` tokens, the first `prompt` labels -100 (`launcher.data.collate.Pad` pads them into tensors). The result is an HF `datasets.IterableDataset`: the
 launcher splits it over ranks with its own hook (whole files per rank where they divide evenly) and
 resumes it from its `state_dict()`.
 """

@@ -33,10 +33,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from launcher import item_rng
-from launcher.collate import default
-from launcher.data import placed
-from launcher.loaders import Loader, Loading, loading, stop_workers
+from launcher.data import item_rng
+from launcher.data.collate import default
+from launcher.data.sampling import placed
+from launcher.data.loaders import Loader, Loading, loading, stop_workers
 from launcher.errors import UserError
 
 
@@ -90,7 +90,7 @@ class Share:
 
     def _read(self, dataset: Any, epoch: int, start: int, counted_from: int) -> Iterator[tuple]:
         """(index, item) of the epoch's items from `start` on, each made under the seed of its index in
-        the epoch (launcher/item_rng.py); the iterator's first item is item `counted_from` (0: from the
+        the epoch (launcher/data/item_rng.py); the iterator's first item is item `counted_from` (0: from the
         start, the ones before `start` made and dropped)."""
         items = iter(self._epoch_items(dataset, epoch))
         epoch_key = epoch if self.epoch_of_keys is None else self.epoch_of_keys
@@ -245,7 +245,7 @@ class StreamBatches:
 
 
 class StreamData:
-    """The training data of one rank when data.train is a stream: TrainData's interface (launcher/data.py)
+    """The training data of one rank when data.train is a stream: TrainData's interface (launcher/data/sampling.py)
     with no epochs to count, and a place in the stream that checkpoints keep."""
 
     steps_per_epoch = None

@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
-from launcher import item_rng
-from launcher.loaders import Loader, Loading, loading, shut
-from launcher.collate import default
+from launcher.data import item_rng
+from launcher.data.loaders import Loader, Loading, loading, shut
+from launcher.data.collate import default
 from launcher.errors import UserError, first_line
 
 
@@ -36,7 +36,7 @@ class Position:
 class EpochSampler(Sampler[int]):
     """DistributedSampler's order (seed + epoch, rank r takes every W-th index), trimmed to whole
     optimizer steps and started at a given batch, so a resumed epoch continues where it stopped.
-    `keyed`: each index comes as (epoch, index), the key its item is seeded from (launcher/item_rng.py)."""
+    `keyed`: each index comes as (epoch, index), the key its item is seeded from (launcher/data/item_rng.py)."""
 
     def __init__(self, dataset: Dataset, replicas: int, rank: int, shuffle: bool, seed: int,
                  per_rank_batch: int, batches_per_epoch: int, keyed: bool = False):

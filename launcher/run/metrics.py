@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 
 from launcher.errors import TrainingDiverged
-from launcher.step import IGNORE_INDEX, Result, items_in, result
-from launcher.throughput import Throughput
+from launcher.model.step import IGNORE_INDEX, Result, items_in, result
+from launcher.observe.throughput import Throughput
 
 
 class Accuracy:

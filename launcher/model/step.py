@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional
 import torch
 from torch import nn
 
-from launcher.plain import unwrap
+from launcher.model.plain import unwrap
 
 IGNORE_INDEX = -100  # the label that is not a target (torch's CrossEntropyLoss and HF's convention)
 

@@ -77,7 +77,7 @@ def fork_server():
 
     context = multiprocessing.get_context("forkserver")
     # imported once in the server, so each worker is a fork that has them
-    context.set_forkserver_preload(["torch", "launcher.data", "launcher.stream"])
+    context.set_forkserver_preload(["torch", "launcher.data.sampling", "launcher.data.stream"])
     forkserver.ensure_running()  # started now, it imports them while the rank builds the rest of the run
     return context
 

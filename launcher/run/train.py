@@ -9,13 +9,22 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from launcher import (assemble, build, data, first_batch, holdings, loggers, report, scheduler, spawn, strategies, hang,
-                      throughput, watch)
+from launcher import loggers, report, strategies
+from launcher.run import assemble
+from launcher.run import build
+from launcher.data import sampling as data
+from launcher.run import first_batch
+from launcher.observe import holdings
+from launcher.placement import scheduler
+from launcher.placement import spawn
+from launcher.observe import hang
+from launcher.observe import throughput
+from launcher.observe import watch
 from launcher.checkpoint import Checkpoints, RunState
 from launcher.errors import Hung, OutOfMemory, TrainingDiverged, UserError
-from launcher.loop import Parts, fit, total_steps
-from launcher.metrics import TrainMeter
-from launcher.precision import Precision, tf32
+from launcher.run.loop import Parts, fit, total_steps
+from launcher.run.metrics import TrainMeter
+from launcher.model.precision import Precision, tf32
 from launcher.recipe import Loaded
 from launcher.recipe.flat import hparams
 from launcher.run_dir import RunFolder

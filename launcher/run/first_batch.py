@@ -11,9 +11,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
-from launcher.data import to_device
+from launcher.data.sampling import to_device
 from launcher.errors import UserError, a_kind, first_line
-from launcher.step import ModelLoss, Supervised, items_in, result
+from launcher.model.step import ModelLoss, Supervised, items_in, result
 
 CAUGHT = (RuntimeError, ValueError, TypeError, IndexError)
 # A metric written for another kind of output (logits expected, a ModelOutput given) fails here as an

@@ -2,7 +2,7 @@
 config kept for export, initialised from checkpoint.init_from, its named layers recomputing their
 activations, checked on the first batch, wrapped.
 
-Under fsdp with init_from the model is built on the meta device (launcher/empty.py), sharded, and each
+Under fsdp with init_from the model is built on the meta device (launcher/model/empty.py), sharded, and each
 rank allocates its shards and reads their slices of the pretrained weights: no rank holds the whole
 model. Otherwise every rank builds the whole model as one process does (the same random numbers, so
 from-scratch weights are those of one process, bitwise), on its device."""
@@ -15,7 +15,11 @@ from typing import Callable, List
 
 import torch
 
-from launcher import build, checkpoint, empty, precision, recompute, seeding, strategies
+from launcher import checkpoint, seeding, strategies
+from launcher.run import build
+from launcher.model import empty
+from launcher.model import precision
+from launcher.model import recompute
 from launcher.errors import UserError
 
 

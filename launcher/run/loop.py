@@ -9,16 +9,16 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import nn
 
-from launcher.data import Position, TrainData
+from launcher.data.sampling import Position, TrainData
 from launcher.errors import UserError, first_line
 from launcher.loggers import Console, Loggers
-from launcher.metrics import TrainMeter, evaluate
-from launcher.step import result
-from launcher.precision import Precision
+from launcher.run.metrics import TrainMeter, evaluate
+from launcher.model.step import result
+from launcher.model.precision import Precision
 from launcher.recipe.schema import TrainerConfig
 from launcher.stopping import StopFlag, Stopped
 from launcher.strategies import Strategy
-from launcher.watch import Watch
+from launcher.observe.watch import Watch
 
 
 @dataclass

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from launcher.errors import UserError
-from launcher.modules import by_class, default_units, listed
+from launcher.model.modules import by_class, default_units, listed
 
 KEY = "trainer.activation_checkpointing"
 

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from launcher.plain import tied_names
+from launcher.model.plain import tied_names
 
 
 @contextlib.contextmanager

@@ -9,9 +9,11 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from launcher import data, loaders, stream
-from launcher import step as steps
-from launcher.collate import Collate
+from launcher.data import sampling as data
+from launcher.data import loaders
+from launcher.data import stream
+from launcher.model import step as steps
+from launcher.data.collate import Collate
 from launcher.errors import UserError, first_line
 from launcher.recipe import instantiate
 from launcher.recipe.built import check as check_built
