@@ -24,7 +24,6 @@ the adapter config the run keeps in <run_dir>/adapter_config.json.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from launcher.checkpoint import adapters, files, hf, weights
+from launcher.checkpoint import adapters, files, hf, untrusted, weights
 from launcher.checkpoint.hf import RUN_CONFIG
 from launcher.errors import UserError
 from launcher.report import say
@@ -134,7 +133,7 @@ def _adapter_config(checkpoint: Path) -> dict:
     for folder in (checkpoint, checkpoint.parent.parent):
         kept = folder / adapters.RUN_CONFIG
         if kept.is_file():
-            return json.loads(kept.read_text())
+            return untrusted.json_file(kept, "peft adapter config")
     raise UserError(f"{checkpoint}: the adapters' config was not found: a run of a peft model keeps it in "
                     f"<run_dir>/{adapters.RUN_CONFIG}; name the run folder or one of its checkpoints")
 
@@ -145,13 +144,13 @@ def _config(checkpoint: Path, given: Optional[Path]) -> dict:
     if given is not None:
         path = given / hf.CONFIG if given.is_dir() else given
         try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"--config {given}: not a readable JSON config ({e})") from None
+            return untrusted.json_file(path, "config")
+        except UserError as e:
+            raise UserError(f"--config {e}") from None
     for folder in (checkpoint, checkpoint.parent.parent):
         kept = folder / RUN_CONFIG
         if kept.is_file():
-            return json.loads(kept.read_text())
+            return untrusted.json_file(kept, "config")
     own = hf.config(checkpoint) if checkpoint.is_dir() else None
     if own is not None:
         return own

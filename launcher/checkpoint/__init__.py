@@ -19,11 +19,13 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     adapters.py   a peft model seen as the model it adapts (init_from of the base model's weights)
     fitting.py    whether weights fit a model, naming the first difference
     dcp_safe.py   DCP's files read without unpickling anything but data
+    untrusted.py  safetensors headers (validated by the safetensors library) and a model folder's JSON,
+                  checked before anything they describe is read
 """
 
 from launcher.checkpoint.adapters import config_of as adapter_config, is_adapted, keep_config as keep_adapter_config
 from launcher.checkpoint.files import crc32, write_text
-from launcher.checkpoint.hf import config_of as model_config, keep_config
+from launcher.checkpoint.hf import config_of as model_config, keep_config, named_configs
 from launcher.checkpoint.layout import choose, complete, settle, step_of, steps
 from launcher.checkpoint.manager import Checkpoints
 from launcher.checkpoint.manifest import is_complete, verify
@@ -32,4 +34,4 @@ from launcher.checkpoint.sliced import load as load_into_shards
 from launcher.checkpoint.weights import load_model_state
 
 __all__ = ["Checkpoints", "RunState", "adapter_config", "keep_adapter_config", "choose", "complete", "crc32", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
-           "model_config", "settle", "step_of", "steps", "verify", "write_text"]
+           "model_config", "named_configs", "settle", "step_of", "steps", "verify", "write_text"]

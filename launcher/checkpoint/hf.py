@@ -6,7 +6,8 @@ and written by export --format hf for `from_pretrained`.
     <folder>/model-0000N-of-0000M.safetensors   shards, and
     <folder>/model.safetensors.index.json       which shard holds each tensor
 
-Nothing in such a folder runs: safetensors holds tensors alone, and config.json is read as JSON. Tensors
+Nothing in such a folder runs: safetensors holds tensors alone, and config.json is read as JSON; headers,
+the index and config.json are checked as untrusted input first (untrusted.py). Tensors
 are read one at a time (Slice: plain reads at their offsets, a rank's rows alone where it asks for
 them), in the dtype they were saved in (a bf16 folder is cast to the model's dtype tensor by tensor as it
 is loaded)."""
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from launcher.checkpoint import files
-from launcher.errors import UserError, first_line
+from launcher.checkpoint import files, untrusted
+from launcher.errors import UserError, short
 
 NAME = "HF model folder"
 SINGLE, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
@@ -39,28 +40,14 @@ def lazy_weights(folder: Path) -> "Tensors":
     return Tensors.sliced(slices(folder))
 
 
-# safetensors' dtype names (its header's "dtype") and torch's
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
-
-
 class Slice:
     """One tensor of a safetensors file, read only where asked: `shape`, and `read(index)` for the rows a
     rank's shard holds. Read with plain file reads rather than through a memory map, whose touched pages
-    would count in the process's resident memory as long as the file is open."""
+    would count in the process's resident memory as long as the file is open. Made from a header that the
+    safetensors library has validated (untrusted.header)."""
 
-    def __init__(self, path: Path, name: str, entry: dict, data_start: int):
-        try:
-            self.dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            self.shape = torch.Size(entry["shape"])
-            begin, end = entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"{path}: the header's entry for {name!r} is not a safetensors tensor "
-                            f"({str(entry)[:80]})") from None
-        self.path, self.name, self.start = path, name, data_start + begin
-        if end - begin != self.shape.numel() * self.dtype.itemsize:
-            raise UserError(f"{path}: {name!r} holds {end - begin} bytes, not those of {tuple(self.shape)} {entry['dtype']}")
+    def __init__(self, path: Path, name: str, dtype: torch.dtype, shape: torch.Size, start: int):
+        self.path, self.name, self.dtype, self.shape, self.start = path, name, dtype, shape, start
 
     def read(self, index: Tuple[slice, ...] = (), into: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The tensor, or its part at `index` (slices; the first one's rows alone are read), read straight
@@ -80,41 +67,40 @@ class Slice:
             f.seek(self.start + first * row)
             got = f.readinto(out.view(-1).view(torch.uint8).numpy()) if out.numel() else 0
         if got != out.numel() * self.dtype.itemsize:
-            raise UserError(f"{self.path}: ends inside {self.name!r} (truncated?)")
+            raise UserError(f"{self.path}: ends inside {short(self.name)} (truncated?)")
         part = out[(slice(None),) + tuple(rest)] if rest and not whole_rows else out
         if into is not None and not direct:
             into.copy_(part.reshape(into.shape))
         return part
 
 
-def _header(path: Path) -> Tuple[dict, int]:
-    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and where its data starts."""
-    files.file_or_folder(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such file")
-    try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size <= 100_000_000:
-                raise ValueError(f"a header of {size} bytes")
-            header = json.loads(f.read(size))
-            assert isinstance(header, dict)
-    except (OSError, ValueError, AssertionError) as e:
-        raise UserError(f"{path}: not a safetensors file ({first_line(e)[:120]})") from None
-    header.pop("__metadata__", None)
-    return header, 8 + size
-
-
 def slices(path: Path) -> Dict[str, Slice]:
-    """Every tensor of an HF folder or a .safetensors file as a Slice (headers read, no tensor yet)."""
+    """Every tensor of an HF folder or a .safetensors file as a Slice (headers read and validated, no tensor
+    yet). Every file of a folder is checked, and all their problems are said at once."""
     out: Dict[str, Slice] = {}
+    problems = []
     for file, names in (_files(path) if path.is_dir() else {path: None}).items():
-        header, start = _header(file)
-        for name in names if names is not None else header:
-            if name not in header:
-                raise UserError(f"{file}: the index names {name!r} in it, which it does not hold")
-            out[name] = Slice(file, name, header[name], start)
+        try:
+            found = _file_slices(file)
+        except UserError as e:
+            problems += e.problems
+            continue
+        for name in names if names is not None else found:
+            if name not in found:
+                problems.append(f"{file}: the index names {short(name)} in it, which it does not hold")
+            else:
+                out[name] = found[name]
+    if problems:
+        raise UserError(*problems)
     return out
+
+
+def _file_slices(file: Path) -> Dict[str, Slice]:
+    files.file_or_folder(file)
+    if not file.is_file():
+        raise UserError(f"{file}: no such file")
+    entries, data_start = untrusted.header(file)
+    return {name: Slice(file, name, dtype, shape, data_start + begin) for name, dtype, shape, begin in entries}
 
 
 def safetensors_file(path: Path) -> Dict[str, torch.Tensor]:
@@ -127,10 +113,25 @@ def config(folder: Path) -> Optional[dict]:
     path = folder / CONFIG
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: not a readable JSON config ({first_line(e)})") from None
+    return untrusted.json_file(path, "config")
+
+
+def named_configs(spec: Any, key: str) -> None:
+    """The config.json of each local folder that a recipe section names as `pretrained_model_name_or_path`,
+    checked before transformers reads it (AutoConfig.from_pretrained parses it with Python's json, where a
+    file nested too deep is a RecursionError)."""
+    if isinstance(spec, Mapping):
+        for name, value in spec.items():
+            where = f"{key}.{name}"
+            if name == "pretrained_model_name_or_path" and isinstance(value, str) and (Path(value) / CONFIG).is_file():
+                try:
+                    untrusted.json_file(Path(value) / CONFIG, "config")
+                except UserError as e:
+                    raise UserError(*(f"{where}: {p}" for p in e.problems)) from None
+            named_configs(value, where)
+    elif isinstance(spec, Sequence) and not isinstance(spec, str):
+        for i, value in enumerate(spec):
+            named_configs(value, f"{key}[{i}]")
 
 
 def _files(folder: Path) -> Dict[Path, Optional[list]]:
@@ -138,16 +139,14 @@ def _files(folder: Path) -> Dict[Path, Optional[list]]:
     if (folder / SINGLE).is_file():
         return {folder / SINGLE: None}
     index = folder / INDEX
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+    weight_map = untrusted.json_file(index, "safetensors index").get("weight_map")
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
         raise UserError(f"{index}: not a safetensors index (a JSON object with a weight_map of tensor names to "
-                        f"files)") from None
+                        f"files)")
     out: Dict[Path, list] = {}
     for name, file in weight_map.items():
         if Path(file).name != file:
-            raise UserError(f"{index}: names {file!r} for {name!r}; a shard is a file in the same folder")
+            raise UserError(f"{index}: names {short(file)} for {short(name)}; a shard is a file in the same folder")
         out.setdefault(folder / file, []).append(name)
     return out
 

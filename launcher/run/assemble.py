@@ -30,6 +30,7 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
         _fp8_allowed(recipe, strategy)
     seeding.seed_everything(recipe.seed)
     on_meta = strategy.builds_empty(bool(init_from))
+    checkpoint.named_configs(recipe.model, "model")  # a model folder's config.json, before transformers reads it
     with empty.parameters_on_meta() if on_meta else contextlib.nullcontext():
         model = build.component(recipe.model, "model")
     if on_meta and checkpoint.is_adapted(model):  # its adapters are not in init_from: built as one process builds them

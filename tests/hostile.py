@@ -1,0 +1,128 @@
+"""Hostile model files for tests/test_hostile_weights.py: safetensors headers, indexes and config.json
+that the safetensors library refuses, each a copy of a good folder's file with one thing wrong, so that
+a reader that does not refuse it goes on to read, allocate or train (python -m tests.hostile FOLDER
+writes them, to look at); and the commands run on them, several in one process (run)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import Dict, Tuple
+
+DEEP = 200_000  # nesting levels: Python's json gives up near 1,000 with a RecursionError
+
+
+def read(path: Path) -> Tuple[dict, bytes]:
+    """A safetensors file's header and its data section."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + size]), raw[8 + size:]
+
+
+def write(path: Path, header, data: bytes = b"") -> Path:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+def deep() -> bytes:
+    return b'{"a": ' + b"[" * DEEP + b"]" * DEEP + b"}"
+
+
+def many(entries: int = 1_500_000) -> bytes:
+    """A header of `entries` 4-byte tensors all at the same 4 bytes: 66 bytes each (1.5 million:
+    99 MB, under the library's cap of 100 MB)."""
+    return b"{" + b",".join(b'"tensor.%07d":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}' % i
+                            for i in range(entries)) + b"}"
+
+
+def headers(good: Path, out: Path) -> Dict[str, Tuple[Path, Path, str]]:
+    """Hostile .safetensors files made from `good` (a model's weights) in `out`: name -> (the file, the file
+    the line about it names: the same, what that line says)."""
+    out.mkdir(parents=True, exist_ok=True)
+    header, data = read(good)
+    names = [k for k in header if k != "__metadata__"]
+    first, (a, b) = names[0], [n for n in names if n.endswith("q_proj.weight")][:2] or names[1:3]
+    size = header[first]["data_offsets"][1] - header[first]["data_offsets"][0]
+
+    def changed(name: str, **entry) -> dict:
+        return {**header, name: {**header[name], **entry}}
+
+    cases = {  # name: (header, data, what the line says)
+        # the header's own bytes read as the first tensor's
+        "negative-offsets": (changed(first, data_offsets=[-1024, size - 1024]), data, "expected usize"),
+        # two tensors at the same bytes
+        "overlapping-offsets": (changed(b, data_offsets=header[a]["data_offsets"]), data, "invalid offset"),
+        # a tensor read from bytes after the data its neighbours tile
+        "outside-the-data": (changed(first, data_offsets=[len(data), len(data) + size]), data + bytes(size),
+                             "invalid offset"),
+        "string-offsets": (changed(first, data_offsets=[str(x) for x in header[first]["data_offsets"]]), data,
+                           "expected usize"),
+        "float-offsets": (changed(first, data_offsets=[float(x) for x in header[first]["data_offsets"]]), data,
+                          "expected usize"),
+        "huge-shape": (changed(first, shape=[2 ** 70]), data, "expected usize"),
+        "negative-shape": (changed(first, shape=[-1, -size // 4]), data, "expected usize"),
+        "overflowing-shape": (changed(first, shape=[2 ** 40, 2 ** 40]), data, "overflow"),
+        # consistent in itself (32 GiB of F32 at [0, 2**35]) in a file of 200 KB
+        "32-GiB-tensor": ({first: {"dtype": "F32", "shape": [2 ** 33], "data_offsets": [0, 2 ** 35]}},
+                          bytes(200_000), "not fully covered"),
+        "deep-header": (deep(), data, "recursion limit"),
+        "million-entries": (many(), b"\0" * 4, "has room for 1,500,000 tensors"),
+    }
+    return {name: (write(out / f"{name}.safetensors", h, d),) * 2 + (says,) for name, (h, d, says) in cases.items()}
+
+
+def folders(good: Path, out: Path) -> Dict[str, Tuple[Path, Path, str]]:
+    """Copies of the model folder `good` with a config.json or an index nested DEEP levels: name -> (the
+    folder, the file the line about it names, what that line says)."""
+    made = {}
+    for name, file in (("deep-config", "config.json"), ("deep-index", "model.safetensors.index.json")):
+        folder = out / name
+        shutil.copytree(good, folder)
+        if file.endswith("index.json"):
+            (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        (folder / file).write_bytes(deep())
+        made[name] = (folder, folder / file, "nested deeper than Python's JSON parser goes")
+    return made
+
+
+def run(jobs: list) -> None:
+    """Each job, [command, *args] (launcher or launcher.export), through the command's main() in this
+    process: a JSON line each with its exit code (1 where it raised: the traceback is in its stderr) and
+    its stderr, then one with this process's peak resident memory in bytes."""
+    import contextlib
+    import io
+    import resource
+    import traceback
+
+    from launcher.cli import main as train
+    from launcher.export import main as export
+
+    for command, *args in jobs:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = {"launcher": train, "launcher.export": export}[command](args)
+            except SystemExit as e:
+                code = e.code
+            except Exception:  # a bug: the command would end with this traceback, exit 1
+                traceback.print_exc()
+                code = 1
+        print(json.dumps({"args": args, "code": code, "stderr": err.getvalue()}), flush=True)
+    print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--run":  # python -m tests.hostile --run JOBS.json
+        run(json.loads(Path(sys.argv[2]).read_text()))
+        sys.exit(0)
+    from recipes.components.hf_folder import write as good_folder
+
+    target = Path(sys.argv[1])
+    good_folder(str(target / "good"))
+    for name, (path, _, _) in {**headers(target / "good" / "model.safetensors", target),
+                            **folders(target / "good", target)}.items():
+        print(name, path)
