@@ -154,3 +154,18 @@ def test_every_dtype_torch_has_is_read_and_the_sub_byte_ones_are_named(tmp_path,
         f"launcher: {tmp_path / 'f4.safetensors'}: 'x' is stored as F4, which the launcher does not read (it reads "
         f"F64, F32, F16, BF16, F8_E4M3, F8_E5M2, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, C64, I64, I32, I16, I8, U64, U32, "
         f"U16, U8, BOOL); convert the file's tensors to one of those"), err
+
+
+def test_a_json_file_larger_than_any_index_is_refused_without_reading_it_whole(tmp_path):
+    """An index or config.json is read into memory to be parsed: one of more than 64 MiB (a sparse file here)
+    is one line, after reading 64 MiB of it at most."""
+    from launcher.checkpoint import untrusted
+    from launcher.errors import UserError
+
+    index = tmp_path / "model.safetensors.index.json"
+    with open(index, "wb") as f:
+        f.truncate(1 << 40)  # a terabyte that takes no disk
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(UserError, match=re.escape(f"{index}: more than 64 MiB; a safetensors index is a few KB")):
+        untrusted.json_file(index, "safetensors index")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB: it read 64 MiB at most

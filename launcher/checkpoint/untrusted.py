@@ -29,6 +29,7 @@ _TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
           "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
 DTYPES = {name: getattr(torch, kind) for name, kind in _TORCH.items() if hasattr(torch, kind)}  # as this torch has them
 MAX_HEADER = 100_000_000  # the library's cap on a header (its MAX_HEADER_SIZE): refused before we read it
+MAX_JSON = 64 << 20  # an index of a 400B-parameter model's shards is a few MB, a config a few KB
 EMPTY_ALLOWED = 10_000  # tensors of no elements take no bytes of data: so many are allowed beyond its bytes
 
 
@@ -100,7 +101,12 @@ def json_file(path: Path, what: str) -> Dict[str, Any]:
     recurses once per level of nesting: a file nested deeper than it goes is the file's problem, said as
     such, not a RecursionError."""
     try:
-        value = json.loads(path.read_bytes())
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JSON + 1)  # bounded: a huge file (or /dev/zero) is refused, not read whole
+        if len(raw) > MAX_JSON:
+            raise UserError(f"{path}: more than {MAX_JSON >> 20} MiB; a {what} is a few KB of JSON (a few MB for "
+                            f"the index of a very large model)")
+        value = json.loads(raw)
     except RecursionError:
         raise UserError(f"{path}: nested deeper than Python's JSON parser goes ({sys.getrecursionlimit()} levels); "
                         f"a {what} is JSON a few levels deep") from None
