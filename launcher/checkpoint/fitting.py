@@ -63,7 +63,11 @@ def _tie_groups(expected: Dict[str, Any], ties: Optional[List[List[str]]]) -> Li
     names: Dict[tuple, list] = {}
     for key, tensor in expected.items():
         if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" and tensor.numel():
-            names.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape), []).append(key)
+            # A DTensor (fsdp's shard, tp's split) has no storage of its own: its names share its local tensor's.
+            # The storage's own address (_cdata, as torch.save dedups storages), not its data's: a rank's empty
+            # shards all have data at 0.
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            names.setdefault((local.untyped_storage()._cdata, local.storage_offset(), tensor.shape), []).append(key)
     return [aliases for aliases in names.values() if len(aliases) > 1]
 
 
