@@ -1,6 +1,7 @@
 """What a model folder holds, read as untrusted input: a safetensors file's header and the folder's JSON
 (its index, config.json), each checked before anything they describe is allocated or read. A problem is
-one line naming the file (UserError).
+one line naming the file (UserError). The JSON reader itself is launcher/jsonfile.py, a leaf that the data
+path's tokenizer reads its folder with too; `json_file` is here as the checkpoint package has always named it.
 
 A header is validated by the safetensors library itself, through `safe_open` (its Rust parser; the file is
 memory-mapped, nothing is read but the header): JSON within its recursion limit; a dtype it knows; a shape
@@ -13,14 +14,13 @@ millions of entries (the library takes about 1 KB of memory for each)."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 
-from launcher.errors import UserError, a_kind, first_line, short
+from launcher.errors import UserError, first_line, short
+from launcher.jsonfile import MAX_JSON, json_file  # noqa: F401 - read here by hf.py and export
 
 # the library's dtype names and torch's: all it has but the sub-byte F4 and F6 (torch packs those in pairs)
 _TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
@@ -29,7 +29,6 @@ _TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
           "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
 DTYPES = {name: getattr(torch, kind) for name, kind in _TORCH.items() if hasattr(torch, kind)}  # as this torch has them
 MAX_HEADER = 100_000_000  # the library's cap on a header (its MAX_HEADER_SIZE): refused before we read it
-MAX_JSON = 64 << 20  # an index of a 400B-parameter model's shards is a few MB, a config a few KB
 EMPTY_ALLOWED = 10_000  # tensors of no elements take no bytes of data: so many are allowed beyond its bytes
 
 
@@ -94,24 +93,3 @@ def _validated(path: Path) -> List[Tuple[str, torch.dtype, torch.Size, int]]:
         out.append((name, DTYPES[dtype], torch.Size(shape), begin))
         begin += out[-1][2].numel() * DTYPES[dtype].itemsize
     return out
-
-
-def json_file(path: Path, what: str) -> Dict[str, Any]:
-    """A JSON object in a file a user names (a safetensors index, a config), or one line. Python's parser
-    recurses once per level of nesting: a file nested deeper than it goes is the file's problem, said as
-    such, not a RecursionError."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_JSON + 1)  # bounded: a huge file (or /dev/zero) is refused, not read whole
-        if len(raw) > MAX_JSON:
-            raise UserError(f"{path}: more than {MAX_JSON >> 20} MiB; a {what} is a few KB of JSON (a few MB for "
-                            f"the index of a very large model)")
-        value = json.loads(raw)
-    except RecursionError:
-        raise UserError(f"{path}: nested deeper than Python's JSON parser goes ({sys.getrecursionlimit()} levels); "
-                        f"a {what} is JSON a few levels deep") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: not a readable JSON {what} ({first_line(e)[:200]})") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{path}: holds {a_kind(value)}; a {what} is a JSON object")
-    return value
