@@ -191,8 +191,10 @@ def _fused_kernel_shards(target: type) -> bool:
 
 def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int, device: torch.device,
              world: Optional[int] = None):
-    """The training stream of this rank, and its validation batches (or None): its share of each batch, one of
-    `share` = (how many ranks read their own, this rank's place among them), of `world` processes."""
+    """The training stream of this rank, its validation batches (or None), and the datasets' lines for the
+    console: its share of each batch, one of `share` = (how many ranks read their own, this rank's place among
+    them), of `world` processes. A dataset with `notes` (a list of lines: what it read and made, as
+    launcher.data.text.TextDataset has) gets them said at start, under its key."""
     replicas, rank = share
     data.check_batch(cfg.batch_size, replicas, world)
     collate = Collate(component(cfg.collate, "data.collate")) if cfg.collate else None
@@ -212,4 +214,11 @@ def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int
     else:
         val = data.val_batches(val_set, cfg.batch_size, replicas, rank, workers,
                                device, seed, collate)
-    return train, val
+    notes = [f"{key}: {line}" for key, built in (("data.train", dataset), ("data.val", val_set))
+             for line in _notes(built)]
+    return train, val, notes
+
+
+def _notes(dataset: Any) -> list:
+    said = getattr(dataset, "notes", None)  # an attribute of that name on another dataset may be anything
+    return [line for line in said if isinstance(line, str)] if isinstance(said, (list, tuple)) else []

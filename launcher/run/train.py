@@ -142,8 +142,10 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
     model = assemble.built(recipe, strategy, run_dir, console, init_from)
     cfg = recipe.data
-    train_data, val = build.data_for(cfg, recipe.trainer.grad_accum_steps, strategy.data_share(), recipe.seed,
-                                      device, placement.world_size)
+    train_data, val, notes = build.data_for(cfg, recipe.trainer.grad_accum_steps, strategy.data_share(), recipe.seed,
+                                             device, placement.world_size)
+    for note in notes:
+        console.info(note)
     precision = Precision(recipe.precision, device)
     tf32(recipe.tf32, device)
     metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}

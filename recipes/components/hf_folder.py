@@ -1,5 +1,6 @@
 """A small HF model folder to fine-tune from, written by `save_pretrained` (random weights, nothing
-downloaded): what recipes/hf_finetune.yaml reads where a real one (Llama, Qwen, ...) would be.
+downloaded): what recipes/hf_finetune.yaml and recipes/hf_sft.yaml read where a real one (Llama, Qwen, ...)
+would be. Its tokenizer is a small BPE with a ChatML chat template (tiny_tokenizer.py), trained here.
 
     python -m recipes.components.hf_folder runs/tiny-llama [--dtype bf16] [--shard-size 200KB] [--layers 2 --width 64]
 """
@@ -12,8 +13,9 @@ import sys
 
 def write(folder: str, dtype: str = "fp32", shard_size: str = "5GB", layers: int = 2, width: int = 64,
           tie: bool = False, seed: int = 0, vocab: int = 256, heads: int = 4, kv_heads: int = 2,
-          intermediate: int = 0, context: int = 256) -> None:
-    """A random Llama of this shape (the MLP 2 x width unless `intermediate` is given) saved in `folder`."""
+          intermediate: int = 0, context: int = 256, tokenizer: bool = True) -> None:
+    """A random Llama of this shape (the MLP 2 x width unless `intermediate` is given) saved in `folder`, with
+    its tokenizer (`tiny_tokenizer.bpe`, of at most `vocab` tokens: BOS 0, EOS 1) unless `tokenizer` is false."""
     import torch
     import transformers
 
@@ -21,10 +23,17 @@ def write(folder: str, dtype: str = "fp32", shard_size: str = "5GB", layers: int
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=intermediate or 2 * width,
                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                       max_position_embeddings=context, tie_word_embeddings=tie, bos_token_id=0,
-                                      eos_token_id=0)
+                                      eos_token_id=1)
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar for a folder of one or two files
     model = transformers.LlamaForCausalLM(config).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     model.save_pretrained(folder, max_shard_size=shard_size)
+    if tokenizer:
+        from recipes.components.tiny_tokenizer import bpe
+
+        tokens = bpe(vocab)
+        if len(tokens) > vocab:  # the BPE holds printable ASCII and its special tokens at least
+            raise ValueError(f"vocab {vocab} is smaller than the tokenizer's {len(tokens)} tokens; tokenizer=False")
+        tokens.save_pretrained(folder)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,15 @@
+"""Text data for causal language models: files and a model folder's tokenizer in, token samples out, with
+the loss on the answers. Each piece is one file, swappable on its own:
+
+    sources.py    rows of local files (JSONL, JSON, CSV, Parquet, plain text, a save_to_disk dataset), streamed
+    tokenizer.py  the model folder's tokenizer, its files checked as untrusted input, nothing in it run
+    formats.py    text (continued pretraining) and prompt_completion; labels from token offsets
+    chat.py       chat: conversations rendered by a chat template, the assistant turns as answers
+    dataset.py    TextDataset: the pieces joined into a map-style dataset, for data.train / data.val
+    packing.py    (next) several samples in one row, no attention across them
+
+Not yet: a cache of the tokenized data (issue 35, item 6): every rank tokenizes the files at start."""
+
+from launcher.data.text.dataset import TextDataset
+
+__all__ = ["TextDataset"]

@@ -1,0 +1,108 @@
+"""Rows into samples, `{"input_ids": [...], "labels": [...]}` (labels -100 where no loss is taken), for the
+formats that need no chat template: `text` (continued pretraining) and `prompt_completion`; `chat` is in
+chat.py. What they share is here: a row a format cannot take (`BadRow`), and labels from character spans.
+
+Labels come from token offsets: a sample's text is rendered whole, tokenized once with its offsets, and a
+token is trained on where its characters overlap an answer's span (as transformers' own
+`return_assistant_tokens_mask` marks tokens). Pieces are never tokenized apart: the tokens at a boundary are
+the ones the whole text gives, which tokenizing the prompt and the answer apart need not give."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from launcher.errors import short
+
+IGNORE = -100  # what torch's cross-entropy and HF's models leave out of the loss
+LOSS_ON = ("answers", "all")
+Sample = Dict[str, List[int]]
+Span = Tuple[int, int]  # characters [start, end) of a rendered text
+
+
+class BadRow(Exception):
+    """A row this format cannot take; the message says what is wrong and what would be valid, without the row's
+    place (the dataset adds it)."""
+
+
+def column(row: Dict[str, Any], name: str, kind: type, what: str) -> Any:
+    """row[name], which must be a `kind`; BadRow otherwise."""
+    if name not in row or row[name] is None:
+        raise BadRow(f"no column {name!r} ({what}); it has {', '.join(map(repr, row)) or 'none'}")
+    value = row[name]
+    if not isinstance(value, kind):
+        raise BadRow(f"column {name!r} holds {type(value).__name__} {short(value)}; {what} is a {kind.__name__}")
+    return value
+
+
+def labelled(tokenizer: Any, text: str, spans: Sequence[Span], loss_on: str, special: bool = False) -> Sample:
+    """`text` tokenized once, labelled where its tokens overlap `spans` (or everywhere, loss_on all).
+    `special`: with the tokens the tokenizer adds itself (BOS), which have no characters."""
+    encoded = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    if loss_on == "all":
+        return {"input_ids": ids, "labels": list(ids)}
+    labels, at = [IGNORE] * len(ids), 0
+    for i, (start, end) in enumerate(offsets):  # spans and offsets are both in order: one pass
+        while at < len(spans) and start >= spans[at][1]:
+            at += 1
+        if at == len(spans):
+            break
+        if end > spans[at][0] and end > start:  # overlaps the span (a token of no characters never does)
+            labels[i] = ids[i]
+    return {"input_ids": ids, "labels": labels}
+
+
+def ended(sample: Sample, eos: int, loss_on_end: bool) -> Sample:
+    """The sample with EOS after it (where its tokenizer did not end it so), a target when the end is."""
+    if sample["input_ids"][-1:] != [eos]:
+        sample["input_ids"].append(eos)
+        sample["labels"].append(eos if loss_on_end else IGNORE)
+    return sample
+
+
+class Text:
+    """A document per row (its `text` column): all its tokens, with BOS where the tokenizer adds one and EOS
+    after it. The dataset joins them and cuts the stream into rows of max_len."""
+
+    roles = {"text": "the document"}
+
+    def __init__(self, tokenizer: Any, columns: Dict[str, str], loss_on: str):
+        self.tokenizer, self.name = tokenizer, columns["text"]
+
+    def __call__(self, row: Dict[str, Any]) -> Optional[Sample]:
+        text = column(row, self.name, str, "the document")
+        if not text.strip():
+            return None  # nothing to learn; not a mistake
+        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        return ended({"input_ids": ids, "labels": list(ids)}, self.tokenizer.eos_token_id, True)
+
+
+class PromptCompletion:
+    """A prompt and its completion (two columns), joined by `template` ("{prompt}" and "{completion}" in it,
+    once each, the prompt first) or, without one, one after the other; EOS after it. The answer is the
+    completion with what the template writes after it, and EOS."""
+
+    roles = {"prompt": "the prompt", "completion": "the completion"}
+
+    def __init__(self, tokenizer: Any, columns: Dict[str, str], loss_on: str, template: Optional[str] = None):
+        template = "{prompt}{completion}" if template is None else template
+        check_template(template)
+        self.tokenizer, self.columns, self.loss_on = tokenizer, columns, loss_on
+        self.before, rest = template.split("{prompt}")
+        self.between, self.after = rest.split("{completion}")
+
+    def __call__(self, row: Dict[str, Any]) -> Sample:
+        prompt = column(row, self.columns["prompt"], str, "the prompt")
+        completion = column(row, self.columns["completion"], str, "the completion")
+        head = self.before + prompt + self.between
+        text = head + completion + self.after
+        sample = labelled(self.tokenizer, text, [(len(head), len(text))], self.loss_on, special=True)
+        return ended(sample, self.tokenizer.eos_token_id, True)
+
+
+def check_template(template: Any) -> None:
+    """A prompt/completion template, or ValueError saying what one is."""
+    if not isinstance(template, str) or template.count("{prompt}") != 1 or template.count("{completion}") != 1 \
+            or template.index("{prompt}") > template.index("{completion}"):
+        raise ValueError(f"template: {short(template)}: a prompt_completion template holds {{prompt}} and then "
+                         f"{{completion}}, once each, e.g. '### Question: {{prompt}}\\n### Answer: {{completion}}'")
