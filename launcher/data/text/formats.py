@@ -47,8 +47,8 @@ def labelled(tokenizer: Any, text: str, spans: Sequence[Span], loss_on: str, spe
             at += 1
         if at == len(spans):
             break
-        if end > spans[at][0] and end > start:  # overlaps the span (a token of no characters never does)
-            labels[i] = ids[i]
+        if end > spans[at][0]:  # overlaps the span; a token the tokenizer gave no characters (trim_offsets
+            labels[i] = ids[i]   # leaves a lone space so) counts where it stands, as transformers counts it
     return {"input_ids": ids, "labels": labels}
 
 
