@@ -98,14 +98,16 @@ def _jsonl(path: Path) -> Iterator[Row]:
         where = f"{path}, line {number}"
         if problem is None and not line.strip():
             continue  # a blank line (a trailing newline, a separator) is no row
-        yield _object(where, line) if problem is None else Row(where, None, problem)
+        yield _object(where, line.rstrip("\r\n")) if problem is None else Row(where, None, problem)
 
 
 def _object(where: str, text: str) -> Row:
     try:
         value = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        return Row(where, None, f"not JSON ({first_line(e)[:120]})")
+    except json.JSONDecodeError as e:  # the row is one line: its column is the line's
+        return Row(where, None, f"not JSON ({e.msg} at column {e.colno})")
+    except RecursionError:
+        return Row(where, None, "not JSON that Python's parser reads: nested too deep")
     if not isinstance(value, dict):
         return Row(where, None, f"holds {a_kind(value)}; a row is a JSON object of columns")
     return Row(where, value)
