@@ -1,0 +1,121 @@
+"""The model folder's tokenizer (launcher/data/text/tokenizer.py): untrusted input, its JSON checked before
+transformers reads it and nothing in it run; a folder without a tokenizer, or without a chat template, is one
+line; special tokens as the tokenizer defines them (no PAD: EOS stands in)."""
+
+import json
+import resource
+import shutil
+
+import pytest
+
+from tests.conftest import REPO
+from tests.hostile import deep
+from tests.text_folders import tokenizer_folder
+
+pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+
+from launcher.data.text import tokenizer as tokenizers  # noqa: E402
+from launcher.errors import UserError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return tokenizer_folder(tmp_path_factory.mktemp("tokenizer"))
+
+
+def copy(good, tmp_path, name="copy"):
+    return shutil.copytree(good, tmp_path / name)
+
+
+def refused(folder) -> str:
+    with pytest.raises(UserError) as e:
+        tokenizers.load(str(folder))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_special_tokens_as_the_tokenizer_defines_them(good, tmp_path):
+    bpe = tokenizers.load(str(good))
+    assert tokenizers.pad_id(bpe) == bpe.eos_token_id == 1  # no PAD: EOS stands in
+    assert tokenizers.described(bpe) == "BOS '<s>' (0), EOS '</s>' (1), no PAD (EOS stands in for it)"
+    byte_level = tokenizers.load(str(tokenizer_folder(tmp_path, "byte_level")))
+    assert tokenizers.pad_id(byte_level) == byte_level.pad_token_id != byte_level.eos_token_id
+    assert tokenizers.described(byte_level) == ("BOS '<|endoftext|>' (379), EOS '<|endoftext|>' (379), "
+                                                "PAD '<|pad|>' (380)")
+
+
+def test_a_folder_without_a_tokenizer_is_one_line(tmp_path):
+    from recipes.components.hf_folder import write
+
+    write(str(tmp_path / "model"), tokenizer=False)
+    assert refused(tmp_path / "model") == (
+        f"tokenizer: {tmp_path / 'model'}: no tokenizer.json, so no tokenizer to read; a tokenizer's "
+        f"save_pretrained(folder) writes it (the launcher reads no other layout)")
+    (tmp_path / "model" / "tokenizer.model").write_bytes(b"sentencepiece")
+    assert "(it has tokenizer.model: a slow tokenizer's files, which the launcher does not convert)" in \
+        refused(tmp_path / "model")
+    assert refused(tmp_path / "nowhere").startswith(f"tokenizer: {tmp_path / 'nowhere'}: no such folder")
+
+
+def test_a_folder_without_a_chat_template_is_one_line(good, tmp_path):
+    folder = copy(good, tmp_path)
+    (folder / "chat_template.jinja").unlink()
+    tokenizer = tokenizers.load(str(folder))
+    with pytest.raises(UserError, match="the tokenizer has no chat template .* give one as the dataset's chat_template"):
+        tokenizers.chat_template(tokenizer, None, str(folder))
+    assert tokenizers.chat_template(tokenizer, "{{ messages }}", str(folder)) == "{{ messages }}"
+
+
+def test_hostile_tokenizer_files_are_one_line_each(good, tmp_path):
+    folder = copy(good, tmp_path)
+    config = folder / "tokenizer_config.json"
+    config.write_bytes(deep())  # 200,000 levels
+    assert refused(folder).startswith(f"{config}: nested deeper than Python's JSON parser goes")
+    config.write_text("[" * 100 + "]" * 100)  # not an object
+    assert refused(folder) == f"{config}: holds a list; a tokenizer config is a JSON object"
+    config.write_text(json.dumps({"a": json.loads("[" * 100 + "]" * 100)}))  # Python reads it; the tokenizers library would not
+    assert refused(folder) == f"{config}: nested more than 32 levels deep; a tokenizer config is JSON a few levels deep"
+    with open(config, "wb") as f:
+        f.truncate(1 << 40)  # a terabyte that takes no disk
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert refused(folder).startswith(f"{config}: more than 64 MiB; a tokenizer config is a few KB of JSON")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB: 64 MiB read at most
+    config.write_bytes((good / "tokenizer_config.json").read_bytes())
+    whole = json.loads((good / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps({**whole, "model": {**whole["model"], "type": "NotAModel"}}))
+    assert refused(folder).startswith(f"tokenizer: {folder}/tokenizer.json: the tokenizers library cannot read it: ")
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {}}))  # what transformers reads itself first
+    assert refused(folder) == f"tokenizer: {folder}: transformers cannot read its tokenizer: KeyError: 'added_tokens'"
+    (folder / "tokenizer.json").write_bytes((good / "tokenizer.json").read_bytes())
+    with open(folder / "chat_template.jinja", "wb") as f:
+        f.truncate(1 << 30)
+    assert refused(folder) == f"{folder / 'chat_template.jinja'}: more than 1 MiB; a chat template is a few KB of Jinja"
+
+
+def test_nothing_in_the_folder_runs(good, tmp_path):
+    folder = copy(good, tmp_path)
+    marker = tmp_path / "ran"
+    (folder / "evil_tokenizer.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom transformers import "
+                                              f"PreTrainedTokenizerFast as EvilTokenizer\n")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": [None, "evil_tokenizer.EvilTokenizer"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = tokenizers.load(str(folder))
+    assert not marker.exists() and type(tokenizer).__name__ == "TokenizersBackend"
+    assert tokenizer("What is 3 plus 4?")["input_ids"] == tokenizers.load(str(good))("What is 3 plus 4?")["input_ids"]
+
+
+def test_a_hostile_tokenizer_in_a_recipe_is_one_line_and_exit_2(tmp_path, capsys):
+    """Through the command line, as a user meets it: the model builds, the data's folder is refused."""
+    from launcher.cli import main
+    from recipes.components.hf_folder import write
+
+    write(str(tmp_path / "model"))
+    (tmp_path / "model" / "tokenizer_config.json").write_bytes(deep())
+    code = main([str(REPO / "recipes" / "hf_sft.yaml"), f"model.config.pretrained_model_name_or_path={tmp_path / 'model'}",
+                 f"run_dir={tmp_path / 'run'}", "on_cpu=null", "precision=fp32", "logging.tensorboard=false",
+                 "logging.progress_bar=false"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"launcher: {tmp_path / 'model' / 'tokenizer_config.json'}: nested deeper than Python's JSON "
+                          f"parser goes")
