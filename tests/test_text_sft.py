@@ -1,0 +1,75 @@
+"""recipes/hf_sft.yaml trains: chat SFT from the tiny Llama folder (its BPE tokenizer and ChatML template) and
+recipes/data/chat.jsonl, the loss on the answers going down; under ddp x2 the same samples give one process's
+weights (rtol 1e-5), and a malformed row is the same one line on every rank."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.conftest import REPO, state_dict
+from tests.several_runs import several
+
+pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+
+RECIPE = REPO / "recipes" / "hf_sft.yaml"
+SHORT = ["on_cpu=null", "precision=fp32", "trainer.activation_checkpointing=null", "checkpoint.every=null",
+         "logging.tensorboard=false", "logging.progress_bar=false", "data.train.max_len=64", "data.batch_size=8"]
+# SGD, as the other equivalence tests: Adam divides nearly-zero first gradients by their own size
+SGD = ["optimizer={_target_: torch.optim.SGD, lr: 0.2}", "trainer.max_steps=4", "trainer.log_every=2"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from recipes.components.hf_folder import write
+
+    folder = tmp_path_factory.mktemp("sft") / "tiny-llama"
+    write(str(folder))
+    return folder
+
+
+def here(base, run_dir, *extra):
+    from launcher.recipe import load
+    from launcher.run.train import train
+
+    return train(load(RECIPE, [f"model.config.pretrained_model_name_or_path={base}", f"run_dir={run_dir}", *SHORT,
+                               *extra]))
+
+
+def test_the_sft_recipe_trains_on_the_answers_and_its_loss_falls(base, tmp_path, capsys):
+    here(base, tmp_path, "trainer.max_steps=16", "trainer.log_every=1")
+    out = capsys.readouterr().out
+    assert f"data.train: tokenizer of {base}: 249 tokens, BOS '<s>' (0), EOS '</s>' (1), no PAD (EOS stands in for " \
+           f"it); the tokenizer's chat template, its answers found by rendering each conversation's beginnings" in out
+    assert re.search(r"data.train: recipes/data/chat.jsonl: 400 rows as chat -> 400 samples of \d+ to 64 tokens, "
+                     r"\d+ tokens, \d+% of them targets \(loss_on: answers\)", out), out
+    assert re.search(r"data.train: \d+ of 400 samples longer than max_len 64 tokens: truncated at it", out)
+    losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+)", out)]
+    assert len(losses) == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+
+
+def test_ddp_two_processes_give_one_process_weights_and_a_bad_row_is_one_line_on_each(base, tmp_path):
+    here(base, tmp_path / "one", *SGD, "strategy=single")
+    bad = tmp_path / "bad.jsonl"
+    good = (REPO / "recipes" / "data" / "chat.jsonl").read_text().splitlines()[0]
+    bad.write_text(good + "\n" + json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")
+    common = [str(RECIPE), f"model.config.pretrained_model_name_or_path={base}", *SHORT, *SGD]
+    ranks = several({"ddp": [*common, f"run_dir={tmp_path / 'ddp'}"],
+                     "bad": [*common, f"run_dir={tmp_path / 'bad'}", f"data.train.files={bad}"]}, tmp_path)
+    assert [rank["ddp"]["error"] for rank in ranks] == [None, None]
+    assert "(ddp)" in ranks[0]["ddp"]["said"]
+    one, ddp = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "ddp" / "model.pt")
+    assert one.keys() == ddp.keys()
+    for key in one:
+        torch.testing.assert_close(ddp[key], one[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs from one process's")
+    assert any(not torch.equal(one[key], state_dict_of(base)[key]) for key in one)  # it trained
+    line = (f"UserError: {bad}, line 2: message 1 has the role 'bot'; a role is one of system, user, assistant, tool "
+            f"(bad_rows: skip would skip such rows and count them)")
+    assert [rank["bad"]["error"] for rank in ranks] == [line, line]
+
+
+def state_dict_of(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
