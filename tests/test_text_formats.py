@@ -136,8 +136,8 @@ def test_text_documents_are_joined_with_eos_and_cut_into_rows_of_max_len(folders
     assert [t for row in rows for t in row] == stream[:len(stream) - (len(stream) % 8 == 1)]
     assert all(len(row) == 8 for row in rows[:-1]) and 2 <= len(rows[-1]) <= 8
     assert all(data[i]["labels"].tolist() == rows[i] for i in range(len(data)))
-    assert data.notes[1].startswith(f"{tmp_path / 'docs.jsonl'}: 3 documents as text -> joined with EOS into "
-                                    f"{len(rows)} rows of 8 tokens")
+    assert data.notes[1] == (f"{tmp_path / 'docs.jsonl'}: 3 documents as text -> joined with EOS into {len(rows)} rows "
+                             f"of 8 tokens, {sum(map(len, rows))} tokens, every one a target")
 
 
 def test_overlong_samples_are_truncated_or_dropped_and_counted(folders, tmp_path):

@@ -73,7 +73,7 @@ class TextDataset(Dataset):
             self.notes.append(f"{over} of {len(read)} samples longer than max_len {max_len} tokens: "
                               f"{then if overlong == 'truncate' else 'dropped'} (overlong: {overlong})")
         if skipped:
-            self.notes.append(f"{skipped} malformed rows skipped (bad_rows: skip); the first: {first}")
+            self.notes.append(f"{_count(skipped, 'malformed row')} skipped (bad_rows: skip); the first: {first}")
         self.rows = self.samples
         if packing:  # the hook for packing.py: samples in, rows of at most max_len tokens out
             from launcher.data.text import packing as packer
@@ -179,11 +179,17 @@ def _summary(files, format: str, rows: int, samples: List[Sample], loss_on: str)
     """'chat.jsonl: 400 rows as chat -> 400 samples of 27 to 211 tokens, 29043 tokens, 40% of them targets'."""
     lengths = [len(s["input_ids"]) for s in samples]
     tokens = sum(lengths)
+    if format == "text":  # every token is a target (but each row's first, which nothing predicts)
+        return (f"{_named(files)}: {_count(rows, 'document')} as text -> joined with EOS into "
+                f"{_count(len(samples), 'row')} of {max(lengths)} tokens, {tokens} tokens, every one a target")
     targets = sum(label != IGNORE for s in samples for label in s["labels"][1:])  # the first is never predicted
-    made = (f"joined with EOS into {len(samples)} rows of {max(lengths)} tokens" if format == "text" else
-            f"{len(samples)} samples of {min(lengths)} to {max(lengths)} tokens")
-    return (f"{_named(files)}: {rows} {'documents' if format == 'text' else 'rows'} as {format} -> {made}, "
-            f"{tokens} tokens, {100 * targets / max(tokens, 1):.0f}% of them targets (loss_on: {loss_on})")
+    return (f"{_named(files)}: {_count(rows, 'row')} as {format} -> {_count(len(samples), 'sample')} of "
+            f"{min(lengths)} to {max(lengths)} tokens, {tokens} tokens, {100 * targets / max(tokens, 1):.0f}% of them "
+            f"targets (loss_on: {loss_on})")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def _named(files) -> str:
