@@ -187,3 +187,21 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
                                             ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
                                             ["python", "-m", "launcher.export", "runs/hf_finetune"]]
     assert trained == ["hf_finetune", "hf_finetune-fsdp", "hf_lora"], trained
+
+
+def test_the_text_data_sections_lines_at_start_are_those_its_command_gives(tmp_path, monkeypatch):
+    """The section's commands are the tiny folder and recipes/hf_sft.yaml on it; the lines it shows are what
+    that recipe's data.train says, built in a folder standing for a fresh clone (only its tokenizer written)."""
+    from launcher.recipe import instantiate, load
+    from recipes.components.tiny_tokenizer import bpe
+
+    text = section("Text data: chat, prompt/completion and plain text")
+    assert commands(text) == [["python", "-m", "recipes.components.hf_folder", "runs/tiny-llama"],
+                              ["python", "-m", "launcher", "recipes/hf_sft.yaml",
+                               "model.config.pretrained_model_name_or_path=runs/tiny-llama"]]
+    shown = re.search(r"```\n(data\.train: .*?)```", text, re.S).group(1).splitlines()
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    bpe().save_pretrained(tmp_path / "runs" / "tiny-llama")  # the folder's tokenizer, as hf_folder writes it
+    monkeypatch.chdir(tmp_path)
+    loaded = load(tmp_path / "recipes" / "hf_sft.yaml", ["model.config.pretrained_model_name_or_path=runs/tiny-llama"])
+    assert [f"data.train: {line}" for line in instantiate(loaded.recipe.data.train).notes] == shown
