@@ -169,3 +169,25 @@ def test_a_wrong_argument_is_a_value_error_naming_it(folders, tmp_path, argument
     with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
         TextDataset(str(folders["bpe", False]), jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}]),
                     **arguments)
+
+
+def test_a_tokenizer_that_ends_a_text_with_eos_itself_gets_no_second_one_and_trains_on_it(folders):
+    from tokenizers import processors
+
+    from launcher.data.text.formats import PromptCompletion
+
+    tokenizer = load(str(folders["bpe", False]))
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(  # as add_eos_token: true makes it
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+    sample = PromptCompletion(tokenizer, {"prompt": "prompt", "completion": "completion"}, "answers")(
+        {"prompt": "What is 2 plus 2?", "completion": " 4."})
+    assert sample["input_ids"][-2:] != [1, 1] and sample["input_ids"][-1] == sample["labels"][-1] == 1
+    assert labelled_runs(tokenizer, sample) == [" 4.</s>"]
+
+
+def test_the_dataset_pickles_for_spawned_loader_workers(folders, tmp_path):
+    import pickle
+
+    data = TextDataset(str(folders["byte_level", False]), jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}]))
+    again = pickle.loads(pickle.dumps(data))
+    assert again.samples == data.samples and again[0]["labels"].tolist() == data[0]["labels"].tolist()

@@ -124,3 +124,16 @@ def test_malformed_csv_and_text_rows_name_their_row_and_line(folder, tmp_path):
     text.write_bytes(b"One.\nTwo.\nThree \xc3(.\n")
     with pytest.raises(UserError, match=f"^{text}, line 3: not UTF-8 \\(byte 0xc3\\)"):
         TextDataset(folder, str(text), format="text")
+
+
+def test_keys_a_columnar_file_fills_with_none_are_dropped_before_the_template_sees_them(folder, tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    named = [{"role": "user", "content": "Hi.", "name": "Ann"}, {"role": "assistant", "content": "Hello."}]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"messages": named}]), tmp_path / "a.parquet")
+    assert values(str(tmp_path / "a.parquet"))[0]["messages"][1]["name"] is None  # Arrow gives every message a name
+    template = ("{% for m in messages %}{% if m.name is defined %}{{ m.name }}: {% endif %}{{ m.role }}: "
+                "{{ m.content }}\n{% endfor %}")
+    data = TextDataset(folder, str(tmp_path / "a.parquet"), chat_template=template)
+    assert data.tokenizer.decode(data.samples[0]["input_ids"]) == "Ann: user: Hi.\nassistant: Hello.\n"

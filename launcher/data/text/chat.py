@@ -75,7 +75,9 @@ class Chat:
         if self.loss_on == "answers" and not any(m["role"] == "assistant" for m in messages):
             raise BadRow("no assistant message, so nothing to learn from it (loss_on: answers trains on the "
                          "assistant's messages)")
-        return messages
+        # keys without a value dropped, as apply_chat_template drops them: columnar files (Parquet, Arrow) give
+        # every message every key some message has, None where it has none, and templates test `is defined`
+        return [{key: value for key, value in m.items() if value is not None} for m in messages]
 
     def answers(self, messages: List[Dict[str, Any]]) -> Tuple[str, List[Span]]:
         """The conversation rendered, and its answers' spans in it."""

@@ -37,7 +37,8 @@ def column(row: Dict[str, Any], name: str, kind: type, what: str) -> Any:
 def labelled(tokenizer: Any, text: str, spans: Sequence[Span], loss_on: str, special: bool = False) -> Sample:
     """`text` tokenized once, labelled where its tokens overlap `spans` (or everywhere, loss_on all).
     `special`: with the tokens the tokenizer adds itself (BOS), which have no characters."""
-    encoded = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    # verbose=False: no warning for a text longer than the model's context; max_len is the dataset's to apply
+    encoded = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True, verbose=False)
     ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
     if loss_on == "all":
         return {"input_ids": ids, "labels": list(ids)}
@@ -52,11 +53,13 @@ def labelled(tokenizer: Any, text: str, spans: Sequence[Span], loss_on: str, spe
     return {"input_ids": ids, "labels": labels}
 
 
-def ended(sample: Sample, eos: int, loss_on_end: bool) -> Sample:
-    """The sample with EOS after it (where its tokenizer did not end it so), a target when the end is."""
+def ended(sample: Sample, eos: int) -> Sample:
+    """The sample with EOS after it, a target: the end of the answer (a tokenizer that adds EOS itself gave
+    it no characters, so no span marked it)."""
     if sample["input_ids"][-1:] != [eos]:
         sample["input_ids"].append(eos)
-        sample["labels"].append(eos if loss_on_end else IGNORE)
+        sample["labels"].append(eos)
+    sample["labels"][-1] = eos
     return sample
 
 
@@ -73,8 +76,8 @@ class Text:
         text = column(row, self.name, str, "the document")
         if not text.strip():
             return None  # nothing to learn; not a mistake
-        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        return ended({"input_ids": ids, "labels": list(ids)}, self.tokenizer.eos_token_id, True)
+        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+        return ended({"input_ids": ids, "labels": list(ids)}, self.tokenizer.eos_token_id)
 
 
 class PromptCompletion:
@@ -97,7 +100,7 @@ class PromptCompletion:
         head = self.before + prompt + self.between
         text = head + completion + self.after
         sample = labelled(self.tokenizer, text, [(len(head), len(text))], self.loss_on, special=True)
-        return ended(sample, self.tokenizer.eos_token_id, True)
+        return ended(sample, self.tokenizer.eos_token_id)
 
 
 def check_template(template: Any) -> None:
