@@ -60,6 +60,16 @@ def test_csv_and_plain_text(tmp_path):
     assert values(str(tmp_path / "b.txt"), text_rows="line") == [{"text": "First line."}, {"text": "Second line."}]
 
 
+def test_a_json_file_of_one_object_over_several_lines_is_one_line(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"data": ROWS}, indent=2))
+    with pytest.raises(UserError) as e:
+        list(sources.rows(str(tmp_path / "a.json")))
+    assert str(e.value) == (f"{tmp_path / 'a.json'}: one JSON object over several lines; a .json file holds an array "
+                            f"of row objects, or one object per line")
+    (tmp_path / "b.json").write_text("".join(json.dumps(row) + "\n" for row in ROWS))  # JSON Lines named .json
+    assert values(str(tmp_path / "b.json")) == ROWS
+
+
 def test_a_glob_is_read_in_sorted_order_and_a_list_in_its_own(tmp_path):
     for name in ("b", "a", "c"):
         lines(tmp_path / f"{name}.jsonl", json.dumps({"text": name}).encode())

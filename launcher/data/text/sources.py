@@ -115,10 +115,15 @@ def _object(where: str, text: str) -> Row:
 
 def _json(path: Path) -> Iterator[Row]:
     """A JSON array of objects (read whole: JSON Lines is the streamed form), or JSON Lines in a .json file."""
-    raw = path.read_bytes()
-    if raw.lstrip()[:1] != b"[":
+    with open(path, "rb") as f:
+        first = f.readline()
+    if first.lstrip()[:1] != b"[":
+        if _one_object_over_lines(path, first):
+            raise UserError(f"{path}: one JSON object over several lines; a .json file holds an array of row "
+                            f"objects, or one object per line")
         yield from _jsonl(path)
         return
+    raw = path.read_bytes()
     try:
         value = json.loads(raw)
     except UnicodeDecodeError as e:
@@ -131,6 +136,20 @@ def _json(path: Path) -> Iterator[Row]:
         where = f"{path}, row {number}"
         yield Row(where, item) if isinstance(item, dict) else \
             Row(where, None, f"holds {a_kind(item)}; a row is a JSON object of columns")
+
+
+def _one_object_over_lines(path: Path, first: bytes) -> bool:
+    """Whether a .json file that is not an array is a single object written over several lines (pretty-printed),
+    rather than JSON Lines: its first line alone is not JSON, and the whole file is (read whole only then)."""
+    try:
+        json.loads(first)
+        return False
+    except (ValueError, RecursionError):
+        pass
+    try:
+        return isinstance(json.loads(path.read_bytes()), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _csv(path: Path) -> Iterator[Row]:

@@ -18,10 +18,11 @@ from typing import Any, Optional
 from launcher.errors import UserError, first_line
 from launcher.jsonfile import json_file
 
-# What transformers reads from a folder as JSON, and what each is, for the line about it.
+# What transformers' fast tokenizer reads from a folder as JSON (the model's config.json it does not), and what
+# each is, for the line about it.
 JSON_FILES = {"tokenizer.json": "tokenizer", "tokenizer_config.json": "tokenizer config",
               "special_tokens_map.json": "special tokens map", "added_tokens.json": "added tokens list",
-              "chat_template.json": "chat template", "config.json": "config"}
+              "chat_template.json": "chat template"}
 # The tokenizers library's parser stops at 128 levels with a message of its own; real files nest under 10.
 MAX_DEPTH = 32
 MAX_TEMPLATE = 1 << 20  # the longest chat templates shipped with models are tens of KB of Jinja
