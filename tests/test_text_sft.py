@@ -49,6 +49,7 @@ def test_the_sft_recipe_trains_on_the_answers_and_its_loss_falls(base, tmp_path,
     assert len(losses) == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
 
 
+@pytest.mark.slow  # one torchrun launch of two processes
 def test_ddp_two_processes_give_one_process_weights_and_a_bad_row_is_one_line_on_each(base, tmp_path):
     here(base, tmp_path / "one", *SGD, "strategy=single")
     bad = tmp_path / "bad.jsonl"
