@@ -191,3 +191,22 @@ def test_the_dataset_pickles_for_spawned_loader_workers(folders, tmp_path):
     data = TextDataset(str(folders["byte_level", False]), jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}]))
     again = pickle.loads(pickle.dumps(data))
     assert again.samples == data.samples and again[0]["labels"].tolist() == data[0]["labels"].tolist()
+
+
+def test_packing_hands_the_samples_to_the_packer_and_serves_its_rows(folders, tmp_path, monkeypatch):
+    """The hook for launcher/data/text/packing.py (issue 35's next slice), here with a packer of our own."""
+    import importlib.machinery
+    import sys
+    import types
+
+    asked = []
+    packer = types.ModuleType("launcher.data.text.packing")
+    packer.__spec__ = importlib.machinery.ModuleSpec(packer.__name__, None)
+    packer.pack = lambda samples, max_len, seed: asked.append((samples, max_len, seed)) or [
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 0, 1]}]
+    monkeypatch.setitem(sys.modules, packer.__name__, packer)
+    data = TextDataset(str(folders["bpe", False]), jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2),
+                       max_len=512, packing=True, seed=7)
+    assert len(asked) == 1 and asked[0][0] is data.samples and len(data.samples) == 2 and asked[0][1:] == (512, 7)
+    assert len(data) == 1 and {k: v.tolist() for k, v in data[0].items()} == {
+        "input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 0, 1]}  # the row as packed

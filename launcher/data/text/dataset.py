@@ -74,7 +74,7 @@ class TextDataset(Dataset):
                               f"{then if overlong == 'truncate' else 'dropped'} (overlong: {overlong})")
         if skipped:
             self.notes.append(f"{_count(skipped, 'malformed row')} skipped (bad_rows: skip); the first: {first}")
-        self.rows = self.samples
+        self.rows, self.packed = self.samples, packing
         if packing:  # the hook for packing.py: samples in, rows of at most max_len tokens out
             from launcher.data.text import packing as packer
 
@@ -84,9 +84,11 @@ class TextDataset(Dataset):
         return len(self.rows)
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
-        row = self.rows[index]
-        item = {key: torch.tensor(value, dtype=torch.long) for key, value in row.items()}
-        item.setdefault("attention_mask", torch.ones_like(item["input_ids"]))
+        """A sample with its attention_mask (ones: Pad's padding adds the zeros), or a packed row as the packer
+        made it (which says where its samples are in keys of its own)."""
+        item = {key: torch.tensor(value, dtype=torch.long) for key, value in self.rows[index].items()}
+        if not self.packed:
+            item["attention_mask"] = torch.ones_like(item["input_ids"])
         return item
 
 
