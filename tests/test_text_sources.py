@@ -52,7 +52,7 @@ def test_every_kind_of_file_gives_the_same_rows(tmp_path):
 
 
 def test_csv_and_plain_text(tmp_path):
-    (tmp_path / "a.csv").write_text('prompt,completion\n"Say ""hi""",hi\n"two\nlines",ok\n')
+    (tmp_path / "a.csv").write_text('\ufeffprompt,completion\n"Say ""hi""",hi\n"two\nlines",ok\n')  # a BOM first
     assert values(str(tmp_path / "a.csv")) == [{"prompt": 'Say "hi"', "completion": "hi"},
                                                {"prompt": "two\nlines", "completion": "ok"}]
     (tmp_path / "b.txt").write_text("First line.\n\nSecond line.\n")

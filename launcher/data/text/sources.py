@@ -24,6 +24,7 @@ from launcher.errors import UserError, a_kind, first_line
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet",
             ".txt": "text", ".text": "text", ".md": "text"}
 TEXT_ROWS = ("document", "line")  # a plain-text file as one row, or a row per line
+BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ def _lines(path: Path, replaced: bool = False) -> Iterator[tuple]:
     `replaced`: (number, the line decoded with U+FFFD for its bad bytes, why not)."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
+            if number == 1 and raw.startswith(BOM):  # what spreadsheets write first; no part of the text
+                raw = raw[len(BOM):]
             try:
                 yield number, raw.decode("utf-8"), None
             except UnicodeDecodeError as e:
@@ -208,7 +211,7 @@ def _text(path: Path, text_rows: str) -> Iterator[Row]:
         return
     raw = path.read_bytes()
     try:
-        yield Row(f"{path}", {"text": raw.decode("utf-8")})
+        yield Row(f"{path}", {"text": raw.decode("utf-8-sig")})
     except UnicodeDecodeError as e:
         yield Row(f"{path}, line {_line_at(raw, e.start)}", None, f"not UTF-8 (byte 0x{raw[e.start]:02x})")
 
