@@ -6,6 +6,7 @@ from the one before. The same comparison without the mask (position_ids alone) o
 labels kept must fail, and does; a model that cannot take the mask is one line at the first batch."""
 
 import copy
+import inspect
 import random
 
 import pytest
@@ -168,3 +169,14 @@ def test_a_forward_without_position_ids_is_one_line():
     with pytest.raises(UserError, match=r"data.train: packed rows need a model whose forward takes attention_mask "
                                         r"\(a 4-D mask\) and position_ids, and Causal.forward takes no position_ids"):
         first_batch(Causal(honours=True, takes_positions=False), packed(samples()))
+
+
+def test_a_lora_model_takes_packed_rows_as_the_model_it_adapts():
+    """peft's PeftModelForCausalLM names no position_ids in its forward and passes them on in **kwargs."""
+    peft = pytest.importorskip("peft", reason="the dev extra (peft) is not installed")
+    items = samples()
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", init_lora_weights=False)
+    model = peft.get_peft_model(model_of("llama", "sdpa"), config)
+    assert "position_ids" not in inspect.signature(model.forward).parameters
+    same(sgd_step(model, padded(items)), sgd_step(model, packed(items)))
+    assert first_batch(model, packed(items)) == []

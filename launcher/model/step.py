@@ -110,6 +110,10 @@ class ModelLoss:
         named = {n for n, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
         names = named if named else None  # forward(**batch): every key
+        if names is not None and takes_any and hasattr(plain, "get_base_model"):
+            # a peft model passes its **kwargs (position_ids among them) on to the model it adapts, whose
+            # forward HF Trainer reads for the keys to keep
+            names |= set(_parameters(plain.get_base_model().forward))
         self.left_out = [k for k in batch if names is not None and k not in names and k != packed.KEY]
         # HF Trainer's rule: a model declares it, or a forward with **kwargs takes the loss keywords.
         counts = getattr(plain, "accepts_loss_kwargs", takes_any or "num_items_in_batch" in named)
