@@ -1,7 +1,8 @@
 """Packed rows through whole runs (tests/packed.yaml: a tiny Llama on tests/packed_tokens.py): under fsdp x2
-(torchrun, gloo) the weights end within rtol 1e-5 of one process's; a run resumed mid-epoch from its
-checkpoint, with two loader workers a rank, ends bitwise as the run that went through. Both two-process runs
-share one torchrun launch (tests/several_runs.py)."""
+(torchrun, gloo) and with the batch in two micro-batches the weights end within rtol 1e-5 of one process's
+(rows hold different numbers of label tokens: the loss is the mean over the global batch's tokens); a run
+resumed mid-epoch from its checkpoint, with two loader workers a rank, ends bitwise as the run that went
+through. Both two-process runs share one torchrun launch (tests/several_runs.py)."""
 
 import pytest
 import torch
@@ -29,18 +30,34 @@ def two_processes(tmp_path_factory):
     return root, several(cases, root)[0]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The run in this process (transformers is imported already): its final weights."""
+    folder = tmp_path_factory.mktemp("packed-one")
+    in_process(folder)
+    return weights(folder / "model.pt")
+
+
+def in_process(folder, *overrides):
+    from launcher.recipe import load
+    from launcher.run.train import train
+
+    train(load(RECIPE, [f"run_dir={folder}", "checkpoint.every=null", *overrides]))
+
+
 def weights(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def test_packed_rows_under_fsdp_x2_end_as_one_process(tmp_path, two_processes):
-    from launcher.recipe import load
-    from launcher.run.train import train
-
+def test_packed_rows_under_fsdp_x2_end_as_one_process(one_process, two_processes):
     root, results = two_processes
     assert results["whole"]["error"] is None, results["whole"]
-    train(load(RECIPE, [f"run_dir={tmp_path}"]))
-    assert outside(weights(tmp_path / "model.pt"), weights(root / "whole" / "model.pt")) == []
+    assert outside(one_process, weights(root / "whole" / "model.pt")) == []
+
+
+def test_packed_rows_in_two_micro_batches_end_as_in_one(tmp_path, one_process):
+    in_process(tmp_path, "trainer.grad_accum_steps=2", "data.batch_size=4")
+    assert outside(one_process, weights(tmp_path / "model.pt")) == []
 
 
 def test_packed_rows_resumed_mid_epoch_with_workers_end_bitwise_as_the_run_that_went_through(two_processes):
