@@ -163,7 +163,7 @@ def test_overlong_samples_are_truncated_or_dropped_and_counted(folders, tmp_path
     ({"max_len": 1}, "max_len: 1: the most tokens a sample has, an integer of 2 or more"),
     ({"columns": {"prompt": "q"}}, "columns: 'prompt': format chat reads the columns messages"),
     ({"format": "text", "template": "{prompt}{completion}"}, "template: format text takes none"),
-    ({"packing": True}, "packing: true is not built yet"),
+    ({"packing": "yes"}, "packing: 'yes': true or false"),
 ])
 def test_a_wrong_argument_is_a_value_error_naming_it(folders, tmp_path, arguments, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
@@ -193,20 +193,22 @@ def test_the_dataset_pickles_for_spawned_loader_workers(folders, tmp_path):
     assert again.samples == data.samples and again[0]["labels"].tolist() == data[0]["labels"].tolist()
 
 
-def test_packing_hands_the_samples_to_the_packer_and_serves_its_rows(folders, tmp_path, monkeypatch):
-    """The hook for launcher/data/text/packing.py (issue 35's next slice), here with a packer of our own."""
-    import importlib.machinery
-    import sys
-    import types
+def test_packing_serves_rows_of_whole_samples_each_once(folders, tmp_path):
+    from launcher.data.collate import Packed
 
-    asked = []
-    packer = types.ModuleType("launcher.data.text.packing")
-    packer.__spec__ = importlib.machinery.ModuleSpec(packer.__name__, None)
-    packer.pack = lambda samples, max_len, seed: asked.append((samples, max_len, seed)) or [
-        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 0, 1]}]
-    monkeypatch.setitem(sys.modules, packer.__name__, packer)
-    data = TextDataset(str(folders["bpe", False]), jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2),
-                       max_len=512, packing=True, seed=7)
-    assert len(asked) == 1 and asked[0][0] is data.samples and len(data.samples) == 2 and asked[0][1:] == (512, 7)
-    assert len(data) == 1 and {k: v.tolist() for k, v in data[0].items()} == {
-        "input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 0, 1]}  # the row as packed
+    rows = [{"messages": CONVERSATION[:3 + 2 * (i % 2)]} for i in range(9)]
+    data = TextDataset(str(folders["bpe", False]), jsonl(tmp_path / "chat.jsonl", rows), max_len=200, packing=True,
+                       seed=3, batch_size=2)
+    assert sorted(i for row in data.rows for i in row) == list(range(9)) and len(data) < 9
+    for index, row in enumerate(data.rows):
+        item = data[index]
+        assert set(item) == {"input_ids", "labels", "position_ids", "document_ids"} and len(item["input_ids"]) <= 200
+        assert item["input_ids"].tolist() == [t for i in row for t in data.samples[i]["input_ids"]]
+        assert item["document_ids"].tolist() == [d for d, i in enumerate(row) for _ in data.samples[i]["input_ids"]]
+    assert data.notes[-1].startswith(f"packing: 9 samples into {len(data)} rows of at most 200 tokens; padding in "
+                                     f"batches of 2: ")
+    again = TextDataset(str(folders["bpe", False]), jsonl(tmp_path / "chat.jsonl", rows), max_len=200, packing=True,
+                        seed=3)
+    assert again.rows == data.rows  # a function of the samples and the seed: the same on every rank
+    batch = Packed()([data[0], data[1]])
+    assert batch["document_ids"].shape == batch["input_ids"].shape

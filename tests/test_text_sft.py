@@ -1,6 +1,7 @@
 """recipes/hf_sft.yaml trains: chat SFT from the tiny Llama folder (its BPE tokenizer and ChatML template) and
-recipes/data/chat.jsonl, the loss on the answers going down; under ddp x2 the same samples give one process's
-weights (rtol 1e-5), and a malformed row is the same one line on every rank."""
+recipes/data/chat.jsonl, the loss on the answers going down; packed rows give the padded samples' step; under
+ddp x2 the same samples give one process's weights (rtol 1e-5), and a malformed row is the same one line on
+every rank."""
 
 import json
 import re
@@ -47,6 +48,24 @@ def test_the_sft_recipe_trains_on_the_answers_and_its_loss_falls(base, tmp_path,
     assert re.search(r"data.train: \d+ of 400 samples longer than max_len 64 tokens: truncated at it", out)
     losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+)", out)]
     assert len(losses) == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+
+
+def test_one_step_on_packed_rows_is_the_step_on_the_same_samples_padded(base, tmp_path, capsys):
+    from launcher.data.text import TextDataset
+
+    lines = (REPO / "recipes" / "data" / "chat.jsonl").read_text().splitlines()[:12]
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
+    rows = len(TextDataset(str(base), str(tmp_path / "chat.jsonl"), max_len=64, packing=True))
+    assert rows < 12
+    common = [f"data.train.files={tmp_path / 'chat.jsonl'}", "trainer.max_steps=1", "trainer.log_every=1",
+              "optimizer={_target_: torch.optim.SGD, lr: 0.5}"]
+    padded = here(base, tmp_path / "padded", *common, "data.batch_size=12")
+    packed = here(base, tmp_path / "packed", *common, "data.train.packing=true", f"data.batch_size={rows}")
+    assert f"data.train: packing: 12 samples into {rows} rows of at most 64 tokens" in capsys.readouterr().out
+    assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-5)
+    one, other = state_dict(tmp_path / "padded" / "model.pt"), state_dict(tmp_path / "packed" / "model.pt")
+    for key in one:
+        torch.testing.assert_close(other[key], one[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs when packed")
 
 
 @pytest.mark.slow  # one torchrun launch of two processes

@@ -68,3 +68,14 @@ class Pad:
         for row, t in zip(out, column):
             row[:t.shape[0]] = t
         return out
+
+
+class Packed(Pad):
+    """Rows of packed samples (launcher/data/text/packing.py: input_ids, labels, position_ids, document_ids),
+    padded at the end to the longest row as Pad does: input_ids with `pad_id`, labels with -100 (no target),
+    position_ids with 0, document_ids with -1 (padding is a sample of its own, which no token of the rows
+    sees). The step turns document_ids into the model's attention mask (launcher/model/packed.py)."""
+
+    def __init__(self, pad_id: int = 0, multiple_of: int = 1):
+        super().__init__(values={"input_ids": pad_id, "labels": -100, "position_ids": 0, "document_ids": -1},
+                         multiple_of=multiple_of)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional
 import torch
 from torch import nn
 
+from launcher.model import packed
 from launcher.model.plain import unwrap
 
 IGNORE_INDEX = -100  # the label that is not a target (torch's CrossEntropyLoss and HF's convention)
@@ -63,18 +64,27 @@ class ModelLoss:
     the batch has `labels`, the step counts the labels that are targets (after the causal shift, for a
     causal LM loss) and passes that count as `num_items_in_batch`, so the model's loss is a mean over
     exactly the items the step reports: accumulation is then token-weighted.
+
+    A packed batch (its `document_ids` say which sample of a row each token is of) gets, in their place,
+    the 4-D attention mask by which no token sees another sample, in the form the model's attention reads
+    (launcher/model/packed.py); a model that cannot take one is a UserError.
     """
 
     def __init__(self, labels: str = "labels", ignore_index: int = IGNORE_INDEX):
         self.labels = labels
         self.ignore_index = ignore_index
         self._plan: Optional[tuple] = None  # per model: (argument names or None, counts items, shifts labels)
+        self._mask: Optional[str] = None  # the form of attention mask the model reads (packed batches)
         self.left_out: List[str] = []  # batch keys the model's forward does not take
 
     def __call__(self, model: nn.Module, batch: Any) -> Dict[str, Any]:
         if isinstance(batch, Mapping):
             names, counts, shifts = self._plan or self._make_plan(model, batch)
             kwargs = dict(batch) if names is None else {k: v for k, v in batch.items() if k in names}
+            if packed.KEY in batch:  # rows of several samples: none may see another
+                self._mask = self._mask or packed.form(unwrap(model), names)
+                kwargs.pop(packed.KEY, None)
+                kwargs["attention_mask"] = packed.mask(batch[packed.KEY], self._mask)
             target = batch.get(self.labels)
             count = None
             if counts and isinstance(target, torch.Tensor):
@@ -100,7 +110,11 @@ class ModelLoss:
         named = {n for n, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
         names = named if named else None  # forward(**batch): every key
-        self.left_out = [k for k in batch if names is not None and k not in names]
+        if names is not None and takes_any and hasattr(plain, "get_base_model"):
+            # a peft model passes its **kwargs (position_ids among them) on to the model it adapts, whose
+            # forward HF Trainer reads for the keys to keep
+            names |= set(_parameters(plain.get_base_model().forward))
+        self.left_out = [k for k in batch if names is not None and k not in names and k != packed.KEY]
         # HF Trainer's rule: a model declares it, or a forward with **kwargs takes the loss keywords.
         counts = getattr(plain, "accepts_loss_kwargs", takes_any or "num_items_in_batch" in named)
         loss_fn = getattr(plain, "loss_function", None)

@@ -13,6 +13,7 @@ import torch
 
 from launcher.data.sampling import to_device
 from launcher.errors import UserError, a_kind, first_line
+from launcher.model import packed
 from launcher.model.step import ModelLoss, Supervised, items_in, result
 
 CAUGHT = (RuntimeError, ValueError, TypeError, IndexError)
@@ -58,9 +59,28 @@ def check(first_items: Callable[[], Any], collate: Callable, model, step, metric
         raise UserError(f"step: num_items must be a count (an integer or a scalar tensor), got "
                         f"{_described(out.num_items)}")
     _check_metrics(metrics, out, items_in(batch), autocast)
+    if isinstance(batch, Mapping) and packed.KEY in batch:
+        _check_packed(model, step, batch, autocast)
     left_out = getattr(step, "left_out", [])
     return [f"step: model(**batch) leaves out {', '.join(left_out)} (not arguments of "
             f"{type(model).__name__}.forward)"] if left_out else []
+
+
+def _check_packed(model, step, batch: Mapping, autocast) -> None:
+    """Packed rows: that no sample sees another in this model (two forwards more, on every rank alike)."""
+    def loss_of(changed: Mapping) -> torch.Tensor:
+        with autocast():
+            return result(step(model, changed)).loss
+
+    was_training = model.training
+    model.eval()
+    try:
+        problem = packed.crossing(loss_of, batch, getattr(step, "labels", "labels"))
+    finally:
+        model.train(was_training)
+    if problem:
+        raise UserError(f"data.train: {problem}; give it an attention that takes a 4-D mask (transformers' sdpa or "
+                        f"eager), or set data.train.packing: false")
 
 
 def _not_fitting(e: Exception, key: str) -> UserError:

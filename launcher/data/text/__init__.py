@@ -6,7 +6,7 @@ the loss on the answers. Each piece is one file, swappable on its own:
     formats.py    text (continued pretraining) and prompt_completion; labels from token offsets
     chat.py       chat: conversations rendered by a chat template, the assistant turns as answers
     dataset.py    TextDataset: the pieces joined into a map-style dataset, for data.train / data.val
-    packing.py    (next) several samples in one row, no attention across them
+    packing.py    several samples in one row, none seeing another (the step masks by document_ids)
 
 Not yet: a cache of the tokenized data (issue 35, item 6): every rank tokenizes the files at start."""
 

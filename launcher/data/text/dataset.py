@@ -4,19 +4,18 @@ tokenizer (tokenizer.py), the format that turns a row into a sample (formats.py,
 the packer (packing.py).
 
 Every rank builds it alike from the same files (no randomness but packing's, from `seed`), so each holds the
-same samples in the same order; the sampler then gives each rank its share. The samples are kept in memory,
+same samples in the same order (and rows); the sampler then gives each rank its share. The samples are kept in memory,
 tokenized at start (no cache yet: issue 35's item 6). Its `notes` are the lines the run says at start: what
 was read and made of it, what was truncated, dropped or skipped."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch.utils.data import Dataset
 
-from launcher.data.text import sources, tokenizer as tokenizers
+from launcher.data.text import packing as packer, sources, tokenizer as tokenizers
 from launcher.data.text.chat import BadTemplate, Chat
 from launcher.data.text.formats import IGNORE, LOSS_ON, BadRow, PromptCompletion, Sample, Text
 from launcher.errors import UserError
@@ -40,8 +39,9 @@ class TextDataset(Dataset):
     loss_on: answers (the assistant turns, the completion) or all (every token)
     overlong: truncate (cut at max_len) or drop, for a sample longer than max_len (chat, prompt_completion)
     bad_rows: error (one line naming the file and row) or skip (counted, and the first one said)
-    packing: several samples in one row of max_len (true: not built yet)
+    packing: several samples in one row of max_len, none seeing another (collate: launcher.data.collate.Packed)
     seed: packing's, given the recipe's seed (${seed})
+    batch_size: with packing, the batch a line at start reckons padding in (the recipe's ${data.batch_size})
     split: the split of a saved DatasetDict
     text_rows: a .txt file as one row (document) or a row per line (line)
     """
@@ -50,7 +50,7 @@ class TextDataset(Dataset):
                  columns: Optional[Dict[str, str]] = None, template: Optional[str] = None,
                  chat_template: Optional[str] = None, loss_on: str = "answers", overlong: str = "truncate",
                  bad_rows: str = "error", packing: bool = False, seed: int = 0, split: str = "train",
-                 text_rows: str = "document"):
+                 text_rows: str = "document", batch_size: Optional[int] = None):
         _check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template)
         self.tokenizer = tokenizers.load(tokenizer)
         self.pad_id = tokenizers.pad_id(self.tokenizer)  # what a packer fills a row's end with
@@ -74,21 +74,25 @@ class TextDataset(Dataset):
                               f"{then if overlong == 'truncate' else 'dropped'} (overlong: {overlong})")
         if skipped:
             self.notes.append(f"{_count(skipped, 'malformed row')} skipped (bad_rows: skip); the first: {first}")
-        self.rows, self.packed = self.samples, packing
-        if packing:  # the hook for packing.py: samples in, rows of at most max_len tokens out
-            from launcher.data.text import packing as packer
-
-            self.rows = packer.pack(self.samples, max_len, seed)
+        # which samples make each item: one each, or packed several to a row (packing.py, from the seed alone)
+        lengths = [len(sample["input_ids"]) for sample in self.samples]
+        self.rows, self.packed = [[i] for i in range(len(self.samples))], packing
+        if packing:
+            self.rows = packer.plan(lengths, max_len, seed)
+        if packing and batch_size:
+            self.notes.append(packer.padding(lengths, self.rows, max_len, batch_size, seed))
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
-        """A sample with its attention_mask (ones: Pad's padding adds the zeros), or a packed row as the packer
-        made it (which says where its samples are in keys of its own)."""
-        item = {key: torch.tensor(value, dtype=torch.long) for key, value in self.rows[index].items()}
-        if not self.packed:
-            item["attention_mask"] = torch.ones_like(item["input_ids"])
+        """A sample with its attention_mask (ones: the collate's padding adds the zeros), or a packed row:
+        input_ids, labels, position_ids and document_ids (packing.join), joined as it is asked for."""
+        if self.packed:
+            row = packer.join([self.samples[i] for i in self.rows[index]])
+            return {key: torch.tensor(value, dtype=torch.long) for key, value in row.items()}
+        item = {key: torch.tensor(value, dtype=torch.long) for key, value in self.samples[self.rows[index][0]].items()}
+        item["attention_mask"] = torch.ones_like(item["input_ids"])
         return item
 
 
@@ -108,8 +112,6 @@ def _check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, tem
         raise ValueError(f"chat_template: format {format} takes none")
     if packing is not False and packing is not True:
         raise ValueError(f"packing: {packing!r}: true or false")
-    if packing and importlib.util.find_spec("launcher.data.text.packing") is None:
-        raise ValueError("packing: true is not built yet (issue 35's packing comes next); set packing: false")
 
 
 def _columns(format: str, given: Optional[Dict[str, str]]) -> Dict[str, str]:
