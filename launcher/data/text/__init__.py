@@ -5,11 +5,14 @@ the loss on the answers. Each piece is one file, swappable on its own:
     tokenizer.py  the model folder's tokenizer, its files checked as untrusted input, nothing in it run
     formats.py    text (continued pretraining) and prompt_completion; labels from token offsets
     chat.py       chat: conversations rendered by a chat template, the assistant turns as answers
+    samples.py    rows into samples one at a time (max_len applied, text cut into rows), each with its place
     dataset.py    TextDataset: the pieces joined into a map-style dataset, for data.train / data.val
+    streamed.py   TextStream: the same samples in the same order as a stream, read and tokenized as they come
     packing.py    several samples in one row, none seeing another (the step masks by document_ids)
 
 Not yet: a cache of the tokenized data (issue 35, item 6): every rank tokenizes the files at start."""
 
 from launcher.data.text.dataset import TextDataset
+from launcher.data.text.streamed import TextStream
 
-__all__ = ["TextDataset"]
+__all__ = ["TextDataset", "TextStream"]

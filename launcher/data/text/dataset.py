@@ -10,19 +10,14 @@ was read and made of it, what was truncated, dropped or skipped."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 from torch.utils.data import Dataset
 
-from launcher.data.text import packing as packer, sources, tokenizer as tokenizers
-from launcher.data.text.chat import BadTemplate, Chat
-from launcher.data.text.formats import IGNORE, LOSS_ON, BadRow, PromptCompletion, Sample, Text
+from launcher.data.text import packing as packer, samples as making, sources, tokenizer as tokenizers
+from launcher.data.text.formats import IGNORE, Sample
 from launcher.errors import UserError
-
-FORMATS = {"chat": Chat, "prompt_completion": PromptCompletion, "text": Text}
-OVERLONG = ("truncate", "drop")
-BAD_ROWS = ("error", "skip")
 
 
 class TextDataset(Dataset):
@@ -51,29 +46,31 @@ class TextDataset(Dataset):
                  chat_template: Optional[str] = None, loss_on: str = "answers", overlong: str = "truncate",
                  bad_rows: str = "error", packing: bool = False, seed: int = 0, split: str = "train",
                  text_rows: str = "document", batch_size: Optional[int] = None):
-        _check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template)
+        making.check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template)
         self.tokenizer = tokenizers.load(tokenizer)
         self.pad_id = tokenizers.pad_id(self.tokenizer)  # what a packer fills a row's end with
-        make = _format(format, self.tokenizer, tokenizer, _columns(format, columns), loss_on, template, chat_template)
-        read, (skipped, first) = _samples(sources.rows(files, split, text_rows), make, bad_rows)
-        over = lost = 0
+        make = making.make(format, self.tokenizer, tokenizer, making.columns(format, columns), loss_on, template,
+                           chat_template)
+        counts = making.Counts()
+        read = making.made(sources.rows(files, split, text_rows), make, bad_rows, counts)
         if format == "text":
-            self.samples = cut(read, max_len)
+            self.samples = [sample for _, sample in making.cut(read, max_len)]
         else:
-            self.samples, over, lost = fit(read, max_len, overlong)
+            self.samples = [sample for _, sample in making.fit(read, max_len, overlong, counts)]
         if not self.samples:
-            raise UserError(f"files: {_named(files)}: no samples in them ({len(read)} rows taken as {format}, "
-                            f"{skipped} skipped)")
+            raise UserError(f"files: {_named(files)}: no samples in them ({counts.rows} rows taken as {format}, "
+                            f"{counts.skipped} skipped)")
         # the lines the run says at start, under this dataset's key (data.train: ...), on rank 0
-        self.notes = [f"tokenizer of {tokenizer}: {len(self.tokenizer)} tokens, {tokenizers.described(self.tokenizer)}"
-                      + (f"; {make.described(chat_template)}" if format == "chat" else ""),
-                      _summary(files, format, len(read), self.samples, loss_on)]
-        if over:
+        self.notes = [making.tokenizer_line(self.tokenizer, tokenizer, format, make, chat_template),
+                      _summary(files, format, counts.rows, self.samples, loss_on)]
+        if counts.over:
+            lost = counts.lost
             then = f"truncated at it{f' ({lost} of them, left with no answer token, dropped)' if lost else ''}"
-            self.notes.append(f"{over} of {len(read)} samples longer than max_len {max_len} tokens: "
+            self.notes.append(f"{counts.over} of {counts.rows} samples longer than max_len {max_len} tokens: "
                               f"{then if overlong == 'truncate' else 'dropped'} (overlong: {overlong})")
-        if skipped:
-            self.notes.append(f"{_count(skipped, 'malformed row')} skipped (bad_rows: skip); the first: {first}")
+        if counts.skipped:
+            self.notes.append(f"{_count(counts.skipped, 'malformed row')} skipped (bad_rows: skip); the first: "
+                              f"{counts.first}")
         # which samples make each item: one each, or packed several to a row (packing.py, from the seed alone)
         lengths = [len(sample["input_ids"]) for sample in self.samples]
         self.rows, self.packed = [[i] for i in range(len(self.samples))], packing
@@ -91,92 +88,7 @@ class TextDataset(Dataset):
         if self.packed:
             row = packer.join([self.samples[i] for i in self.rows[index]])
             return {key: torch.tensor(value, dtype=torch.long) for key, value in row.items()}
-        item = {key: torch.tensor(value, dtype=torch.long) for key, value in self.samples[self.rows[index][0]].items()}
-        item["attention_mask"] = torch.ones_like(item["input_ids"])
-        return item
-
-
-def _check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template) -> None:
-    """The arguments' values, or ValueError: the recipe's mistake, which the launcher says under its key."""
-    for key, value, valid in (("format", format, tuple(FORMATS)), ("loss_on", loss_on, LOSS_ON),
-                              ("overlong", overlong, OVERLONG), ("bad_rows", bad_rows, BAD_ROWS),
-                              ("text_rows", text_rows, sources.TEXT_ROWS)):
-        if value not in valid:
-            raise ValueError(f"{key}: {value!r} is not one of {', '.join(valid)}")
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
-        raise ValueError(f"max_len: {max_len!r}: the most tokens a sample has, an integer of 2 or more")
-    if template is not None and format != "prompt_completion":
-        raise ValueError(f"template: format {format} takes none (a prompt_completion's template); chat's is "
-                         f"chat_template")
-    if chat_template is not None and format != "chat":
-        raise ValueError(f"chat_template: format {format} takes none")
-    if packing is not False and packing is not True:
-        raise ValueError(f"packing: {packing!r}: true or false")
-
-
-def _columns(format: str, given: Optional[Dict[str, str]]) -> Dict[str, str]:
-    roles = FORMATS[format].roles
-    given = dict(given or {})
-    for role, name in given.items():
-        if role not in roles:
-            raise ValueError(f"columns: {role!r}: format {format} reads the columns {', '.join(roles)}")
-        if not isinstance(name, str):
-            raise ValueError(f"columns.{role}: {name!r}: a column's name")
-    return {role: given.get(role, role) for role in roles}
-
-
-def _format(format: str, tokenizer: Any, folder: str, columns: Dict[str, str], loss_on: str,
-            template: Optional[str], chat_template: Optional[str]):
-    if format == "chat":
-        return Chat(tokenizer, columns, loss_on, tokenizers.chat_template(tokenizer, chat_template, folder))
-    if format == "prompt_completion":
-        return PromptCompletion(tokenizer, columns, loss_on, template)
-    return Text(tokenizer, columns, loss_on)
-
-
-def _samples(rows: Iterable[sources.Row], make, bad_rows: str) -> Tuple[List[Sample], Tuple[int, str]]:
-    """The samples of the rows that make one, and (how many were skipped, the first of them)."""
-    samples, skipped, first = [], 0, ""
-    for row in rows:
-        try:
-            if row.problem is not None:
-                raise BadRow(row.problem)
-            sample = make(row.value)
-        except BadRow as e:
-            if bad_rows == "error":
-                raise UserError(f"{row.where}: {e} (bad_rows: skip would skip such rows and count them)") from None
-            skipped, first = skipped + 1, first or f"{row.where}: {e}"
-            continue
-        except BadTemplate as e:
-            raise UserError(f"{row.where}: {e}") from None
-        if sample is not None:
-            samples.append(sample)
-    return samples, (skipped, first)
-
-
-def cut(documents: List[Sample], max_len: int) -> List[Sample]:
-    """Documents (each ending in EOS) joined into one stream of tokens, cut into rows of max_len; the last
-    row keeps what is left (shorter, if it has a target)."""
-    stream = [token for document in documents for token in document["input_ids"]]
-    rows = [stream[at:at + max_len] for at in range(0, len(stream), max_len)]
-    return [{"input_ids": row, "labels": list(row)} for row in rows if len(row) >= 2]
-
-
-def fit(samples: List[Sample], max_len: int, overlong: str) -> Tuple[List[Sample], int, int]:
-    """The samples that fit max_len (truncated ones too, with overlong: truncate), how many did not, and how
-    many of those lost every target to truncation (and were dropped: they would teach nothing)."""
-    kept, over, lost = [], 0, 0
-    for sample in samples:
-        if len(sample["input_ids"]) > max_len:
-            over += 1
-            if overlong == "drop":
-                continue
-            sample = {key: value[:max_len] for key, value in sample.items()}
-            if all(label == IGNORE for label in sample["labels"][1:]):  # the first token is never predicted
-                lost += 1
-                continue
-        kept.append(sample)
-    return kept, over, lost
+        return making.item(self.samples[self.rows[index][0]])
 
 
 def _summary(files, format: str, rows: int, samples: List[Sample], loss_on: str) -> str:

@@ -1,0 +1,167 @@
+"""Rows into samples, one at a time: what `TextDataset` (all in memory) and `TextStream` (as they come) share.
+
+The arguments are checked alike (`check`, `columns`), the format made alike (`make`), and each step is a
+generator over the one before, so the same rows give the same samples in the same order to both:
+
+    sources.rows -> made (a sample per row; bad rows raise or are counted) -> fit (chat, prompt_completion:
+    max_len applied) or cut (text: documents joined and cut into rows of max_len)
+
+Each sample comes with its place: the rows to skip and the tokens of the next row to drop to read on
+right after it (a stream's `state_dict`). A `Counts` gathers what a run says about the rows as they pass."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from launcher.data.text import sources, tokenizer as tokenizers
+from launcher.data.text.chat import BadTemplate, Chat
+from launcher.data.text.formats import IGNORE, LOSS_ON, BadRow, PromptCompletion, Sample, Text
+from launcher.errors import UserError
+
+FORMATS = {"chat": Chat, "prompt_completion": PromptCompletion, "text": Text}
+OVERLONG = ("truncate", "drop")
+BAD_ROWS = ("error", "skip")
+Place = Tuple[int, int]  # (rows read before the next sample's first token, that row's tokens to drop)
+
+
+@dataclass
+class Counts:
+    """What passed: rows made into samples, rows skipped (and the first), samples over max_len, and those of
+    them truncated to no target (dropped)."""
+
+    rows: int = 0
+    skipped: int = 0
+    first: str = ""
+    over: int = 0
+    lost: int = 0
+
+
+def check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template) -> None:
+    """The arguments' values, or ValueError: the recipe's mistake, which the launcher says under its key."""
+    for key, value, valid in (("format", format, tuple(FORMATS)), ("loss_on", loss_on, LOSS_ON),
+                              ("overlong", overlong, OVERLONG), ("bad_rows", bad_rows, BAD_ROWS),
+                              ("text_rows", text_rows, sources.TEXT_ROWS)):
+        if value not in valid:
+            raise ValueError(f"{key}: {value!r} is not one of {', '.join(valid)}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+        raise ValueError(f"max_len: {max_len!r}: the most tokens a sample has, an integer of 2 or more")
+    if template is not None and format != "prompt_completion":
+        raise ValueError(f"template: format {format} takes none (a prompt_completion's template); chat's is "
+                         f"chat_template")
+    if chat_template is not None and format != "chat":
+        raise ValueError(f"chat_template: format {format} takes none")
+    if packing is not False and packing is not True:
+        raise ValueError(f"packing: {packing!r}: true or false")
+
+
+def columns(format: str, given: Optional[Dict[str, str]]) -> Dict[str, str]:
+    roles = FORMATS[format].roles
+    given = dict(given or {})
+    for role, name in given.items():
+        if role not in roles:
+            raise ValueError(f"columns: {role!r}: format {format} reads the columns {', '.join(roles)}")
+        if not isinstance(name, str):
+            raise ValueError(f"columns.{role}: {name!r}: a column's name")
+    return {role: given.get(role, role) for role in roles}
+
+
+def make(format: str, tokenizer: Any, folder: str, columns: Dict[str, str], loss_on: str,
+         template: Optional[str], chat_template: Optional[str]):
+    """The format's maker: a row's columns in, a sample (or None: nothing to learn) out."""
+    if format == "chat":
+        return Chat(tokenizer, columns, loss_on, tokenizers.chat_template(tokenizer, chat_template, folder))
+    if format == "prompt_completion":
+        return PromptCompletion(tokenizer, columns, loss_on, template)
+    return Text(tokenizer, columns, loss_on)
+
+
+def tokenizer_line(tokenizer: Any, folder: str, format: str, maker, chat_template: Optional[str]) -> str:
+    """'tokenizer of FOLDER: 249 tokens, BOS ..., EOS ...' and, for chat, how its answers are found."""
+    return (f"tokenizer of {folder}: {len(tokenizer)} tokens, {tokenizers.described(tokenizer)}"
+            + (f"; {maker.described(chat_template)}" if format == "chat" else ""))
+
+
+def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip: int = 0) -> Iterator[tuple]:
+    """(rows read through this one, its sample) for each row that makes one; a bad row raises one line, or
+    (bad_rows: skip) is counted. The first `skip` rows are passed over unmade (a resumed stream)."""
+    for read, row in enumerate(rows, 1):
+        if read <= skip:
+            continue
+        try:
+            if row.problem is not None:
+                raise BadRow(row.problem)
+            sample = maker(row.value)
+        except BadRow as e:
+            if bad_rows == "error":
+                raise UserError(f"{row.where}: {e} (bad_rows: skip would skip such rows and count them)") from None
+            counts.skipped, counts.first = counts.skipped + 1, counts.first or f"{row.where}: {e}"
+            continue
+        except BadTemplate as e:
+            raise UserError(f"{row.where}: {e}") from None
+        if sample is not None:
+            counts.rows += 1
+            yield read, sample
+
+
+def item(sample: Sample) -> Dict[str, torch.Tensor]:
+    """A sample as the loader takes it: LongTensors, with its attention_mask (ones: the collate's padding adds
+    the zeros)."""
+    out = {key: torch.tensor(value, dtype=torch.long) for key, value in sample.items()}
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    return out
+
+
+def fit(samples: Iterable[tuple], max_len: int, overlong: str, counts: Counts) -> Iterator[Tuple[Place, Sample]]:
+    """The samples that fit max_len (truncated ones too, with overlong: truncate), each with its place; those
+    that did not are counted, and those that lost every target to truncation dropped (they would teach
+    nothing)."""
+    for read, sample in samples:
+        if len(sample["input_ids"]) > max_len:
+            counts.over += 1
+            if overlong == "drop":
+                continue
+            sample = {key: value[:max_len] for key, value in sample.items()}
+            if all(label == IGNORE for label in sample["labels"][1:]):  # the first token is never predicted
+                counts.lost += 1
+                continue
+        yield (read, 0), sample
+
+
+def cut(documents: Iterable[tuple], max_len: int, drop: int = 0) -> Iterator[Tuple[Place, Sample]]:
+    """Documents (each ending in EOS) joined into one stream of tokens, cut into rows of max_len; the last
+    row keeps what is left (shorter, if it has a target). `drop`: the first document's tokens given already.
+
+    Each row comes with its place: the document its next token is in (rows read before it) and how many of
+    that document's tokens are given, so that a stream reads on from there holding no more than a row's
+    worth of tokens and the document they are in."""
+    waiting: List[int] = []
+    held: Deque[list] = deque()  # [rows read through the document, its tokens, its tokens still waiting]
+    read = 0
+    for read, document in documents:
+        ids = document["input_ids"][drop:]
+        held.append([read, len(document["input_ids"]), len(ids)])
+        waiting += ids
+        drop = 0
+        while len(waiting) >= max_len:
+            row, waiting = waiting[:max_len], waiting[max_len:]
+            yield _given(held, max_len, read), {"input_ids": row, "labels": list(row)}
+    if len(waiting) >= 2:
+        yield (read, 0), {"input_ids": waiting, "labels": list(waiting)}
+
+
+def _given(held: Deque[list], tokens: int, read: int) -> Place:
+    """Takes `tokens` from the documents held, the first first; the place of the next token."""
+    while tokens:
+        taken = min(tokens, held[0][2])
+        held[0][2] -= taken
+        tokens -= taken
+        if not held[0][2]:
+            held.popleft()
+    if not held:
+        return read, 0
+    through, length, left = held[0]
+    return through - 1, length - left
