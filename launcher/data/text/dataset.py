@@ -1,7 +1,8 @@
 """`TextDataset`: text files and a model folder's tokenizer made into a map-style dataset of token samples, for
 `data.train` / `data.val` in any recipe. It joins the pieces, each in its own file: the rows (sources.py), the
-tokenizer (tokenizer.py), the format that turns a row into a sample (formats.py, chat.py), and, where asked,
-the packer (packing.py).
+tokenizer (tokenizer.py), the format that turns a row into a sample (formats.py, chat.py) one row after
+another (samples.py, which TextStream shares to stream the same samples), and, where asked, the packer
+(packing.py).
 
 Every rank builds it alike from the same files (no randomness but packing's, from `seed`), so each holds the
 same samples in the same order (and rows); the sampler then gives each rank its share. The samples are kept in memory,
