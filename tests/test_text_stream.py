@@ -1,7 +1,8 @@
 """TextStream (launcher/data/text/streamed.py): TextDataset's samples in its order for chat, prompt_completion and
-text, read as they come (a few rows read for a few samples, rows before a resume's place never tokenized),
-resumed from its state at any sample as the pass that went through; recipes/hf_sft.yaml streaming trains the
-weights of TextDataset's unshuffled samples, resumes mid-epoch bitwise, and under ddp x2 ends as one process."""
+text, and its packed rows where one buffer holds every sample; read as they come (a few rows read for a few
+samples, rows before a resume's place never tokenized); resumed from its state after any item as the pass
+that went through, packed too; recipes/hf_sft.yaml streaming trains the weights of TextDataset's unshuffled
+samples, resumes mid-epoch bitwise (packed too), and under ddp x2 ends as one process."""
 
 import json
 import re
@@ -52,11 +53,12 @@ FORMATS = {
 }
 
 
-def both(folder, files, case):
-    """(TextDataset, TextStream) of one case's arguments."""
+def both(folder, files, case, **extra):
+    """(TextDataset, TextStream) of one case's arguments (and the stream's `extra`)."""
     kwargs = dict(FORMATS[case])
     path = str(files / kwargs.pop("file"))
-    return TextDataset(folder, path, **kwargs), TextStream(folder, path, **kwargs)
+    stream_only = {key: extra.pop(key) for key in list(extra) if key == "packing_buffer"}
+    return TextDataset(folder, path, **kwargs, **extra), TextStream(folder, path, **kwargs, **extra, **stream_only)
 
 
 def assert_same_items(got, expected):
@@ -76,16 +78,41 @@ def test_the_stream_gives_the_dataset_samples_in_its_order(folder, files, case):
         assert stream.counts.skipped == 1 and "line 8" in stream.counts.first
 
 
-@pytest.mark.parametrize("case", ["chat", "text"])
-def test_a_stream_resumed_from_its_state_after_any_sample_gives_the_rest(folder, files, case):
-    _, stream = both(folder, files, case)
+@pytest.mark.parametrize("case", ["chat", "prompt_completion"])
+def test_packed_with_every_sample_in_one_buffer_the_stream_gives_the_dataset_packed_rows(folder, files, case):
+    dataset, stream = both(folder, files, case, packing=True, seed=3)
+    rows = list(stream)
+    assert len(rows) < 30 and set(rows[0]) == {"input_ids", "labels", "position_ids", "document_ids"}
+    assert_same_items(rows, [dataset[i] for i in range(len(dataset))])
+
+
+def test_packed_in_buffers_each_row_holds_samples_of_one_buffer_and_every_sample_is_in_one(folder, files):
+    _, stream = both(folder, files, "chat", packing=True, packing_buffer=7)
+    unpacked = [sample["input_ids"].tolist() for sample in both(folder, files, "chat")[1]]
+    buffers = {}
+    for row in stream:
+        at = stream.state_dict()
+        buffer = at["buffer"] - (at["given"] == 0)  # a buffer's last row leaves the place at the next
+        ids, documents = row["input_ids"].tolist(), row["document_ids"].tolist()
+        for document in sorted(set(documents)):
+            buffers.setdefault(buffer, []).append([t for t, d in zip(ids, documents) if d == document])
+    assert sorted(buffers) == [0, 1, 2, 3, 4]
+    for k, samples in buffers.items():
+        assert sorted(samples) == sorted(unpacked[7 * k:7 * (k + 1)]), f"buffer {k}"
+
+
+@pytest.mark.parametrize("case, extra", [("chat", {}), ("text", {}),
+                                         ("chat", {"packing": True, "packing_buffer": 7})],
+                         ids=["chat", "text", "chat-packed"])
+def test_a_stream_resumed_from_its_state_after_any_item_gives_the_rest(folder, files, case, extra):
+    _, stream = both(folder, files, case, **extra)
     whole = list(stream)
     for taken in range(len(whole)):
         reading = iter(stream)
         for _ in range(taken + 1):
             next(reading)
         state = stream.state_dict()
-        _, resumed = both(folder, files, case)
+        _, resumed = both(folder, files, case, **extra)
         resumed.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint keeps it
         assert_same_items(list(resumed), whole[taken + 1:])
     assert len(list(stream)) == len(whole)  # the pass after a resumed one starts from the start
@@ -112,18 +139,18 @@ def test_taking_samples_reads_only_their_rows_and_a_resume_tokenizes_none_before
     for _ in range(3):
         next(reading)
     assert read == [f"{big}, line {n}" for n in (1, 2, 3)]
-    assert stream.state_dict() == {"rows": 3, "drop": 0}
+    assert stream.state_dict() == {"rows": 3, "drop": 0, "buffer": 0, "given": 0}
     made = []
     make = stream.make
     stream.make = lambda row: made.append(row) or make(row)
-    stream.load_state_dict({"rows": 15_000, "drop": 0})
+    stream.load_state_dict({"rows": 15_000, "drop": 0, "buffer": 0, "given": 0})
     next(iter(stream))
-    assert len(made) == 1 and stream.state_dict() == {"rows": 15_001, "drop": 0}
+    assert len(made) == 1 and stream.state_dict()["rows"] == 15_001
 
 
-def test_packing_on_a_stream_and_a_missing_file_are_one_line_at_start(folder, files):
-    with pytest.raises(ValueError, match=r"^packing: a TextStream is not packed"):
-        TextStream(folder, str(files / "chat.jsonl"), packing=True)
+def test_a_bad_packing_buffer_and_a_missing_file_are_one_line_at_start(folder, files):
+    with pytest.raises(ValueError, match=r"^packing_buffer: 0: how many samples are packed together"):
+        TextStream(folder, str(files / "chat.jsonl"), packing=True, packing_buffer=0)
     with pytest.raises(UserError, match=r"^files: .*nope.jsonl: no such file"):
         TextStream(folder, str(files / "nope.jsonl"))
 
@@ -171,12 +198,26 @@ def test_the_sft_recipe_streamed_trains_as_the_dataset_unshuffled_and_resumes_mi
     for key in dataset:
         torch.testing.assert_close(whole[key], dataset[key], rtol=1e-6, atol=1e-7, msg=f"{key}: not the dataset's")
     saved = torch.load(tmp_path / "whole" / "checkpoints" / "step_3" / "state.pt", weights_only=True)["stream"]
-    assert saved[0]["epoch"] == 1 and saved[0]["batch"] == 1 and saved[0]["dataset"] == {"rows": 8, "drop": 0}, saved
+    assert saved[0]["epoch"] == 1 and saved[0]["batch"] == 1 and saved[0]["dataset"]["rows"] == 8, saved
     here(base, tmp_path / "resumed", STREAM, f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step_3'}",
          "checkpoint.every=null")
     said = capsys.readouterr().out
     assert "read again" not in said and "skipped" not in said, said
     resumed = state_dict(tmp_path / "resumed" / "model.pt")
+    for key in whole:
+        assert torch.equal(resumed[key], whole[key]), f"{key} differs after the resume"
+
+
+def test_the_sft_recipe_streamed_and_packed_resumes_mid_epoch_bitwise(base, tmp_path, capsys):
+    packed = [STREAM, "data.train.packing=true", "data.train.packing_buffer=6", "data.batch_size=4"]
+    here(base, tmp_path / "whole", *packed, "checkpoint.every=1", "checkpoint.keep=10")
+    said = capsys.readouterr().out
+    assert "data.train: packing: 6 samples at a time packed into rows of at most 64 tokens" in said, said
+    saved = torch.load(tmp_path / "whole" / "checkpoints" / "step_4" / "state.pt", weights_only=True)["stream"]
+    assert saved[0]["dataset"]["given"] > 0, saved  # in the middle of a buffer
+    here(base, tmp_path / "resumed", *packed, f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step_4'}",
+         "checkpoint.every=null")
+    whole, resumed = state_dict(tmp_path / "whole" / "model.pt"), state_dict(tmp_path / "resumed" / "model.pt")
     for key in whole:
         assert torch.equal(resumed[key], whole[key]), f"{key} differs after the resume"
 

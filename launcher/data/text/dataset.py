@@ -87,8 +87,7 @@ class TextDataset(Dataset):
         """A sample with its attention_mask (ones: the collate's padding adds the zeros), or a packed row:
         input_ids, labels, position_ids and document_ids (packing.join), joined as it is asked for."""
         if self.packed:
-            row = packer.join([self.samples[i] for i in self.rows[index]])
-            return {key: torch.tensor(value, dtype=torch.long) for key, value in row.items()}
+            return making.item(packer.join([self.samples[i] for i in self.rows[index]]), mask=False)
         return making.item(self.samples[self.rows[index][0]])
 
 

@@ -107,11 +107,12 @@ def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip
             yield read, sample
 
 
-def item(sample: Sample) -> Dict[str, torch.Tensor]:
-    """A sample as the loader takes it: LongTensors, with its attention_mask (ones: the collate's padding adds
-    the zeros)."""
+def item(sample: Sample, mask: bool = True) -> Dict[str, torch.Tensor]:
+    """A sample (or a packed row) as the loader takes it: LongTensors; `mask`: with its attention_mask (ones:
+    the collate's padding adds the zeros; a packed row says where its samples are by its document_ids)."""
     out = {key: torch.tensor(value, dtype=torch.long) for key, value in sample.items()}
-    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    if mask:
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
     return out
 
 
