@@ -24,13 +24,25 @@ class UserError(Exception):
     """
 
     def __init__(self, *problems: str, every_rank: bool = False, agreed: bool = False):
-        self.problems = [p for p in problems if p]
+        self.problems = _from_worker([p for p in problems if p])
         # Most mistakes are the same on every rank, and rank 0 alone reports them; a problem of
         # one rank's own (its device, its environment) is reported by that rank.
         self.every_rank = every_rank
         # Every rank has learnt of it through a collective (Strategy.agree), so rank 0 reports it.
         self.agreed = agreed
         super().__init__("\n".join(self.problems))
+
+
+WORKER = "Caught UserError in DataLoader worker process"
+RAISED = "\nlauncher.errors.UserError: "
+
+
+def _from_worker(problems: list) -> list:
+    """The problems a loader worker met (a stream's bad row), where torch raises them again in the main process
+    as UserError(its own first line and the worker's traceback): what the worker's UserError said, without it."""
+    if len(problems) != 1 or not problems[0].startswith(WORKER) or RAISED not in problems[0]:
+        return problems
+    return [line for line in problems[0].rsplit(RAISED, 1)[1].splitlines() if line]
 
 
 def first_line(e: object) -> str:

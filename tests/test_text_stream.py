@@ -2,7 +2,8 @@
 text, and its packed rows where one buffer holds every sample; read as they come (a few rows read for a few
 samples, rows before a resume's place never tokenized); resumed from its state after any item as the pass
 that went through, packed too; recipes/hf_sft.yaml streaming trains the weights of TextDataset's unshuffled
-samples, resumes mid-epoch bitwise (packed too), and under ddp x2 ends as one process."""
+samples, resumes mid-epoch bitwise (packed too), says a bad row met mid-run in one line (from a loader worker
+too), and under ddp x2 ends as one process."""
 
 import json
 import re
@@ -220,6 +221,20 @@ def test_the_sft_recipe_streamed_and_packed_resumes_mid_epoch_bitwise(base, tmp_
     whole, resumed = state_dict(tmp_path / "whole" / "model.pt"), state_dict(tmp_path / "resumed" / "model.pt")
     for key in whole:
         assert torch.equal(resumed[key], whole[key]), f"{key} differs after the resume"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_bad_row_met_mid_run_is_one_line_from_a_loader_worker_too(base, tmp_path, workers):
+    """The first global batch is checked at start; row 12 is met at the second step, in a worker or not."""
+    lines = (base / "chat.jsonl").read_text().splitlines()
+    lines[11] = json.dumps({"messages": [{"role": "bot", "content": "hi"}]})
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError) as raised:
+        here(base, tmp_path / "run", STREAM, f"data.train.files={tmp_path / 'bad.jsonl'}", "checkpoint.every=null",
+             f"data.num_workers={workers}")
+    assert raised.value.problems == [f"{tmp_path / 'bad.jsonl'}, line 12: message 1 has the role 'bot'; a role is one "
+                                     f"of system, user, assistant, tool (bad_rows: skip would skip such rows and count "
+                                     f"them)"]
 
 
 @pytest.mark.slow  # one torchrun launch of two processes
