@@ -1,6 +1,7 @@
 """`TextStream`: TextDataset's samples as a stream, for data larger than memory. Rows are read and tokenized as
 the loader asks for samples (samples.py's generators over sources.py's), never all at once: what is held is
-one row, and for `text` the tokens of a row of max_len still to give and the document they are in.
+one row, and for `text` the tokens of a row of max_len still to give and the document they are in (a .json
+array and a .txt file as one document are one read each: sources.py reads those whole).
 
 It takes TextDataset's arguments and gives its items, in its order (the files' order: a stream is not
 shuffled). With `packing: true` it reads `packing_buffer` samples ahead and packs them into rows as
