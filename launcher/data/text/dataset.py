@@ -5,17 +5,22 @@ the packer (packing.py).
 
 Every rank builds it alike from the same files (no randomness but packing's, from `seed`), so each holds the
 same samples in the same order (and rows); the sampler then gives each rank its share. The samples are kept in memory,
-tokenized at start (no cache yet: issue 35's item 6). Its `notes` are the lines the run says at start: what
-was read and made of it, what was truncated, dropped or skipped."""
+tokenized at start, or read from the cache (cache.py) where the same files, tokenizer and settings made them
+before: one rank tokenizes while the others wait, then all read its entry. Its `notes` are the lines the run
+says at start: what was read and made of it, what was truncated, dropped or skipped, and whether the cache
+held it."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch.utils.data import Dataset
 
-from launcher.data.text import packing as packer, sources, tokenizer as tokenizers
+from launcher.data.text import cache as token_cache, packing as packer, sources, tokenizer as tokenizers
 from launcher.data.text.chat import BadTemplate, Chat
 from launcher.data.text.formats import IGNORE, LOSS_ON, BadRow, PromptCompletion, Sample, Text
 from launcher.errors import UserError
@@ -23,6 +28,7 @@ from launcher.errors import UserError
 FORMATS = {"chat": Chat, "prompt_completion": PromptCompletion, "text": Text}
 OVERLONG = ("truncate", "drop")
 BAD_ROWS = ("error", "skip")
+LARGE = 64 << 20  # bytes of files from which tokenizing shows a progress bar (tens of thousands of rows and up)
 
 
 class TextDataset(Dataset):
@@ -44,36 +50,46 @@ class TextDataset(Dataset):
     batch_size: with packing, the batch a line at start reckons padding in (the recipe's ${data.batch_size})
     split: the split of a saved DatasetDict
     text_rows: a .txt file as one row (document) or a row per line (line)
+    cache: where the tokenized samples are kept for the next run: true (the default folder: $LAUNCHER_CACHE/text,
+        else $XDG_CACHE_HOME/launcher/text, else ~/.cache/launcher/text), a folder, or null (tokenized each run)
     """
 
     def __init__(self, tokenizer: str, files: Union[str, List[str]], format: str = "chat", max_len: int = 2048,
                  columns: Optional[Dict[str, str]] = None, template: Optional[str] = None,
                  chat_template: Optional[str] = None, loss_on: str = "answers", overlong: str = "truncate",
                  bad_rows: str = "error", packing: bool = False, seed: int = 0, split: str = "train",
-                 text_rows: str = "document", batch_size: Optional[int] = None):
-        _check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template)
+                 text_rows: str = "document", batch_size: Optional[int] = None,
+                 cache: Union[str, bool, None] = True):
+        _check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template, cache)
         self.tokenizer = tokenizers.load(tokenizer)
         self.pad_id = tokenizers.pad_id(self.tokenizer)  # what a packer fills a row's end with
-        make = _format(format, self.tokenizer, tokenizer, _columns(format, columns), loss_on, template, chat_template)
-        read, (skipped, first) = _samples(sources.rows(files, split, text_rows), make, bad_rows)
-        over = lost = 0
-        if format == "text":
-            self.samples = cut(read, max_len)
-        else:
-            self.samples, over, lost = fit(read, max_len, overlong)
-        if not self.samples:
-            raise UserError(f"files: {_named(files)}: no samples in them ({len(read)} rows taken as {format}, "
-                            f"{skipped} skipped)")
-        # the lines the run says at start, under this dataset's key (data.train: ...), on rank 0
+        columns = _columns(format, columns)
+        used = tokenizers.chat_template(self.tokenizer, chat_template, tokenizer) if format == "chat" else None
+        make = _format(format, self.tokenizer, columns, loss_on, template, used)
+        found = sources.paths(files)
+        # everything that changes a sample (packing does not: its rows are drawn below, from the lengths)
+        settings = {"files": files, "format": format, "columns": columns, "template": template, "chat_template": used,
+                    "max_len": max_len, "loss_on": loss_on, "overlong": overlong, "bad_rows": bad_rows,
+                    "split": split, "text_rows": text_rows}
+        root = token_cache.folder(cache)
+        under = token_cache.key(found, Path(tokenizer).expanduser(), tokenizers.files(tokenizer), settings) \
+            if root is not None else None
+        progress = _progress(found)
+        self.samples, counts, cached = token_cache.cached(root, under, lambda: _tokenized(
+            files, split, text_rows, make, bad_rows, format, max_len, overlong, progress))
+        # the lines the run says at start, under this dataset's key (data.train: ...), on rank 0: the same
+        # whether the samples were tokenized now or read from the cache, but the last, which says which
         self.notes = [f"tokenizer of {tokenizer}: {len(self.tokenizer)} tokens, {tokenizers.described(self.tokenizer)}"
                       + (f"; {make.described(chat_template)}" if format == "chat" else ""),
-                      _summary(files, format, len(read), self.samples, loss_on)]
-        if over:
+                      _summary(files, format, counts["rows"], self.samples, loss_on)]
+        if counts["over"]:
+            over, lost = counts["over"], counts["lost"]
             then = f"truncated at it{f' ({lost} of them, left with no answer token, dropped)' if lost else ''}"
-            self.notes.append(f"{over} of {len(read)} samples longer than max_len {max_len} tokens: "
+            self.notes.append(f"{over} of {counts['rows']} samples longer than max_len {max_len} tokens: "
                               f"{then if overlong == 'truncate' else 'dropped'} (overlong: {overlong})")
-        if skipped:
-            self.notes.append(f"{_count(skipped, 'malformed row')} skipped (bad_rows: skip); the first: {first}")
+        if counts["skipped"]:
+            self.notes.append(f"{_count(counts['skipped'], 'malformed row')} skipped (bad_rows: skip); the first: "
+                              f"{counts['first']}")
         # which samples make each item: one each, or packed several to a row (packing.py, from the seed alone)
         lengths = [len(sample["input_ids"]) for sample in self.samples]
         self.rows, self.packed = [[i] for i in range(len(self.samples))], packing
@@ -81,6 +97,7 @@ class TextDataset(Dataset):
             self.rows = packer.plan(lengths, max_len, seed)
         if packing and batch_size:
             self.notes.append(packer.padding(lengths, self.rows, max_len, batch_size, seed))
+        self.notes.append(cached)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -96,7 +113,7 @@ class TextDataset(Dataset):
         return item
 
 
-def _check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template) -> None:
+def _check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template, cache) -> None:
     """The arguments' values, or ValueError: the recipe's mistake, which the launcher says under its key."""
     for key, value, valid in (("format", format, tuple(FORMATS)), ("loss_on", loss_on, LOSS_ON),
                               ("overlong", overlong, OVERLONG), ("bad_rows", bad_rows, BAD_ROWS),
@@ -112,6 +129,8 @@ def _check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, tem
         raise ValueError(f"chat_template: format {format} takes none")
     if packing is not False and packing is not True:
         raise ValueError(f"packing: {packing!r}: true or false")
+    if not (cache is None or isinstance(cache, bool) or isinstance(cache, str) and cache):
+        raise ValueError(f"cache: {cache!r}: true (the default folder), a folder, or null (no cache)")
 
 
 def _columns(format: str, given: Optional[Dict[str, str]]) -> Dict[str, str]:
@@ -125,13 +144,42 @@ def _columns(format: str, given: Optional[Dict[str, str]]) -> Dict[str, str]:
     return {role: given.get(role, role) for role in roles}
 
 
-def _format(format: str, tokenizer: Any, folder: str, columns: Dict[str, str], loss_on: str,
-            template: Optional[str], chat_template: Optional[str]):
+def _format(format: str, tokenizer: Any, columns: Dict[str, str], loss_on: str, template: Optional[str],
+            chat_template: Optional[str]):
     if format == "chat":
-        return Chat(tokenizer, columns, loss_on, tokenizers.chat_template(tokenizer, chat_template, folder))
+        return Chat(tokenizer, columns, loss_on, chat_template)
     if format == "prompt_completion":
         return PromptCompletion(tokenizer, columns, loss_on, template)
     return Text(tokenizer, columns, loss_on)
+
+
+def _tokenized(files, split: str, text_rows: str, make, bad_rows: str, format: str, max_len: int, overlong: str,
+               progress: bool) -> Tuple[List[Sample], Dict[str, Any]]:
+    """The files' samples, and the counts the lines at start are made of: what the cache keeps."""
+    rows = sources.rows(files, split, text_rows)
+    if progress:
+        from tqdm import tqdm
+
+        rows = tqdm(rows, desc="tokenizing", unit=" rows", mininterval=1.0)
+    read, (skipped, first) = _samples(rows, make, bad_rows)
+    over = lost = 0
+    if format == "text":
+        samples = cut(read, max_len)
+    else:
+        samples, over, lost = fit(read, max_len, overlong)
+    if not samples:
+        raise UserError(f"files: {_named(files)}: no samples in them ({len(read)} rows taken as {format}, "
+                        f"{skipped} skipped)")
+    return samples, {"rows": len(read), "skipped": skipped, "first": first, "over": over, "lost": lost,
+                     "samples": len(samples)}
+
+
+def _progress(paths: List[Path]) -> bool:
+    """Whether tokenizing shows a bar: for large files, on a terminal, on global rank 0 alone (torchrun's
+    RANK; a rank that waits for another to fill the cache shows nothing)."""
+    size = sum(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+               for path in paths)
+    return size >= LARGE and sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"
 
 
 def _samples(rows: Iterable[sources.Row], make, bad_rows: str) -> Tuple[List[Sample], Tuple[int, str]]:
