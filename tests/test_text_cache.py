@@ -73,7 +73,8 @@ def test_the_notes_are_the_same_from_the_cache_with_packing_skipped_and_truncate
     settings = dict(bad_rows="skip", packing=True, batch_size=2)
     fresh, again = (TextDataset(folder, str(data), max_len=24, cache=str(where), **settings) for _ in range(2))
     assert fresh.notes[-1].startswith("tokenized 11 rows, cached at ") and again.notes[-1].startswith("cache: hit ")
-    assert again.notes[:-1] == fresh.notes[:-1] and len(fresh.notes) == 6  # tokenizer, rows, truncated, skipped, packing
+    # the tokenizer, the rows, the truncated, the skipped, packing, the cache
+    assert again.notes[:-1] == fresh.notes[:-1] and len(fresh.notes) == 6
     assert again.samples == fresh.samples and again.rows == fresh.rows
 
 

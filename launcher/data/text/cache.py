@@ -18,8 +18,8 @@ The folder is untrusted input (DESIGN, invariant 13): safetensors checks the hea
 dtype, shape and offsets inside the file) before anything is read, nothing in it is code, and the arrays'
 dtypes, shapes, sums and CRC are checked before one sample is made. An entry that fails is said in one line
 and rebuilt. Entries are written to a temporary file and renamed into place (os.replace), so ranks writing at
-once, or a run killed mid-write, never leave half an entry; ranks of one run wait on a lock (flock) while one
-of them tokenizes, then read what it wrote."""
+once, or a run killed mid-write, never leave half an entry (at most a `.partial` file); ranks wait on a lock
+(flock, beside the entry) while one of them tokenizes, then read what it wrote."""
 
 from __future__ import annotations
 
@@ -76,13 +76,14 @@ def key(files: List[Path], tokenizer: Path, tokenizer_files: List[Path], setting
     files that exist) under `settings` (each a JSON value: what changes a sample, the chat template used)."""
     where = {"files": [str(p.resolve()) for p in files], "tokenizer": str(tokenizer.resolve()), "settings": settings}
     held = {"files": [_held(p) for p in files],
-            "tokenizer": _digest([(p.name if p.parent == tokenizer else str(p.relative_to(tokenizer)), p)
-                                  for p in tokenizer_files if p.is_file()]),
+            "tokenizer": _digest([(str(p.relative_to(tokenizer)), p) for p in tokenizer_files if p.is_file()]),
             "libraries": {name: _version(name) for name in LIBRARIES}}
-    return Key(where, held)
+    # as JSON gives them back (tuples as lists, keys as strings), so that an entry's key compares equal
+    return Key(json.loads(_canonical(where)), json.loads(_canonical(held)))
 
 
-def cached(root: Optional[Path], made_under: Optional[Key], build: Callable[[], Made]) -> Tuple[Samples, Dict[str, Any], str]:
+def cached(root: Optional[Path], made_under: Optional[Key],
+           build: Callable[[], Made]) -> Tuple[Samples, Dict[str, Any], str]:
     """The samples and counts of the entry for `made_under` in `root`, or those `build` makes (then written
     there), and the line that says which."""
     if root is None or made_under is None:
@@ -92,10 +93,10 @@ def cached(root: Optional[Path], made_under: Optional[Key], build: Callable[[], 
     found, why = read(path, made_under)
     if found is not None:
         return (*found, f"cache: hit {path}")
-    with contextlib.ExitStack() as held:
+    with contextlib.ExitStack() as lock:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            held.enter_context(_locked(path.with_suffix(".lock")))
+            lock.enter_context(_locked(path.with_suffix(".lock")))
         except OSError as e:  # a folder that cannot be written: the run goes on, tokenizing as without a cache
             samples, counts = build()
             return samples, counts, f"tokenized {_rows(counts)}, not cached: {root}: {first_line(e)}"
@@ -169,9 +170,15 @@ def _shapes(f) -> None:
 
 
 def _whole(arrays: Dict[str, Any], counts: Any, crc: Optional[str]) -> None:
+    """The arrays and counts are an entry's as written: the counts of the lines at start, the samples' lengths
+    adding up to the tokens, the CRC-32 of the arrays."""
     lengths = arrays["lengths"]
-    if not isinstance(counts, dict) or counts.get("samples") != len(lengths):
-        raise ValueError(f"its counts ({str(counts)[:80]}) are not of its {len(lengths)} samples")
+    numbers = ("rows", "skipped", "over", "lost", "samples")
+    if not isinstance(counts, dict) or set(counts) != {*numbers, "first"} or not isinstance(counts["first"], str) \
+            or not all(type(counts[n]) is int and counts[n] >= 0 for n in numbers):
+        raise ValueError(f"its counts ({str(counts)[:80]}) are not those an entry holds")
+    if counts["samples"] != len(lengths):
+        raise ValueError(f"its counts say {counts['samples']} samples; it holds {len(lengths)}")
     if len(lengths) == 0 or int(lengths.min()) < 1 or int(lengths.sum()) != len(arrays["input_ids"]) \
             or len(arrays["labels"]) != len(arrays["input_ids"]):
         raise ValueError("its lengths do not add up to its tokens")

@@ -66,17 +66,11 @@ class TextDataset(Dataset):
         columns = _columns(format, columns)
         used = tokenizers.chat_template(self.tokenizer, chat_template, tokenizer) if format == "chat" else None
         make = _format(format, self.tokenizer, columns, loss_on, template, used)
-        found = sources.paths(files)
         # everything that changes a sample (packing does not: its rows are drawn below, from the lengths)
-        settings = {"files": files, "format": format, "columns": columns, "template": template, "chat_template": used,
+        settings = {"format": format, "columns": columns, "template": template, "chat_template": used,
                     "max_len": max_len, "loss_on": loss_on, "overlong": overlong, "bad_rows": bad_rows,
                     "split": split, "text_rows": text_rows}
-        root = token_cache.folder(cache)
-        under = token_cache.key(found, Path(tokenizer).expanduser(), tokenizers.files(tokenizer), settings) \
-            if root is not None else None
-        progress = _progress(found)
-        self.samples, counts, cached = token_cache.cached(root, under, lambda: _tokenized(
-            files, split, text_rows, make, bad_rows, format, max_len, overlong, progress))
+        self.samples, counts, cached = _cached_or_tokenized(files, tokenizer, make, settings, cache)
         # the lines the run says at start, under this dataset's key (data.train: ...), on rank 0: the same
         # whether the samples were tokenized now or read from the cache, but the last, which says which
         self.notes = [f"tokenizer of {tokenizer}: {len(self.tokenizer)} tokens, {tokenizers.described(self.tokenizer)}"
@@ -153,20 +147,32 @@ def _format(format: str, tokenizer: Any, columns: Dict[str, str], loss_on: str, 
     return Text(tokenizer, columns, loss_on)
 
 
-def _tokenized(files, split: str, text_rows: str, make, bad_rows: str, format: str, max_len: int, overlong: str,
-               progress: bool) -> Tuple[List[Sample], Dict[str, Any]]:
+def _cached_or_tokenized(files, folder: str, make, settings: Dict[str, Any], cache) -> Tuple[List[Sample], dict, str]:
+    """The samples and the counts the lines at start are made of, from the cache where it holds them for these
+    files, this tokenizer and these settings (cache.py), else tokenized now; and the line that says which."""
+    found = sources.paths(files)
+    settings = {"files": files if isinstance(files, str) else list(map(str, files)), **settings}
+    root = token_cache.folder(cache)
+    under = None if root is None else token_cache.key(found, Path(folder).expanduser(), tokenizers.files(folder),
+                                                      settings)
+    progress = _progress(found)
+    return token_cache.cached(root, under, lambda: _tokenized(files, make, settings, progress))
+
+
+def _tokenized(files, make, settings: Dict[str, Any], progress: bool) -> Tuple[List[Sample], Dict[str, Any]]:
     """The files' samples, and the counts the lines at start are made of: what the cache keeps."""
-    rows = sources.rows(files, split, text_rows)
+    format, max_len = settings["format"], settings["max_len"]
+    rows = sources.rows(files, settings["split"], settings["text_rows"])
     if progress:
         from tqdm import tqdm
 
         rows = tqdm(rows, desc="tokenizing", unit=" rows", mininterval=1.0)
-    read, (skipped, first) = _samples(rows, make, bad_rows)
+    read, (skipped, first) = _samples(rows, make, settings["bad_rows"])
     over = lost = 0
     if format == "text":
         samples = cut(read, max_len)
     else:
-        samples, over, lost = fit(read, max_len, overlong)
+        samples, over, lost = fit(read, max_len, settings["overlong"])
     if not samples:
         raise UserError(f"files: {_named(files)}: no samples in them ({len(read)} rows taken as {format}, "
                         f"{skipped} skipped)")
