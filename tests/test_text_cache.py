@@ -283,3 +283,17 @@ def test_a_cache_that_is_not_a_folder_nor_a_flag_is_the_recipes_mistake(made):
     folder, data, _ = made
     with pytest.raises(ValueError, match=r"^cache: 3: true \(the default folder\), a folder, or null"):
         TextDataset(folder, data, cache=3)
+
+
+@pytest.mark.parametrize("size, terminal, rank, shown", [
+    (64 << 20, True, None, True), (64 << 20, True, "0", True), ((64 << 20) - 1, True, None, False),
+    (64 << 20, False, None, False), (64 << 20, True, "1", False)])
+def test_a_progress_bar_only_for_large_files_on_a_terminal_on_rank_0(tmp_path, monkeypatch, size, terminal, rank,
+                                                                     shown):
+    data = tmp_path / "big.jsonl"
+    with open(data, "wb") as f:
+        f.truncate(size)  # sparse: nothing written
+    monkeypatch.setattr(text_dataset.sys.stderr, "isatty", lambda: terminal)
+    if rank is not None:
+        monkeypatch.setenv("RANK", rank)
+    assert text_dataset._progress([data]) is shown
