@@ -78,6 +78,19 @@ def test_the_notes_are_the_same_from_the_cache_with_packing_skipped_and_truncate
     assert again.samples == fresh.samples and again.rows == fresh.rows
 
 
+@pytest.mark.parametrize("format, name, text", [
+    ("text", "docs.txt", "The quick brown fox jumps over the lazy dog. " * 6),
+    ("prompt_completion", "pc.csv", "prompt,completion\nWhat is 9 times 3?, 27\nWhat is 12 plus 7?, 19\n")])
+def test_every_format_reads_back_what_it_tokenized(made, tmp_path, format, name, text):
+    folder, _, where = made
+    (tmp_path / name).write_text(text)
+    first, second = (TextDataset(folder, str(tmp_path / name), format=format, max_len=16, cache=str(where))
+                     for _ in range(2))
+    assert second.notes[-1] == f"cache: hit {entry(where)}" and first.notes[-1].startswith("tokenized ")
+    assert second.samples == first.samples and second.notes[:-1] == first.notes[:-1]
+    assert TextDataset(folder, str(tmp_path / name), format=format, max_len=16, cache=None).samples == first.samples
+
+
 def rewrite_keeping_size_and_mtime(path, old, new):
     assert len(old) == len(new)
     stat = os.stat(path)
@@ -241,6 +254,23 @@ def test_two_processes_building_at_once_both_end_with_the_right_samples(made):
     # one tokenized while the other waited on the lock, then read what it wrote
     assert sorted(line for _, line in results) == [f"cache: hit {path}", f"tokenized 3 rows, cached at {path}"]
     assert sorted(p.name for p in where.iterdir()) == [path.with_suffix(".lock").name, path.name]  # no partial file
+
+
+def test_a_build_stopped_mid_write_leaves_no_entry(made, monkeypatch):
+    import safetensors.numpy
+
+    folder, data, where = made
+
+    def stopped(arrays, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"input_ids\": ")  # half a header, then ^C
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
+        patched.setattr(safetensors.numpy, "save_file", stopped)
+        build(folder, data, where)
+    assert list(where.glob("*.safetensors")) == [] and list(where.glob("*.partial")) == []
+    assert build(folder, data, where).notes[-1] == f"tokenized 3 rows, cached at {entry(where)}"
 
 
 def test_an_entry_that_cannot_be_written_is_said_and_the_run_goes_on(made, monkeypatch):
