@@ -11,7 +11,7 @@ changed file or tokenizer rebuilds its entry in place rather than leaving an orp
 
 Files are known by their content, not their mtime: a file whose bytes changed is re-tokenized even where its
 size and mtime were put back (os.utime), and one only touched (a git checkout, a copy) is not. Hashing reads
-every file once per run (SHA-256, about 400 MB/s on one core of a small machine): seconds for gigabytes, where
+every file once per run on every rank (SHA-256: hundreds of MB/s on one core): seconds for gigabytes, where
 tokenizing them takes minutes.
 
 The folder is untrusted input (DESIGN, invariant 13): safetensors checks the header (its size, every tensor's
