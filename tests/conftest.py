@@ -25,8 +25,10 @@ SMALL = [
 
 
 @pytest.fixture(autouse=True)
-def _in_repo(monkeypatch):
+def _in_repo(monkeypatch, tmp_path_factory):
     monkeypatch.chdir(REPO)
+    # the text data's token cache of each test its own, never the user's ~/.cache (processes a test starts too)
+    monkeypatch.setenv("LAUNCHER_CACHE", str(tmp_path_factory.mktemp("launcher-cache")))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.delenv(var, raising=False)
 

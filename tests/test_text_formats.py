@@ -205,7 +205,7 @@ def test_packing_serves_rows_of_whole_samples_each_once(folders, tmp_path):
         assert set(item) == {"input_ids", "labels", "position_ids", "document_ids"} and len(item["input_ids"]) <= 200
         assert item["input_ids"].tolist() == [t for i in row for t in data.samples[i]["input_ids"]]
         assert item["document_ids"].tolist() == [d for d, i in enumerate(row) for _ in data.samples[i]["input_ids"]]
-    assert data.notes[-1].startswith(f"packing: 9 samples into {len(data)} rows of at most 200 tokens; padding in "
+    assert data.notes[-2].startswith(f"packing: 9 samples into {len(data)} rows of at most 200 tokens; padding in "
                                      f"batches of 2: ")
     again = TextDataset(str(folders["bpe", False]), jsonl(tmp_path / "chat.jsonl", rows), max_len=200, packing=True,
                         seed=3)

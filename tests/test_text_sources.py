@@ -119,7 +119,7 @@ def test_a_malformed_row_is_one_line_naming_the_file_and_row_or_is_skipped_and_c
         TextDataset(folder, path)
     assert str(e.value) == f"{path}, line 2: {says} (bad_rows: skip would skip such rows and count them)"
     skipped = TextDataset(folder, path, bad_rows="skip")
-    assert len(skipped) == 2 and skipped.notes[-1] == (f"1 malformed row skipped (bad_rows: skip); the first: "
+    assert len(skipped) == 2 and skipped.notes[-2] == (f"1 malformed row skipped (bad_rows: skip); the first: "
                                                        f"{path}, line 2: {says}")
 
 
@@ -129,7 +129,7 @@ def test_malformed_csv_and_text_rows_name_their_row_and_line(folder, tmp_path):
     with pytest.raises(UserError, match=f"^{csv}, row 2: not UTF-8 \\(byte 0xfe at column 6\\)"):
         TextDataset(folder, str(csv), format="prompt_completion")
     skipped = TextDataset(folder, str(csv), format="prompt_completion", bad_rows="skip")
-    assert len(skipped) == 1 and skipped.notes[-1].startswith("2 malformed rows skipped (bad_rows: skip); the first: ")
+    assert len(skipped) == 1 and skipped.notes[-2].startswith("2 malformed rows skipped (bad_rows: skip); the first: ")
     text = tmp_path / "doc.txt"
     text.write_bytes(b"One.\nTwo.\nThree \xc3(.\n")
     with pytest.raises(UserError, match=f"^{text}, line 3: not UTF-8 \\(byte 0xc3\\)"):

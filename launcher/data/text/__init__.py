@@ -9,8 +9,8 @@ the loss on the answers. Each piece is one file, swappable on its own:
     dataset.py    TextDataset: the pieces joined into a map-style dataset, for data.train / data.val
     streamed.py   TextStream: the same samples in the same order as a stream, read and tokenized as they come
     packing.py    several samples in one row, none seeing another (the step masks by document_ids)
-
-Not yet: a cache of the tokenized data (issue 35, item 6): every rank tokenizes the files at start."""
+    cache.py      the tokenized samples kept on disk (safetensors), keyed by the files' bytes, the tokenizer's
+                  files, the chat template and the settings: a second run and every rank read them back"""
 
 from launcher.data.text.dataset import TextDataset
 from launcher.data.text.streamed import TextStream

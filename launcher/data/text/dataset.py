@@ -6,19 +6,28 @@ another (samples.py, which TextStream shares to stream the same samples), and, w
 
 Every rank builds it alike from the same files (no randomness but packing's, from `seed`), so each holds the
 same samples in the same order (and rows); the sampler then gives each rank its share. The samples are kept in memory,
-tokenized at start (no cache yet: issue 35's item 6). Its `notes` are the lines the run says at start: what
-was read and made of it, what was truncated, dropped or skipped."""
+tokenized at start, or read from the cache (cache.py) where the same files, tokenizer and settings made them
+before: one rank tokenizes while the others wait, then all read its entry. Its `notes` are the lines the run
+says at start: what was read and made of it, what was truncated, dropped or skipped, and whether the cache
+held it."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Union
+import os
+import sys
+from pathlib import Path
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.utils.data import Dataset
 
-from launcher.data.text import packing as packer, samples as making, sources, tokenizer as tokenizers
+from launcher.data.text import cache as token_cache, packing as packer, samples as making, sources, \
+    tokenizer as tokenizers
 from launcher.data.text.formats import IGNORE, Sample
 from launcher.errors import UserError
+
+LARGE = 64 << 20  # bytes of files from which tokenizing shows a progress bar (tens of thousands of rows and up)
 
 
 class TextDataset(Dataset):
@@ -40,38 +49,40 @@ class TextDataset(Dataset):
     batch_size: with packing, the batch a line at start reckons padding in (the recipe's ${data.batch_size})
     split: the split of a saved DatasetDict
     text_rows: a .txt file as one row (document) or a row per line (line)
+    cache: where the tokenized samples are kept for the next run: true (the default folder: $LAUNCHER_CACHE/text,
+        else $XDG_CACHE_HOME/launcher/text, else ~/.cache/launcher/text), a folder, or null (tokenized each run)
     """
 
     def __init__(self, tokenizer: str, files: Union[str, List[str]], format: str = "chat", max_len: int = 2048,
                  columns: Optional[Dict[str, str]] = None, template: Optional[str] = None,
                  chat_template: Optional[str] = None, loss_on: str = "answers", overlong: str = "truncate",
                  bad_rows: str = "error", packing: bool = False, seed: int = 0, split: str = "train",
-                 text_rows: str = "document", batch_size: Optional[int] = None):
+                 text_rows: str = "document", batch_size: Optional[int] = None,
+                 cache: Union[str, bool, None] = True):
         making.check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template)
+        _check_cache(cache)
         self.tokenizer = tokenizers.load(tokenizer)
         self.pad_id = tokenizers.pad_id(self.tokenizer)  # what a packer fills a row's end with
-        make = making.make(format, self.tokenizer, tokenizer, making.columns(format, columns), loss_on, template,
-                           chat_template)
-        counts = making.Counts()
-        read = making.made(sources.rows(files, split, text_rows), make, bad_rows, counts)
-        if format == "text":
-            self.samples = [sample for _, sample in making.cut(read, max_len)]
-        else:
-            self.samples = [sample for _, sample in making.fit(read, max_len, overlong, counts)]
-        if not self.samples:
-            raise UserError(f"files: {_named(files)}: no samples in them ({counts.rows} rows taken as {format}, "
-                            f"{counts.skipped} skipped)")
-        # the lines the run says at start, under this dataset's key (data.train: ...), on rank 0
+        columns = making.columns(format, columns)
+        used = making.template_used(self.tokenizer, format, chat_template, tokenizer)
+        make = making.make(format, self.tokenizer, columns, loss_on, template, used)
+        # everything that changes a sample (packing does not: its rows are drawn below, from the lengths)
+        settings = {"format": format, "columns": columns, "template": template, "chat_template": used,
+                    "max_len": max_len, "loss_on": loss_on, "overlong": overlong, "bad_rows": bad_rows,
+                    "split": split, "text_rows": text_rows}
+        self.samples, counts, cached = _cached_or_tokenized(files, tokenizer, make, settings, cache)
+        # the lines the run says at start, under this dataset's key (data.train: ...), on rank 0: the same
+        # whether the samples were tokenized now or read from the cache, but the last, which says which
         self.notes = [making.tokenizer_line(self.tokenizer, tokenizer, format, make, chat_template),
-                      _summary(files, format, counts.rows, self.samples, loss_on)]
-        if counts.over:
-            lost = counts.lost
+                      _summary(files, format, counts["rows"], self.samples, loss_on)]
+        if counts["over"]:
+            over, lost = counts["over"], counts["lost"]
             then = f"truncated at it{f' ({lost} of them, left with no answer token, dropped)' if lost else ''}"
-            self.notes.append(f"{counts.over} of {counts.rows} samples longer than max_len {max_len} tokens: "
+            self.notes.append(f"{over} of {counts['rows']} samples longer than max_len {max_len} tokens: "
                               f"{then if overlong == 'truncate' else 'dropped'} (overlong: {overlong})")
-        if counts.skipped:
-            self.notes.append(f"{_count(counts.skipped, 'malformed row')} skipped (bad_rows: skip); the first: "
-                              f"{counts.first}")
+        if counts["skipped"]:
+            self.notes.append(f"{_count(counts['skipped'], 'malformed row')} skipped (bad_rows: skip); the first: "
+                              f"{counts['first']}")
         # which samples make each item: one each, or packed several to a row (packing.py, from the seed alone)
         lengths = [len(sample["input_ids"]) for sample in self.samples]
         self.rows, self.packed = [[i] for i in range(len(self.samples))], packing
@@ -79,6 +90,7 @@ class TextDataset(Dataset):
             self.rows = packer.plan(lengths, max_len, seed)
         if packing and batch_size:
             self.notes.append(packer.padding(lengths, self.rows, max_len, batch_size, seed))
+        self.notes.append(cached)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -89,6 +101,52 @@ class TextDataset(Dataset):
         if self.packed:
             return making.item(packer.join([self.samples[i] for i in self.rows[index]]), mask=False)
         return making.item(self.samples[self.rows[index][0]])
+
+
+def _check_cache(cache) -> None:
+    """The cache's value (the other arguments are checked by samples.check, as TextStream's), or ValueError."""
+    if not (cache is None or isinstance(cache, bool) or isinstance(cache, str) and cache):
+        raise ValueError(f"cache: {cache!r}: true (the default folder), a folder, or null (no cache)")
+
+
+def _cached_or_tokenized(files, folder: str, make, settings: Dict[str, Any], cache) -> Tuple[List[Sample], dict, str]:
+    """The samples and the counts the lines at start are made of, from the cache where it holds them for these
+    files, this tokenizer and these settings (cache.py), else tokenized now; and the line that says which."""
+    found = sources.paths(files)
+    settings = {"files": files if isinstance(files, str) else list(map(str, files)), **settings}
+    root = token_cache.folder(cache)
+    under = None if root is None else token_cache.key(found, Path(folder).expanduser(), tokenizers.files(folder),
+                                                      settings)
+    progress = _progress(found)
+    return token_cache.cached(root, under, lambda: _tokenized(files, make, settings, progress))
+
+
+def _tokenized(files, make, settings: Dict[str, Any], progress: bool) -> Tuple[List[Sample], Dict[str, Any]]:
+    """The files' samples, and the counts the lines at start are made of: what the cache keeps."""
+    format, max_len = settings["format"], settings["max_len"]
+    rows = sources.rows(files, settings["split"], settings["text_rows"])
+    if progress:
+        from tqdm import tqdm
+
+        rows = tqdm(rows, desc="tokenizing", unit=" rows", mininterval=1.0)
+    counts = making.Counts()
+    read = making.made(rows, make, settings["bad_rows"], counts)
+    if format == "text":
+        samples = [sample for _, sample in making.cut(read, max_len)]
+    else:
+        samples = [sample for _, sample in making.fit(read, max_len, settings["overlong"], counts)]
+    if not samples:
+        raise UserError(f"files: {_named(files)}: no samples in them ({counts.rows} rows taken as {format}, "
+                        f"{counts.skipped} skipped)")
+    return samples, {**asdict(counts), "samples": len(samples)}
+
+
+def _progress(paths: List[Path]) -> bool:
+    """Whether tokenizing shows a bar: for large files, on a terminal, on global rank 0 alone (torchrun's
+    RANK; a rank that waits for another to fill the cache shows nothing)."""
+    size = sum(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+               for path in paths)
+    return size >= LARGE and sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"
 
 
 def _summary(files, format: str, rows: int, samples: List[Sample], loss_on: str) -> str:

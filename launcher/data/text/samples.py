@@ -69,11 +69,18 @@ def columns(format: str, given: Optional[Dict[str, str]]) -> Dict[str, str]:
     return {role: given.get(role, role) for role in roles}
 
 
-def make(format: str, tokenizer: Any, folder: str, columns: Dict[str, str], loss_on: str,
-         template: Optional[str], chat_template: Optional[str]):
-    """The format's maker: a row's columns in, a sample (or None: nothing to learn) out."""
+def template_used(tokenizer: Any, format: str, chat_template: Optional[str], folder: str) -> Optional[str]:
+    """The chat template a chat is rendered by (the recipe's, else the tokenizer's; one line where there is
+    none), or None for the other formats."""
+    return tokenizers.chat_template(tokenizer, chat_template, folder) if format == "chat" else None
+
+
+def make(format: str, tokenizer: Any, columns: Dict[str, str], loss_on: str, template: Optional[str],
+         chat_template: Optional[str]):
+    """The format's maker (chat_template: the one used, `template_used`): a row's columns in, a sample (or None:
+    nothing to learn) out."""
     if format == "chat":
-        return Chat(tokenizer, columns, loss_on, tokenizers.chat_template(tokenizer, chat_template, folder))
+        return Chat(tokenizer, columns, loss_on, chat_template)
     if format == "prompt_completion":
         return PromptCompletion(tokenizer, columns, loss_on, template)
     return Text(tokenizer, columns, loss_on)

@@ -34,8 +34,8 @@ class TextStream(IterableDataset):
     """TextDataset's items, read as they come: `{"input_ids", "labels", "attention_mask"}` of one sample each, or
     packed rows `{"input_ids", "labels", "position_ids", "document_ids"}` (collate: launcher.data.collate.Packed).
 
-    Its arguments are TextDataset's (see there; `batch_size` is taken and unused, so that a recipe of
-    TextDataset's keys streams by changing `_target_` alone), and:
+    Its arguments are TextDataset's (see there; `batch_size` and `cache` are taken and unused, so that a recipe
+    of TextDataset's keys streams by changing `_target_` alone: a stream tokenizes as it reads), and:
 
     packing_buffer: with packing, how many samples are read ahead and packed together (held in memory)."""
 
@@ -43,7 +43,8 @@ class TextStream(IterableDataset):
                  columns: Optional[Dict[str, str]] = None, template: Optional[str] = None,
                  chat_template: Optional[str] = None, loss_on: str = "answers", overlong: str = "truncate",
                  bad_rows: str = "error", packing: bool = False, seed: int = 0, split: str = "train",
-                 text_rows: str = "document", batch_size: Optional[int] = None, packing_buffer: int = 1000):
+                 text_rows: str = "document", batch_size: Optional[int] = None,
+                 cache: Union[str, bool, None] = None, packing_buffer: int = 1000):
         if isinstance(packing_buffer, bool) or not isinstance(packing_buffer, int) or packing_buffer < 1:
             raise ValueError(f"packing_buffer: {packing_buffer!r}: how many samples are packed together, an "
                              f"integer of 1 or more")
@@ -51,8 +52,8 @@ class TextStream(IterableDataset):
         # every name resolved once, at start: a mistake is one line before a step, and each epoch reads these
         self.files = [str(path) for path in sources.paths(files)]
         self.tokenizer = tokenizers.load(tokenizer)
-        self.make = making.make(format, self.tokenizer, tokenizer, making.columns(format, columns), loss_on,
-                                template, chat_template)
+        used = making.template_used(self.tokenizer, format, chat_template, tokenizer)
+        self.make = making.make(format, self.tokenizer, making.columns(format, columns), loss_on, template, used)
         self.format, self.max_len, self.overlong, self.bad_rows = format, max_len, overlong, bad_rows
         self.split, self.text_rows = split, text_rows
         self.packing, self.seed, self.buffer = packing, seed, packing_buffer

@@ -13,7 +13,7 @@ transformers' sandboxed Jinja (ImmutableSandboxedEnvironment)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from launcher.errors import UserError, first_line
 from launcher.jsonfile import json_file
@@ -59,6 +59,14 @@ def load(folder: str) -> Any:
         raise UserError(f"tokenizer: {path}: the tokenizer defines no EOS token (eos_token in tokenizer_config.json); "
                         f"samples end with it and text documents are joined by it")
     return tokenizer
+
+
+def files(folder: str) -> List[Path]:
+    """The files of the folder that make its tokenizer (those that exist): what a cache of its tokens is
+    keyed by."""
+    path = Path(folder).expanduser()
+    named = [path / name for name in JSON_FILES] + [path / "chat_template.jinja"]
+    return [p for p in named if p.is_file()] + sorted(path.glob("additional_chat_templates/*.jinja"))
 
 
 def pad_id(tokenizer: Any) -> int:
