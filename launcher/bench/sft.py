@@ -41,8 +41,9 @@ TOKENS_PER_WORD = 1.7  # recipes/components/tiny_tokenizer.bpe on WORDS, measure
 
 
 def write_data(path: Path, n: int, median: int, low: int, high: int, seed: int = 0) -> None:
-    """n conversations (a user turn, then the answer) as JSON Lines, about `length` tokens each, a length drawn
-    from a lognormal around `median` and clipped to [low, high]: a function of its arguments alone."""
+    """n conversations (a user turn, then the answer) as JSON Lines, each of about a length in tokens drawn from a
+    lognormal around `median` and clipped to [low, high] (words of the tiny BPE's vocabulary, so that the tokens
+    follow from the words): a function of its arguments alone. The row prints the lengths the tokenizer made."""
     draw = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
@@ -56,7 +57,8 @@ def write_data(path: Path, n: int, median: int, low: int, high: int, seed: int =
 
 
 def prepare(run_dir: Path, size: str) -> tuple[Path, Path, dict]:
-    """The model folder, the data file and what the data is: per-item real tokens padded and packed."""
+    """The model folder, the data file and what the data is: its samples' tokens, and the rows packing makes of
+    them (with seed 0: another seed changes which equal lengths go where, not how many rows)."""
     from launcher.data.text import TextDataset
     from recipes.components.hf_folder import write
 
