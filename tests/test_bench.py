@@ -119,3 +119,30 @@ def test_gpu_benchmark_s_fine_tuning_row_runs_tiny_on_the_cpu():
         assert re.search(rf"^{setting} +Trainer +\d+\.\d+ms ", done.stdout, re.M), done.stdout
         ratio = float(re.search(rf"^{setting} +ours .*  (\d+\.\d+) \(\S+\)$", done.stdout, re.M).group(1))
         assert 0.1 < ratio < 10, done.stdout  # a sanity bound on what was measured, not a target
+
+
+@pytest.mark.slow
+def test_the_sft_row_runs_tiny_and_prints_packed_over_padded():
+    pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+    out = bench("--sft", "--sft-size", "tiny", "--sft-steps", "12")
+    for side in ("ours, padded", "ours, packed"):  # mean step, real tokens/s, final loss (its spread over seeds)
+        assert re.search(rf"^{side} +\d+\.\d\dms +[\d,]+ +\d+\.\d{{4}} \(\S+\)$", out, re.M), out
+    gain = re.search(r"^packed / padded real tokens/s (\d+\.\d{3}) \(\S+\)$", out, re.M)
+    assert gain and 0.2 < float(gain.group(1)) < 50, out  # a sanity bound on what was measured, not a target
+    if importlib.util.find_spec("trl"):
+        peer = re.search(r"^ours / TRL, packed: step (\d+\.\d{3}) \(\S+\), time per real token (\d+\.\d{3}) ", out, re.M)
+        assert peer and 0.05 < float(peer.group(1)) < 20 and 0.05 < float(peer.group(2)) < 20, out  # sanity bounds
+    else:
+        assert "TRL peer skipped: trl is not installed" in out, out
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_s_sft_row_runs_tiny_on_the_cpu():
+    pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+    done = subprocess.run([sys.executable, "-m", "launcher.bench.gpu", "--device", "cpu", "--size", "tiny",
+                           "--steps", "51", "--reps", "1", "--sft"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    gain = re.search(r"^packed / padded real tokens/s (\d+\.\d{3}) \(\S+\)$", done.stdout, re.M)
+    assert gain and 0.2 < float(gain.group(1)) < 50, done.stdout  # a sanity bound on what was measured, not a target
+    assert "python -m launcher.bench.gpu --device cpu --size tiny --steps 51 --reps 1 --sft" in done.stdout

@@ -2,7 +2,7 @@
                           [--no-ddp] [--no-peers] [--no-hf] [--no-fsdp] [--no-loggers] [--no-scaling] [--loggers]
                           [--no-startup] [--startup [--startup-reps 9]] [--no-defaults] [--defaults]
                           [--no-pretrained] [--pretrained [--pretrained-layers 11 --pretrained-width 2048]]
-                          [--layouts all|two]
+                          [--layouts all|two] [--sft [--sft-steps 60 --sft-size small|tiny]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -46,6 +46,12 @@ The pretrained row: rank 0's peak host memory to load a 416M-parameter Llama-sha
 folder under fsdp x2, built on the meta device and read slice by slice, against built whole on every
 rank (launcher/bench/pretrained.py); `--pretrained` runs this row alone.
 
+The SFT row (launcher/bench/sft.py): chat fine-tuning by recipes/hf_sft.yaml of a small random Llama on
+generated conversations whose lengths have a long tail (lognormal, 22 to 512 tokens, max_len 512), padded against
+packed, as real (non-pad) tokens a second, and TRL's SFTTrainer packing the same samples (launcher/bench/peer_sft.py,
+when trl is installed): the step and the final loss, over seeds. Only `--sft` runs it, alone: TRL's step is
+seconds on a CPU, and the row takes about 15 minutes at --reps 3.
+
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 """
 
@@ -61,6 +67,7 @@ from launcher.bench.defaults import defaults
 from launcher.bench.layouts import layouts
 from launcher.bench.runs import PY, aborted_at_exit, alternate, median, ratio
 from launcher.bench.pretrained import pretrained
+from launcher.bench.sft import sft
 from launcher.bench.startup import startup
 
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -211,7 +218,20 @@ def _parser() -> argparse.ArgumentParser:
                         help="the pretrained row alone: host memory to load an HF folder under fsdp x2")
     parser.add_argument("--pretrained-layers", type=int, default=11, help="the pretrained row's layers (default 11)")
     parser.add_argument("--pretrained-width", type=int, default=2048, help="its hidden size (default 2048: 416M parameters)")
+    parser.add_argument("--sft", dest="sft_only", action="store_true",
+                        help="the SFT row alone: padded against packed chat fine-tuning, and TRL's SFTTrainer")
+    parser.add_argument("--sft-steps", type=int, default=60, help="steps per run of the SFT row (default 60)")
+    parser.add_argument("--sft-size", choices=("small", "tiny"), default="small",
+                        help="the SFT row's data and model: small (1024 samples, max_len 512) or tiny (a smoke test)")
     return parser
+
+
+def sft_row(args) -> list[str]:
+    """The SFT row on the CPU, or one line saying why not."""
+    if importlib.util.find_spec("transformers") is None:
+        return ["SFT row skipped: transformers is not installed (pip install -c constraints.txt 'launcher[dev]')"]
+    command = f"python -m launcher.bench --sft --sft-steps {args.sft_steps} --sft-size {args.sft_size} --reps {args.reps}"
+    return sft(args, args.sft_size, "cpu", command)
 
 
 def main() -> int:
@@ -229,6 +249,9 @@ def main() -> int:
             return 0
         if args.pretrained_only:
             print("\n".join(pretrained(args)), flush=True)
+            return 0
+        if args.sft_only:
+            print("\n".join(sft_row(args)), flush=True)
             return 0
         if args.workload:
             print("\n".join(workload(args)), flush=True)

@@ -1,5 +1,5 @@
 """python -m launcher.bench.gpu [--steps 300] [--reps 3] [--size 124M|tiny] [--device cuda|cpu]
-                              [--no-compile | --compiled-only | --fsdp | --tf32 | --finetune | --fp8]
+                              [--no-compile | --compiled-only | --fsdp | --tf32 | --finetune | --fp8 | --sft]
 
 The charlm recipe (a character-level GPT on Hamlet) in bf16 on one GPU, eager and with torch.compile,
 through the launcher (`launcher.bench.child recipes/charlm.yaml ...`) and through a hand-written
@@ -34,6 +34,11 @@ Trainer on the same folder and data.
 
 `--fp8` runs instead the fp8 row (launcher/bench/fp8.py): the same 1B Llama, compiled, precision fp8 (torchao)
 against bf16: tokens/s and the loss after --steps steps.
+
+`--sft` runs instead the SFT row (launcher/bench/sft.py) on the device: a Llama-3.2-1B-shaped folder fine-tuned
+by recipes/hf_sft.yaml in bf16 on generated chat data of 20 to 2,000 tokens (max_len 2048, batch 8), padded
+against packed as real tokens a second, and TRL's SFTTrainer packing the same samples (`--size tiny`: the CPU
+row's tiny size, a smoke test). Each repetition runs three sides of --steps steps: `--steps 100 --reps 1` first.
 
 Where one command may run only 10 minutes, `--no-compile` and `--compiled-only` split the GPU benchmark
 into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to pass 10 minutes).
@@ -122,6 +127,8 @@ def main(argv=None) -> int:
                        help="instead: fine-tuning a Llama-3.2-1B-shaped HF folder, fsdp, against HF Trainer")
     which.add_argument("--fp8", dest="settings", action="store_const", const=("fp8",),
                        help="instead: that 1B Llama compiled in precision fp8 (torchao) against bf16")
+    which.add_argument("--sft", dest="settings", action="store_const", const=("sft",),
+                       help="instead: chat SFT of that 1B Llama, padded against packed, and TRL's SFTTrainer")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu --size tiny for a smoke test")
@@ -134,6 +141,8 @@ def main(argv=None) -> int:
 
 
 def measure(args, argv) -> int:
+    if args.settings == ("sft",):
+        return _sft(args, argv)
     if args.settings in (("finetune",), ("fp8",)):
         from launcher.bench.finetune import measure as finetune
         from launcher.bench.fp8 import measure as fp8
@@ -182,6 +191,17 @@ def measure(args, argv) -> int:
             tail = f"  {r:5.3f} ({lo:.3f}-{hi:.3f})" if side == "ours" else ""
             print(f"{'compiled' if compile else 'eager':9} {side:5} {step_s * 1e3:7.2f}ms {rate:10,.0f} {mfu} "
                   f"{memory}{tail}", flush=True)
+    return 0
+
+
+def _sft(args, argv) -> int:
+    """The SFT row on this device: the 1B size, or the tiny one."""
+    from launcher.bench.sft import sft
+
+    command = " ".join(["python -m launcher.bench.gpu", *(sys.argv[1:] if argv is None else argv)])
+    print(f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}", flush=True)
+    args.sft_steps = args.steps
+    print("\n".join(sft(args, "tiny" if args.size == "tiny" else "1B", args.device, command)), flush=True)
     return 0
 
 
