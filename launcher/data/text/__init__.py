@@ -5,7 +5,8 @@ the loss on the answers. Each piece is one file, swappable on its own:
     tokenizer.py  the model folder's tokenizer, its files checked as untrusted input, nothing in it run
     formats.py    text (continued pretraining) and prompt_completion; labels from token offsets
     chat.py       chat: conversations rendered by a chat template, the assistant turns as answers
-    samples.py    rows into samples one at a time (max_len applied, text cut into rows), each with its place
+    samples.py    rows into samples one at a time (max_len applied, text cut into rows), each with its place;
+                  in several spawned processes for large files (TextDataset's num_proc)
     dataset.py    TextDataset: the pieces joined into a map-style dataset, for data.train / data.val
     streamed.py   TextStream: the same samples in the same order as a stream, read and tokenized as they come
     packing.py    several samples in one row, none seeing another (the step masks by document_ids)

@@ -27,7 +27,8 @@ from launcher.data.text import cache as token_cache, packing as packer, samples 
 from launcher.data.text.formats import IGNORE, Sample
 from launcher.errors import UserError
 
-LARGE = 64 << 20  # bytes of files from which tokenizing shows a progress bar (tens of thousands of rows and up)
+LARGE = 64 << 20  # bytes of files from which tokenizing shows a progress bar and num_proc: auto takes processes
+MAX_PROCESSES = 8
 
 
 class TextDataset(Dataset):
@@ -51,6 +52,8 @@ class TextDataset(Dataset):
     text_rows: a .txt file as one row (document) or a row per line (line)
     cache: where the tokenized samples are kept for the next run: true (the default folder: $LAUNCHER_CACHE/text,
         else $XDG_CACHE_HOME/launcher/text, else ~/.cache/launcher/text), a folder, or null (tokenized each run)
+    num_proc: processes that tokenize (as HF datasets' map): auto (one for files under LARGE bytes, else one a
+        CPU this process may use, at most 8) or a number; the samples are the same whatever it is
     """
 
     def __init__(self, tokenizer: str, files: Union[str, List[str]], format: str = "chat", max_len: int = 2048,
@@ -58,9 +61,10 @@ class TextDataset(Dataset):
                  chat_template: Optional[str] = None, loss_on: str = "answers", overlong: str = "truncate",
                  bad_rows: str = "error", packing: bool = False, seed: int = 0, split: str = "train",
                  text_rows: str = "document", batch_size: Optional[int] = None,
-                 cache: Union[str, bool, None] = True):
+                 cache: Union[str, bool, None] = True, num_proc: Union[int, str] = "auto"):
         making.check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template)
         _check_cache(cache)
+        _check_num_proc(num_proc)
         self.tokenizer = tokenizers.load(tokenizer)
         self.pad_id = tokenizers.pad_id(self.tokenizer)  # what a packer fills a row's end with
         columns = making.columns(format, columns)
@@ -70,7 +74,7 @@ class TextDataset(Dataset):
         settings = {"format": format, "columns": columns, "template": template, "chat_template": used,
                     "max_len": max_len, "loss_on": loss_on, "overlong": overlong, "bad_rows": bad_rows,
                     "split": split, "text_rows": text_rows}
-        self.samples, counts, cached = _cached_or_tokenized(files, tokenizer, make, settings, cache)
+        self.samples, counts, cached = _cached_or_tokenized(files, tokenizer, make, settings, cache, num_proc)
         # the lines the run says at start, under this dataset's key (data.train: ...), on rank 0: the same
         # whether the samples were tokenized now or read from the cache, but the last, which says which
         self.notes = [making.tokenizer_line(self.tokenizer, tokenizer, format, make, chat_template),
@@ -109,7 +113,8 @@ def _check_cache(cache) -> None:
         raise ValueError(f"cache: {cache!r}: true (the default folder), a folder, or null (no cache)")
 
 
-def _cached_or_tokenized(files, folder: str, make, settings: Dict[str, Any], cache) -> Tuple[List[Sample], dict, str]:
+def _cached_or_tokenized(files, folder: str, make, settings: Dict[str, Any], cache,
+                         num_proc: Union[int, str]) -> Tuple[List[Sample], dict, str]:
     """The samples and the counts the lines at start are made of, from the cache where it holds them for these
     files, this tokenizer and these settings (cache.py), else tokenized now; and the line that says which."""
     found = sources.paths(files)
@@ -117,11 +122,12 @@ def _cached_or_tokenized(files, folder: str, make, settings: Dict[str, Any], cac
     root = token_cache.folder(cache)
     under = None if root is None else token_cache.key(found, Path(folder).expanduser(), tokenizers.files(folder),
                                                       settings)
-    progress = _progress(found)
-    return token_cache.cached(root, under, lambda: _tokenized(files, make, settings, progress))
+    progress, processes = _progress(found), _processes(found, num_proc, alone=root is not None)
+    return token_cache.cached(root, under, lambda: _tokenized(files, make, settings, progress, processes))
 
 
-def _tokenized(files, make, settings: Dict[str, Any], progress: bool) -> Tuple[List[Sample], Dict[str, Any]]:
+def _tokenized(files, make, settings: Dict[str, Any], progress: bool,
+               processes: int = 1) -> Tuple[List[Sample], Dict[str, Any]]:
     """The files' samples, and the counts the lines at start are made of: what the cache keeps."""
     format, max_len = settings["format"], settings["max_len"]
     rows = sources.rows(files, settings["split"], settings["text_rows"])
@@ -130,7 +136,7 @@ def _tokenized(files, make, settings: Dict[str, Any], progress: bool) -> Tuple[L
 
         rows = tqdm(rows, desc="tokenizing", unit=" rows", mininterval=1.0)
     counts = making.Counts()
-    read = making.made(rows, make, settings["bad_rows"], counts)
+    read = making.made(rows, make, settings["bad_rows"], counts, processes=processes)
     if format == "text":
         samples = [sample for _, sample in making.cut(read, max_len)]
     else:
@@ -141,12 +147,35 @@ def _tokenized(files, make, settings: Dict[str, Any], progress: bool) -> Tuple[L
     return samples, {**asdict(counts), "samples": len(samples)}
 
 
+def _check_num_proc(num_proc) -> None:
+    if num_proc != "auto" and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
+        raise ValueError(f"num_proc: {num_proc!r}: auto, or the number of processes that tokenize (1 or more)")
+
+
+def _processes(paths: List[Path], num_proc: Union[int, str], alone: bool) -> int:
+    """The processes that tokenize: the recipe's number, or for auto one (small files: spawning processes
+    that import torch and transformers costs seconds) or, from LARGE bytes of files, one a CPU this process
+    may use, at most MAX_PROCESSES. Under torchrun the ranks wait for one to fill the cache, so its processes
+    have the machine; without a cache every rank tokenizes, and the CPUs are shared among a machine's ranks."""
+    if num_proc != "auto":
+        return num_proc
+    if _size(paths) < LARGE:
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not alone:
+        cpus //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(MAX_PROCESSES, cpus))
+
+
+def _size(paths: List[Path]) -> int:
+    return sum(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+               for path in paths)
+
+
 def _progress(paths: List[Path]) -> bool:
     """Whether tokenizing shows a bar: for large files, on a terminal, on global rank 0 alone (torchrun's
     RANK; a rank that waits for another to fill the cache shows nothing)."""
-    size = sum(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-               for path in paths)
-    return size >= LARGE and sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"
+    return _size(paths) >= LARGE and sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"
 
 
 def _summary(files, format: str, rows: int, samples: List[Sample], loss_on: str) -> str:

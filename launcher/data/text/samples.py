@@ -12,6 +12,7 @@ right after it (a stream's `state_dict`). A `Counts` gathers what a run says abo
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -92,26 +93,67 @@ def tokenizer_line(tokenizer: Any, folder: str, format: str, maker, chat_templat
             + (f"; {maker.described(chat_template)}" if format == "chat" else ""))
 
 
-def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip: int = 0) -> Iterator[tuple]:
+def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip: int = 0,
+         processes: int = 1) -> Iterator[tuple]:
     """(rows read through this one, its sample) for each row that makes one; a bad row raises one line, or
-    (bad_rows: skip) is counted. The first `skip` rows are passed over unmade (a resumed stream)."""
-    for read, row in enumerate(rows, 1):
-        if read <= skip:
-            continue
-        try:
-            if row.problem is not None:
-                raise BadRow(row.problem)
-            sample = maker(row.value)
-        except BadRow as e:
+    (bad_rows: skip) is counted. The first `skip` rows are passed over unmade (a resumed stream).
+    `processes` > 1 makes the samples in that many processes (`in_processes`): the same samples, counts and
+    lines, in the same order."""
+    read_rows = ((read, row) for read, row in enumerate(rows, 1) if read > skip)
+    outcomes = in_processes(read_rows, maker, processes) if processes > 1 else (
+        (read, row, _outcome(maker, row.value, row.problem)) for read, row in read_rows)
+    for read, row, outcome in outcomes:
+        if isinstance(outcome, BadRow):
             if bad_rows == "error":
-                raise UserError(f"{row.where}: {e} (bad_rows: skip would skip such rows and count them)") from None
-            counts.skipped, counts.first = counts.skipped + 1, counts.first or f"{row.where}: {e}"
-            continue
-        except BadTemplate as e:
-            raise UserError(f"{row.where}: {e}") from None
-        if sample is not None:
+                raise UserError(f"{row.where}: {outcome} (bad_rows: skip would skip such rows and count them)")
+            counts.skipped, counts.first = counts.skipped + 1, counts.first or f"{row.where}: {outcome}"
+        elif isinstance(outcome, BadTemplate):
+            raise UserError(f"{row.where}: {outcome}")
+        elif outcome is not None:
             counts.rows += 1
-            yield read, sample
+            yield read, outcome
+
+
+def _outcome(maker, value: Any, problem: Optional[str]) -> Any:
+    """A row's sample, None (nothing to learn), or what is wrong with it (BadRow, BadTemplate), returned."""
+    try:
+        if problem is not None:
+            raise BadRow(problem)
+        return maker(value)
+    except (BadRow, BadTemplate) as e:
+        return e
+
+
+CHUNK = 256  # rows a process makes at a time
+_MAKER = None  # a process's maker (in_processes)
+
+
+def in_processes(read_rows: Iterator[tuple], maker, processes: int) -> Iterator[tuple]:
+    """(read, row, outcome) as the serial path gives them, the rows made in `processes` processes: a window
+    of CHUNK rows per process at a time is read, made and handed on in order, so that no more rows than a
+    window are held beyond the samples. The processes are spawned (a fork beside torch.distributed's threads
+    can hang) and each is given the maker once; a bug in one raises here with its traceback."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(processes, _hold, (maker,)) as pool:
+        while True:
+            window = list(islice(read_rows, CHUNK * processes * 4))
+            if not window:
+                return
+            parts = [window[i:i + CHUNK] for i in range(0, len(window), CHUNK)]
+            made_parts = pool.map(_make_part, [[(row.value, row.problem) for _, row in part] for part in parts])
+            for part, outcomes in zip(parts, made_parts):
+                for (read, row), outcome in zip(part, outcomes):
+                    yield read, row, outcome
+
+
+def _hold(maker) -> None:
+    global _MAKER
+    _MAKER = maker
+
+
+def _make_part(part: List[tuple]) -> List[Any]:
+    return [_outcome(_MAKER, value, problem) for value, problem in part]
 
 
 def item(sample: Sample, mask: bool = True) -> Dict[str, torch.Tensor]:

@@ -34,8 +34,9 @@ class TextStream(IterableDataset):
     """TextDataset's items, read as they come: `{"input_ids", "labels", "attention_mask"}` of one sample each, or
     packed rows `{"input_ids", "labels", "position_ids", "document_ids"}` (collate: launcher.data.collate.Packed).
 
-    Its arguments are TextDataset's (see there; `batch_size` and `cache` are taken and unused, so that a recipe
-    of TextDataset's keys streams by changing `_target_` alone: a stream tokenizes as it reads), and:
+    Its arguments are TextDataset's (see there; `batch_size`, `cache` and `num_proc` are taken and unused, so
+    that a recipe of TextDataset's keys streams by changing `_target_` alone: a stream tokenizes as it reads),
+    and:
 
     packing_buffer: with packing, how many samples are read ahead and packed together (held in memory)."""
 
@@ -44,7 +45,8 @@ class TextStream(IterableDataset):
                  chat_template: Optional[str] = None, loss_on: str = "answers", overlong: str = "truncate",
                  bad_rows: str = "error", packing: bool = False, seed: int = 0, split: str = "train",
                  text_rows: str = "document", batch_size: Optional[int] = None,
-                 cache: Union[str, bool, None] = None, packing_buffer: int = 1000):
+                 cache: Union[str, bool, None] = None, packing_buffer: int = 1000,
+                 num_proc: Union[int, str] = "auto"):
         if isinstance(packing_buffer, bool) or not isinstance(packing_buffer, int) or packing_buffer < 1:
             raise ValueError(f"packing_buffer: {packing_buffer!r}: how many samples are packed together, an "
                              f"integer of 1 or more")
