@@ -186,12 +186,13 @@ def test_full_checkpoints_in_fsspec_memory_store(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_disk(s3, tmp_path):
-    """fsdp x 2 (torchrun, gloo) writes DCP's shards through fsspec, sealed by rank 0's manifest; one process
-    resumes from them bitwise as from the same run's shards on a local disk."""
+    """fsdp x 2 (torchrun, gloo) writes DCP's shards through fsspec, sealed by rank 0's manifest (step 20 in
+    the background, with async_save; the final step 40 at once); one process resumes from them bitwise as
+    from the same run's shards on a local disk."""
     from tests.test_fsdp import FSDP, QUICK, launch as torchrun
 
     url = f"s3://{BUCKET}/fsdp"
-    torchrun(tmp_path / "s3", *QUICK, *FSDP, f"checkpoint.dir={url}")
+    torchrun(tmp_path / "s3", *QUICK, *FSDP, f"checkpoint.dir={url}", "checkpoint.async_save=true")
     torchrun(tmp_path / "local", *QUICK, *FSDP)
     assert_same_weights(tmp_path / "local" / "model.pt", tmp_path / "s3" / "model.pt")
     assert [k for k in objects(s3, "fsdp") if k.startswith("step_20/")] == [

@@ -41,7 +41,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def reader(folder: Path) -> FileSystemReader:
     """DCP's reader of a local folder, or of an object store's prefix (fsspec's), reading `.metadata` safely."""
     if storage.is_remote(folder):
-        from torch.distributed.checkpoint import FsspecReader
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # not in dcp's namespace (torch 2.13)
 
         return _safe(FsspecReader)(str(folder))
     return _safe(FileSystemReader)(folder)

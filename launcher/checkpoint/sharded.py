@@ -123,7 +123,9 @@ def _writer(folder: Path) -> Any:
     import torch.distributed.checkpoint as dcp
 
     if storage.is_remote(folder):
-        return dcp.FsspecWriter(str(folder), sync_files=False)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not in dcp's namespace (torch 2.13)
+
+        return FsspecWriter(str(folder), sync_files=False)
     return dcp.FileSystemWriter(folder, sync_files=True)
 
 
