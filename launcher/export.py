@@ -5,10 +5,10 @@ Any checkpoint the launcher writes, sharded or not, as one plain file of the unw
 state_dict, which loads into the plain model with load_state_dict(strict=True). No process group
 is started: a sharded checkpoint's shards are read and joined in this process.
 
-CHECKPOINT is a checkpoint folder (runs/<name>/checkpoints/step_<N>, written by any strategy; a full
-checkpoint in an object store by its URL, s3://bucket/prefix/step_<N>), a run folder (its newest complete checkpoint, else its model.pt), an HF model folder or a model state_dict
-file. OUT ends in .pt (torch.save) or .safetensors. The checkpoint's CRC-32s are checked before anything
-is read.
+CHECKPOINT is a checkpoint folder (runs/<name>/checkpoints/step_<N>, written by any strategy; one in
+an object store by its URL, s3://bucket/prefix/step_<N>), a run folder (its newest complete checkpoint,
+else its model.pt), an HF model folder or a model state_dict file. OUT ends in .pt (torch.save) or
+.safetensors. The checkpoint's CRC-32s are checked before anything is read.
 
 --format hf writes OUT as a folder that HF's `from_pretrained` loads: config.json and safetensors shards
 of at most --max-shard-size, with their index, read and written one shard at a time (never the whole

@@ -203,3 +203,16 @@ def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_di
     assert "written by 2 processes, resharded to 1" in done.stdout
     torchrun(tmp_path / "one_local", *one, f"checkpoint.resume={tmp_path / 'local' / 'checkpoints' / 'step_20'}")
     assert_same_weights(tmp_path / "one_local" / "model.pt", tmp_path / "one_s3" / "model.pt")
+
+
+def test_a_local_checkpoint_dir_outside_the_run_folder(tmp_path, whole):
+    """checkpoint.dir as a folder: written there as in <run_dir>/checkpoints (renamed into place, `latest`),
+    resumed from there, and not moved aside when another run would start over in it."""
+    elsewhere = tmp_path / "elsewhere"
+    train(tmp_path / "a", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={elsewhere}")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["latest", "step_10", "step_20"]
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    train(tmp_path / "b", "trainer.max_steps=40", "checkpoint.every=10", f"checkpoint.dir={elsewhere}")
+    assert_same_weights(whole, tmp_path / "b" / "model.pt")
+    with pytest.raises(UserError, match="holds another run's checkpoints .step_40. and this run starts over"):
+        train(tmp_path / "c", "checkpoint.resume=never", f"checkpoint.dir={elsewhere}")

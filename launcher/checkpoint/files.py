@@ -30,13 +30,7 @@ def write(path: Path, fill: Callable[[Any], Any], atomic: bool = False) -> Dict[
         return _write_remote(path, fill)
     target = path.with_name(f".{path.name}.tmp") if atomic else path
     with open(target, "wb") as f:
-        recorder = _Recorder(f)
-        try:
-            fill(recorder)
-        except RuntimeError:  # torch's zip writer turns a failed write (a full disk) into a RuntimeError
-            if recorder.error is not None:
-                raise recorder.error from None
-            raise
+        recorder = _filled(f, fill)
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
@@ -47,11 +41,22 @@ def write(path: Path, fill: Callable[[Any], Any], atomic: bool = False) -> Dict[
 
 
 def _write_remote(path: "storage.Remote", fill: Callable[[Any], Any]) -> Dict[str, Any]:
-    with path.open("wb") as f:
-        recorder = _Recorder(f)
-        fill(recorder)
+    with path.open("wb") as f:  # uploaded as it fills (in parts), complete when closed
+        recorder = _filled(f, fill)
         size = f.tell()
     return {"size": size, "crc32": f"{recorder.crc:08x}"}
+
+
+def _filled(f: Any, fill: Callable[[Any], Any]) -> "_Recorder":
+    """`fill` written into `f` through a _Recorder, the OSError behind a failed write raised as itself."""
+    recorder = _Recorder(f)
+    try:
+        fill(recorder)
+    except RuntimeError:  # torch's zip writer turns a failed write (a full disk) into a RuntimeError
+        if recorder.error is not None:
+            raise recorder.error from None
+        raise
+    return recorder
 
 
 def write_text(path: Path, text: str) -> None:

@@ -19,7 +19,8 @@ from launcher.recipe.flat import differences
 
 class Checkpoints:
     """The model, the optimizer and the run state of one run, and the checkpoints it writes into
-    checkpoint.dir, by default `<run_dir>/checkpoints` (rank 0 writes what is written once; `keep` complete ones are kept)."""
+    checkpoint.dir, by default `<run_dir>/checkpoints` (rank 0 writes what is written once; `keep` complete
+    ones are kept)."""
 
     def __init__(self, strategy: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunState,
                  run_dir: Path, section: Any):

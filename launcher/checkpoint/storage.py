@@ -164,7 +164,7 @@ def reachable(folder: Remote) -> None:
     bucket = folder.key.split("/")[0]
     try:
         if folder.protocol in ("s3", "s3a"):
-            folder.fs.ls(bucket, detail=False)  # reads the bucket itself: absent, or refused, says so
+            folder.fs.info(bucket)  # the bucket itself (HEAD): absent, or refused, says so
         else:
             folder.fs.exists(folder.key)
     except UserError:
