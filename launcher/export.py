@@ -75,6 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                     "folder's hf_config.json, or the HF folder's own)")
     args = parser.parse_args(argv)
     try:
+        if storage.is_remote(args.checkpoint):
+            storage.reachable(args.checkpoint, "CHECKPOINT")
         if not args.checkpoint.exists():
             raise UserError(f"{args.checkpoint}: no such file or folder")
         if args.format in ("hf", "peft") and args.out.suffix in FILE_SUFFIXES:

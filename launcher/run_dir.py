@@ -44,9 +44,8 @@ class RunFolder:
         except OSError as e:
             raise _unwritable(self.path, e) from None
         self.lock()
-        if storage.is_remote(self.checkpoints):
-            storage.reachable(self.checkpoints)  # a missing bucket, no credentials: one line, now
-        elif self.checkpoints.exists() and not self.checkpoints.is_dir():
+        _reachable({"checkpoint.dir": self.checkpoints, "checkpoint.resume": resume, "checkpoint.init_from": init_from})
+        if not storage.is_remote(self.checkpoints) and self.checkpoints.exists() and not self.checkpoints.is_dir():
             raise UserError(f"run_dir: {self.checkpoints} is a file, where the run keeps its checkpoints folder; "
                             f"move it away, or point run_dir=... at another folder")
         found, notes = checkpoint.choose(self.checkpoints, resume)
@@ -130,6 +129,13 @@ class RunFolder:
             target = self.path / REPLACED / f"{stamp}-{n}"
         target.mkdir(parents=True)
         return target
+
+
+def _reachable(named: dict) -> None:
+    """The object stores named (by URL) answer: a missing bucket or no credentials is one line, now."""
+    for key, where in named.items():
+        if where and storage.is_url(where):
+            storage.reachable(storage.location(where), key)
 
 
 def _one_history(folder, found, continued: bool) -> None:

@@ -169,6 +169,13 @@ def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_
     assert nokeys.returncode == 2, nokeys.stderr
     assert "no credentials for the object store; set AWS_ACCESS_KEY_ID" in nokeys.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "recipe.yaml").exists()  # refused before the run folder was written
+    export = subprocess.run([sys.executable, "-m", "launcher.export", "s3://no-such-bucket/run/step_10",
+                             str(tmp_path / "out.pt")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert export.returncode == 2 and export.stderr.strip().splitlines()[-1].endswith(
+        "CHECKPOINT: s3://no-such-bucket/run/step_10: no bucket 'no-such-bucket' there; create it, or name an "
+        "existing one (AWS_ENDPOINT_URL names the store)"), export.stderr
+    with pytest.raises(UserError, match="^checkpoint.init_from: s3://no-such-bucket/run/step_10: no bucket"):
+        train(tmp_path / "init", "checkpoint.init_from=s3://no-such-bucket/run/step_10")
 
 
 def test_full_checkpoints_in_fsspec_memory_store(tmp_path):

@@ -158,9 +158,9 @@ def _filesystem(protocol: str, url: str) -> Any:
                         f"another fsspec URL") from None
 
 
-def reachable(folder: Remote) -> None:
-    """One line, before anything trains, where the store cannot be written: no such bucket, no credentials,
-    no endpoint answering."""
+def reachable(folder: Remote, key: str = "checkpoint.dir") -> None:
+    """One line naming `key`, before anything trains, where the store cannot be reached: no such bucket, no
+    credentials, no endpoint answering."""
     bucket = folder.key.split("/")[0]
     try:
         if folder.protocol in ("s3", "s3a"):
@@ -170,7 +170,7 @@ def reachable(folder: Remote) -> None:
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - boto's and fsspec's errors, told apart by name
-        raise UserError(f"checkpoint.dir: {folder}: {_why(e, bucket)}") from None
+        raise UserError(f"{key}: {folder}: {_why(e, bucket)}") from None
 
 
 def _why(e: BaseException, bucket: str) -> str:
