@@ -5,6 +5,9 @@ a missing bucket or missing credentials one line before training."""
 
 import logging
 import os
+import random
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -130,6 +133,28 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(s3, tmp_path):
     s3.delete_object(Bucket=BUCKET, Key="damaged/step_10/state.pt")
     with pytest.raises(UserError, match=r"damaged \(state.pt: .*no such object.*, the manifest lists it\)"):
         train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}", f"checkpoint.resume={url}/step_10")
+
+
+def test_a_kill_inside_an_upload_resumes_from_the_newest_sealed_checkpoint(s3, tmp_path):
+    """SIGKILL at two seeded instants of the saves (every chunk torch.save writes to the store is one,
+    tests/save_crash.py): what the store holds then resumes bitwise from its newest sealed checkpoint."""
+    from tests.save_crash import run
+
+    def into(name):
+        return [f"checkpoint.dir=s3://{BUCKET}/{name}"]
+
+    done = run(tmp_path / "reference", extra=into("crash_reference"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    total = int(re.search(r"save_crash: rank 0 events=(\d+)", done.stderr).group(1))
+    for kill_at in random.Random(0).sample(range(1, total + 1), 2):
+        name = f"crash_{kill_at}"
+        killed = run(tmp_path / name, kill_at, into(name))
+        assert killed.returncode == -signal.SIGKILL and "save_crash: killed" in killed.stderr, killed.stderr[-2000:]
+        newest, _ = choose(storage.location(f"s3://{BUCKET}/{name}"), "auto")
+        resumed = run(tmp_path / name, extra=into(name))
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert newest is None or f"resumed from {newest} " in resumed.stdout
+        assert_same_weights(tmp_path / "reference" / "model.pt", tmp_path / name / "model.pt")
 
 
 def test_starting_over_onto_another_runs_checkpoints_is_refused(s3, tmp_path):
