@@ -5,10 +5,10 @@ Any checkpoint the launcher writes, sharded or not, as one plain file of the unw
 state_dict, which loads into the plain model with load_state_dict(strict=True). No process group
 is started: a sharded checkpoint's shards are read and joined in this process.
 
-CHECKPOINT is a checkpoint folder (runs/<name>/checkpoints/step_<N>, written by any strategy), a run
-folder (its newest complete checkpoint, else its model.pt), an HF model folder or a model state_dict
-file. OUT ends in .pt (torch.save) or .safetensors. The checkpoint's CRC-32s are checked before anything
-is read.
+CHECKPOINT is a checkpoint folder (runs/<name>/checkpoints/step_<N>, written by any strategy; one in
+an object store by its URL, s3://bucket/prefix/step_<N>), a run folder (its newest complete checkpoint,
+else its model.pt), an HF model folder or a model state_dict file. OUT ends in .pt (torch.save) or
+.safetensors. The checkpoint's CRC-32s are checked before anything is read.
 
 --format hf writes OUT as a folder that HF's `from_pretrained` loads: config.json and safetensors shards
 of at most --max-shard-size, with their index, read and written one shard at a time (never the whole
@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from launcher.checkpoint import adapters, files, hf, untrusted, weights
+from launcher.checkpoint import adapters, files, hf, storage, untrusted, weights
 from launcher.checkpoint.hf import RUN_CONFIG
 from launcher.errors import UserError
 from launcher.report import say
@@ -57,8 +57,9 @@ def write(state: Dict[str, torch.Tensor], out: Path) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (step_<N>, sharded or not), a run folder, "
-                                                      "or a model state_dict file")
+    parser.add_argument("checkpoint", type=storage.location, help="a checkpoint folder (step_<N>, sharded or not; "
+                                                                  "s3://bucket/prefix/step_<N> too), a run folder, "
+                                                                  "or a model state_dict file")
     parser.add_argument("out", type=Path, help="the file to write: NAME.pt (torch.save) or NAME.safetensors; with "
                                                "--format hf, the folder to write")
     parser.add_argument("--format", choices=("file", "hf", "peft"), default="file",
@@ -74,6 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                     "folder's hf_config.json, or the HF folder's own)")
     args = parser.parse_args(argv)
     try:
+        if storage.is_remote(args.checkpoint):
+            storage.reachable(args.checkpoint, "CHECKPOINT")
         if not args.checkpoint.exists():
             raise UserError(f"{args.checkpoint}: no such file or folder")
         if args.format in ("hf", "peft") and args.out.suffix in FILE_SUFFIXES:

@@ -6,6 +6,9 @@
   elsewhere, or an earlier checkpoint of this folder) moves what would be mixed with its own into
   `<run_dir>/replaced/<time>/`: nothing is deleted, and `checkpoints/` and `latest` only ever hold
   the running history. The Slurm logs stay where they are (a running job writes into them).
+- Checkpoints kept elsewhere (checkpoint.dir: another folder, or an object store, where nothing can be
+  moved aside cheaply) are not moved: a run that would mix its history with another's found there is
+  refused with one line instead.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher import checkpoint, folder_lock
+from launcher.checkpoint import storage
 from launcher.errors import UserError
 
 # What a run writes that belongs to its history (the recipe.yaml of the run that wrote them too).
@@ -25,9 +29,10 @@ REPLACED = "replaced"
 
 
 class RunFolder:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, checkpoints: Optional[str] = None):
         self.path = Path(path)
-        self.checkpoints = self.path / "checkpoints"
+        self.own = self.path / "checkpoints"
+        self.checkpoints = checkpoint.folder_of(self.path, checkpoints)
         self._lock: Optional[int] = None
 
     def open(self, recipe_yaml: str, resume: str, init_from: Optional[str] = None) -> tuple:
@@ -39,17 +44,19 @@ class RunFolder:
         except OSError as e:
             raise _unwritable(self.path, e) from None
         self.lock()
-        if self.checkpoints.exists() and not self.checkpoints.is_dir():
+        _reachable({"checkpoint.dir": self.checkpoints, "checkpoint.resume": resume, "checkpoint.init_from": init_from})
+        if not storage.is_remote(self.checkpoints) and self.checkpoints.exists() and not self.checkpoints.is_dir():
             raise UserError(f"run_dir: {self.checkpoints} is a file, where the run keeps its checkpoints folder; "
                             f"move it away, or point run_dir=... at another folder")
         found, notes = checkpoint.choose(self.checkpoints, resume)
         moved = self._set_aside(found)
         if moved:
             notes.append(moved[0])
-        if init_from:
+        if init_from and not storage.is_url(init_from):
             init_from = str(_relocated(Path(init_from), moved[1:]))
         try:
-            self.checkpoints.mkdir(exist_ok=True)
+            if not storage.is_remote(self.checkpoints):
+                self.checkpoints.mkdir(parents=True, exist_ok=True)
             checkpoint.write_text(self.path / "recipe.yaml", recipe_yaml)
         except OSError as e:
             raise _unwritable(self.path, e) from None
@@ -70,8 +77,12 @@ class RunFolder:
     def _set_aside(self, found: Optional[Path]) -> list:
         """Move what is not this run's history into replaced/<time>/. Returns a line that says so,
         then (from, to) for each move; nothing if nothing moved."""
-        steps = checkpoint.steps(self.checkpoints)
-        continued = found is not None and found.resolve().parent == self.checkpoints.resolve()
+        continued = found is not None and storage.same(found.parent, self.checkpoints)
+        if not storage.same(self.checkpoints, self.own):
+            _one_history(self.checkpoints, found, continued)
+            if continued:
+                return []
+        steps = checkpoint.steps(self.own)
         if continued:
             moving = [p for step, p in steps if step > checkpoint.step_of(found)]
             moving += [self.path / "model.pt"] if moving and (self.path / "model.pt").exists() else []
@@ -118,6 +129,33 @@ class RunFolder:
             target = self.path / REPLACED / f"{stamp}-{n}"
         target.mkdir(parents=True)
         return target
+
+
+def _reachable(named: dict) -> None:
+    """The object stores named (by URL) answer: a missing bucket or no credentials is one line, now."""
+    for key, where in named.items():
+        if where and storage.is_url(where):
+            storage.reachable(storage.location(where), key)
+
+
+def _one_history(folder, found, continued: bool) -> None:
+    """Checkpoints kept outside the run folder stay where they are: a run that would leave another
+    history's checkpoints beside its own there (newer ones than it continues from, or those of a run it does
+    not continue) is refused, saying which."""
+    held = checkpoint.complete(folder)
+    if continued:
+        newer = [p for p in held if checkpoint.step_of(p) > checkpoint.step_of(found)]
+        if newer:
+            problem = checkpoint.verify(newer[-1])
+            damaged = f" (damaged: {problem})" if problem else ""
+            raise UserError(f"checkpoint.dir: {folder} holds {newer[-1].name}{damaged}, newer than {found.name} which "
+                            f"this run continues from; checkpoints outside the run folder are not moved aside: delete "
+                            f"{newer[-1]}, or name another checkpoint.dir")
+    elif held:
+        why = "starts over" if found is None else f"continues from {found}"
+        raise UserError(f"checkpoint.dir: {folder} holds another run's checkpoints ({held[-1].name}) and this run "
+                        f"{why}; checkpoints outside the run folder are not moved aside: name another "
+                        f"checkpoint.dir, or delete them")
 
 
 def _relocated(path: Path, moves: list) -> Path:

@@ -4,6 +4,7 @@ without running anything in them, resumed under any strategy at any world size.
     <run_dir>/checkpoints/step_<N>/   one complete checkpoint, in a format of formats.py (full, sharded),
                                       its manifest.json written last
     <run_dir>/checkpoints/latest      names the newest complete checkpoint
+    (checkpoint.dir moves the checkpoints elsewhere: another folder, or s3://bucket/prefix, storage.py)
     <run_dir>/model.pt                the final model
 
 This face is what the rest of the launcher uses; one file per concern behind it:
@@ -13,6 +14,7 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     layout.py     step folders, `latest`, choosing one to resume, sealing, retention
     manifest.py   manifest.json: complete and undamaged
     files.py      atomic writes with CRC-32 and fsync; weights-only reads
+    storage.py    where checkpoints live: a local folder, or an object store's by URL (s3://, fsspec's)
     run_state.py  the run state beside the model and optimizer, checked field by field
     weights.py    the plain model's weights from any checkpoint, run folder or file (export, init_from)
     sliced.py     the same read into a sharded model, each rank its own slices (init_from under fsdp)
@@ -26,12 +28,12 @@ This face is what the rest of the launcher uses; one file per concern behind it:
 from launcher.checkpoint.adapters import config_of as adapter_config, is_adapted, keep_config as keep_adapter_config
 from launcher.checkpoint.files import crc32, write_text
 from launcher.checkpoint.hf import config_of as model_config, keep_config, named_configs
-from launcher.checkpoint.layout import choose, complete, settle, step_of, steps
+from launcher.checkpoint.layout import choose, complete, folder_of, settle, step_of, steps
 from launcher.checkpoint.manager import Checkpoints
 from launcher.checkpoint.manifest import is_complete, verify
 from launcher.checkpoint.run_state import RunState
 from launcher.checkpoint.sliced import load as load_into_shards
 from launcher.checkpoint.weights import load_model_state
 
-__all__ = ["Checkpoints", "RunState", "adapter_config", "keep_adapter_config", "choose", "complete", "crc32", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
+__all__ = ["Checkpoints", "RunState", "adapter_config", "keep_adapter_config", "choose", "complete", "crc32", "folder_of", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
            "model_config", "named_configs", "settle", "step_of", "steps", "verify", "write_text"]

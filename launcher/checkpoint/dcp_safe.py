@@ -6,6 +6,7 @@ weights_only=True, as every other checkpoint file is. Imported only where a shar
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from launcher.checkpoint import files
+from launcher.checkpoint import files, storage
 from launcher.errors import UserError, first_line
 
 METADATA = ".metadata"
@@ -37,15 +38,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of DCP's metadata")
 
 
-class Reader(FileSystemReader):
-    """DCP's reader, with `.metadata` unpickled by the restricted unpickler above, at once: DCP itself
-    would log a refusal as a warning and go on to look for other files."""
+def reader(folder: Path) -> FileSystemReader:
+    """DCP's reader of a local folder, or of an object store's prefix (fsspec's), reading `.metadata` safely."""
+    if storage.is_remote(folder):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # not in dcp's namespace (torch 2.13)
 
-    def __init__(self, folder: Path):
+        return _safe(FsspecReader)(str(folder))
+    return _safe(FileSystemReader)(folder)
+
+
+@functools.lru_cache(maxsize=None)
+def _safe(reader: type) -> type:
+    return type(f"Safe{reader.__name__}", (_SafeMetadata, reader), {})
+
+
+class _SafeMetadata:
+    """A DCP reader's `.metadata` unpickled by the restricted unpickler above, at once: DCP itself would log
+    a refusal as a warning and go on to look for other files."""
+
+    def __init__(self, folder: Any):
         super().__init__(folder)
-        path = Path(folder) / METADATA
+        path = storage.location(folder) / METADATA
         try:
-            with open(path, "rb") as f:
+            with path.open("rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except Exception as e:  # UnpicklingError, EOFError, ... of a crafted, foreign or truncated file
             raise UserError(f"{path}: cannot read it as DCP's metadata; it is not loaded ({first_line(e)[:160]})") from None

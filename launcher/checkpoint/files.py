@@ -18,21 +18,19 @@ from typing import Any, Callable, Dict
 
 import torch
 
+from launcher.checkpoint import storage
 from launcher.errors import UserError, first_line
 
 
 def write(path: Path, fill: Callable[[Any], Any], atomic: bool = False) -> Dict[str, Any]:
     """Write through `fill(file)`, fsync, and return the size and CRC-32 of what was written; with
-    atomic, via a temporary name and rename."""
+    atomic, via a temporary name and rename. An object in an object store is written whole or not at all
+    by the store itself: there, neither applies."""
+    if storage.is_remote(path):
+        return _write_remote(path, fill)
     target = path.with_name(f".{path.name}.tmp") if atomic else path
     with open(target, "wb") as f:
-        recorder = _Recorder(f)
-        try:
-            fill(recorder)
-        except RuntimeError:  # torch's zip writer turns a failed write (a full disk) into a RuntimeError
-            if recorder.error is not None:
-                raise recorder.error from None
-            raise
+        recorder = _filled(f, fill)
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
@@ -40,6 +38,25 @@ def write(path: Path, fill: Callable[[Any], Any], atomic: bool = False) -> Dict[
         os.replace(target, path)
         fsync_dir(path.parent)
     return {"size": size, "crc32": f"{recorder.crc:08x}"}
+
+
+def _write_remote(path: "storage.Remote", fill: Callable[[Any], Any]) -> Dict[str, Any]:
+    with path.open("wb") as f:  # uploaded as it fills (in parts), complete when closed
+        recorder = _filled(f, fill)
+        size = f.tell()
+    return {"size": size, "crc32": f"{recorder.crc:08x}"}
+
+
+def _filled(f: Any, fill: Callable[[Any], Any]) -> "_Recorder":
+    """`fill` written into `f` through a _Recorder, the OSError behind a failed write raised as itself."""
+    recorder = _Recorder(f)
+    try:
+        fill(recorder)
+    except RuntimeError:  # torch's zip writer turns a failed write (a full disk) into a RuntimeError
+        if recorder.error is not None:
+            raise recorder.error from None
+        raise
+    return recorder
 
 
 def write_text(path: Path, text: str) -> None:
@@ -119,13 +136,16 @@ def write_folder(out: Path, fill: Callable[[Path], Any], what: str) -> Any:
 
 def crc32(path: Path) -> str:
     crc = 0
-    with open(path, "rb") as f:
+    with storage.location(path).open("rb") as f:
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
 
 
 def cannot_write(where: Path, e: OSError) -> UserError:
+    if storage.is_remote(where):
+        return UserError(f"cannot write {where}: {e.strerror or first_line(e)}; the newest complete checkpoint is "
+                         f"kept. HINT: check the object store (AWS_ENDPOINT_URL, the bucket, its permissions)")
     return UserError(f"cannot write {where}: {e.strerror or e} (errno {e.errno}); the newest complete checkpoint "
                      f"is kept. HINT: free some space, or point run_dir=... at a writable folder")
 
@@ -133,6 +153,8 @@ def cannot_write(where: Path, e: OSError) -> UserError:
 def file_or_folder(path: Path) -> None:
     """Refuse what is neither a regular file nor a folder (a device, a FIFO, a socket): reading /dev/zero
     as a checkpoint would never end, and a FIFO would block."""
+    if storage.is_remote(path):
+        return  # an object store holds objects alone
     try:
         mode = Path(path).stat().st_mode
     except OSError:
@@ -147,8 +169,11 @@ def file_or_folder(path: Path) -> None:
 def load(path: Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """torch.load with weights_only=True: a file that needs arbitrary unpickling is refused, never run. With
     `mmap`, a file of torch's zip format is memory-mapped: a tensor's bytes are read where it is used."""
+    path = storage.location(path)
     file_or_folder(path)
     try:
+        if storage.is_remote(path):  # read whole into memory: torch.load seeks back and forth
+            return _weights_only(io.BytesIO(path.read_bytes()), map_location)
         return _weights_only(path, map_location, mmap=mmap and zipfile.is_zipfile(path))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
@@ -157,7 +182,7 @@ def load(path: Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
     except pickle.UnpicklingError as e:
         if not _pickled(path):
             raise UserError(f"{path}: not a checkpoint: neither torch's zip format nor a pickle") from None
-        if "Unsupported global" in str(e) or not zipfile.is_zipfile(path):
+        if "Unsupported global" in str(e) or not _zipped(path):
             raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: it holds objects other "
                             f"than tensors and plain containers, which could run code when loaded; it is not loaded") from None
         raise UserError(f"{path}: cannot load it as a checkpoint with weights_only=True: damaged "
@@ -175,9 +200,16 @@ def _weights_only(source: Any, map_location: Any, mmap: bool = False) -> Any:
 
 def _pickled(path: Path) -> bool:
     """torch's zip format, or a pickle (protocol 2 or later opens with PROTO)."""
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         head = f.read(2)
-    return zipfile.is_zipfile(path) or (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+        f.seek(0)
+        zipped = zipfile.is_zipfile(f)
+    return zipped or (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
+def _zipped(path: Path) -> bool:
+    with path.open("rb") as f:
+        return zipfile.is_zipfile(f)
 
 
 def to_bytes(obj: Any) -> bytes:

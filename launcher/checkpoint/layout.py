@@ -5,6 +5,11 @@ complete checkpoint readable.
     checkpoints/.step_<N>.partial/ one being written; renamed to step_<N> once its manifest is in
     checkpoints/latest             names the newest complete checkpoint
 
+In an object store (checkpoint.dir=s3://..., storage.py), which has no rename, a checkpoint is written
+where it stays, step_<N>/, and is complete once its manifest, written last, is there: a step_<N> without
+one is partial, ignored by resume and deleted by the next save; no `latest` (the newest complete one is
+the highest step whose manifest checks out).
+
 Only this file names, seals, chooses, keeps and removes step folders, and writes `latest`."""
 
 from __future__ import annotations
@@ -15,10 +20,15 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-from launcher.checkpoint import files, manifest
+from launcher.checkpoint import files, manifest, storage
 from launcher.errors import UserError, first_line
 
 _STEP = re.compile(r"step_(\d+)")
+
+
+def folder_of(run_dir: Path, configured: Optional[str]) -> Path:
+    """The checkpoints folder: checkpoint.dir (a folder or a URL), else <run_dir>/checkpoints."""
+    return storage.location(configured) if configured else Path(run_dir) / "checkpoints"
 
 
 def steps(folder: Path) -> List[tuple[int, Path]]:
@@ -29,7 +39,7 @@ def steps(folder: Path) -> List[tuple[int, Path]]:
 
 
 def step_of(folder: Path) -> int:
-    m = _STEP.fullmatch(Path(folder).name)
+    m = _STEP.fullmatch(storage.location(folder).name)
     return int(m.group(1)) if m else -1
 
 
@@ -51,7 +61,7 @@ def choose(folder: Path, resume: str) -> tuple[Optional[Path], List[str]]:
                 return candidate, notes
             notes.append(f"{candidate} is damaged ({problem}); resuming from the checkpoint before it")
         return None, notes
-    path = Path(resume)
+    path = storage.location(resume)
     if not path.is_dir():
         raise UserError(f"checkpoint.resume: {path} is not a checkpoint folder; use auto, never, "
                         f"or a folder such as {folder}/step_<N>")
@@ -66,18 +76,27 @@ def choose(folder: Path, resume: str) -> tuple[Optional[Path], List[str]]:
 
 
 def settle(folder: Path, found: Path) -> None:
-    """`latest` names `found` again (a run continues from it after newer ones were moved aside)."""
+    """`latest` names `found` again (a run continues from it after newer ones were moved aside). An object
+    store has none."""
+    if storage.is_remote(folder):
+        return
     files.write_text(folder / "latest", f"{found.name}\n")
 
 
 def partial(folder: Path, step: int) -> Path:
-    """Where the checkpoint of `step` is written before it is complete."""
+    """Where the checkpoint of `step` is written before it is complete (in an object store: where it stays)."""
+    if storage.is_remote(folder):
+        return folder / f"step_{step}"
     return folder / f".step_{step}.partial"
 
 
 def prepare(folder: Path, step: int) -> Path:
-    """An empty partial folder for the checkpoint of `step`."""
+    """An empty partial folder for the checkpoint of `step` (in an object store, a re-save of the same step
+    first loses the old one's manifest, so that it never counts as complete while half replaced)."""
     where = partial(folder, step)
+    if storage.is_remote(folder):
+        _remove(where)
+        return where
     shutil.rmtree(where, ignore_errors=True)
     try:
         where.mkdir(parents=True)
@@ -96,7 +115,7 @@ def guarding(folder: Path, step: int) -> Iterator[None]:
         cause = _os_error(e)
         if cause is None:
             raise
-        shutil.rmtree(partial(folder, step), ignore_errors=True)
+        _remove(partial(folder, step))
         raise files.cannot_write(folder, cause) from None
 
 
@@ -119,7 +138,13 @@ def _os_error(e: BaseException) -> Optional[OSError]:
 
 def seal(folder: Path, step: int, listed: Dict[str, Any], keep: int, **about: Any) -> Path:
     """Once every file of the checkpoint of `step` is written: the manifest last, then the rename that
-    makes it complete, `latest`, and the old ones removed (all but the newest `keep`)."""
+    makes it complete, `latest`, and the old ones removed (all but the newest `keep`). In an object store
+    the manifest alone makes it complete."""
+    if storage.is_remote(folder):
+        written = partial(folder, step)
+        manifest.write(written, step, listed, **about)
+        _retain(folder, written, keep)
+        return written
     written, final = partial(folder, step), folder / f"step_{step}"
     manifest.write(written, step, listed, **about)
     files.fsync_dir(written)
@@ -140,6 +165,18 @@ def _retain(folder: Path, written: Path, keep: int) -> None:
     # newest; the checkpoint just written is never deleted, whatever else is there.
     for old in complete(folder)[:-keep]:
         if old != written:
-            shutil.rmtree(old, ignore_errors=True)
-    for leftover in folder.glob(".step_*"):  # partial saves of a crashed run
-        shutil.rmtree(leftover, ignore_errors=True)
+            _remove(old)
+    if storage.is_remote(folder):  # step_<N> without a manifest: partial saves of a crashed run
+        leftovers = [p for _, p in steps(folder) if p != written and not manifest.is_complete(p)]
+    else:
+        leftovers = list(folder.glob(".step_*"))
+    for leftover in leftovers:
+        _remove(leftover)
+
+
+def _remove(checkpoint: Path) -> None:
+    """A checkpoint deleted: in an object store its manifest first, so that one deleted halfway is partial,
+    never complete and damaged."""
+    if storage.is_remote(checkpoint):
+        (checkpoint / manifest.NAME).remove()
+    storage.removed(checkpoint)

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from launcher.checkpoint import adapters, files, formats, hf, run_state
+from launcher.checkpoint import adapters, files, formats, hf, layout, run_state
 from launcher.checkpoint.run_state import RunState
 from launcher.errors import UserError
 from launcher.recipe.flat import differences
@@ -19,12 +19,13 @@ from launcher.recipe.flat import differences
 
 class Checkpoints:
     """The model, the optimizer and the run state of one run, and the checkpoints it writes into
-    `<run_dir>/checkpoints` (rank 0 writes what is written once; `keep` complete ones are kept)."""
+    checkpoint.dir, by default `<run_dir>/checkpoints` (rank 0 writes what is written once; `keep` complete
+    ones are kept)."""
 
     def __init__(self, strategy: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunState,
                  run_dir: Path, section: Any):
         self.strategy, self.model, self.optimizer, self.run = strategy, model, optimizer, run
-        self.run_dir, self.folder = Path(run_dir), Path(run_dir) / "checkpoints"
+        self.run_dir, self.folder = Path(run_dir), layout.folder_of(run_dir, section.dir)
         self.writer = strategy.placement.is_main
         self.keep, self.consolidate, self.export_hf = section.keep, section.consolidate, section.export_hf
         self.async_save = section.async_save and strategy.sharded

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from launcher.checkpoint import files
+from launcher.checkpoint import files, storage
 from launcher.errors import UserError
 
 NAME = "manifest.json"
@@ -56,7 +56,7 @@ def verify(folder: Path) -> Optional[str]:
     recorded pass on their sizes alone."""
     for name, entry in (read(folder) or {}).items():
         try:
-            size = (folder / name).stat().st_size
+            size = storage.size(folder / name)
         except OSError as e:
             return f"{name}: {e.strerror or e}, the manifest lists it"
         if size != _entry(entry)["size"]:

@@ -4,6 +4,9 @@
     checkpoints/step_<N>/__<rank>_0.distcp   each rank's shards: model, optimizer, and rank 0's run state
     checkpoints/step_<N>/model.pt            the gathered model too, where checkpoint.consolidate asks
 
+In an object store (checkpoint.dir=s3://...) DCP writes and reads through fsspec (FsspecWriter; dcp_safe's
+reader), and the manifest rank 0 writes last seals the step, as for the full format.
+
 The state saved is {"model": ..., "optimizer": ..., "run": RunState}, keyed by the plain model's
 parameter names, so DCP reshards it on load: any world size, any strategy, reads it. DCP is imported
 here only when a sharded checkpoint is written or read (dcp_safe.py reads its files)."""
@@ -18,7 +21,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint import adapters, files, layout, manifest, run_state
+from launcher.checkpoint import adapters, files, layout, manifest, run_state, storage
 from launcher.errors import UserError
 
 NAME = "sharded"
@@ -103,8 +106,7 @@ def write(folder: Path, state: Dict[str, Any], group: Optional[Any] = None) -> N
     import torch.distributed.checkpoint as dcp
 
     with _alone():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=group,
-                 no_dist=not dist.is_initialized())
+        dcp.save(state, storage_writer=_writer(folder), process_group=group, no_dist=not dist.is_initialized())
 
 
 def start(folder: Path, state: Dict[str, Any], group: Any):
@@ -112,13 +114,25 @@ def start(folder: Path, state: Dict[str, Any], group: Any):
     returns, so training may change them; the files are written on a thread, its collectives on `group`."""
     import torch.distributed.checkpoint as dcp
 
-    return dcp.async_save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=group)
+    return dcp.async_save(state, storage_writer=_writer(folder), process_group=group)
+
+
+def _writer(folder: Path) -> Any:
+    """DCP's writer of a local folder (each file fsynced), or of an object store's prefix (fsspec's: an
+    object is stored whole once its upload completes; DCP's sync_files would sync the whole machine)."""
+    import torch.distributed.checkpoint as dcp
+
+    if storage.is_remote(folder):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not in dcp's namespace (torch 2.13)
+
+        return FsspecWriter(str(folder), sync_files=False)
+    return dcp.FileSystemWriter(folder, sync_files=True)
 
 
 def own_files(folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
     """The size and CRC-32 of each file this rank wrote (rank 0: DCP's index too), for the manifest."""
     names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + ([METADATA] if rank == 0 else [])
-    return {name: {"size": (folder / name).stat().st_size, "crc32": files.crc32(folder / name)} for name in names}
+    return {name: {"size": storage.size(folder / name), "crc32": files.crc32(folder / name)} for name in names}
 
 
 def read_run_state(checkpoints, folder: Path) -> None:
@@ -161,7 +175,7 @@ def read(folder: Path, state: Dict[str, Any]) -> None:
 
     from launcher.checkpoint import dcp_safe
 
-    reader = dcp_safe.Reader(folder)
+    reader = dcp_safe.reader(folder)
     if "model" in state:  # not the run state alone
         _check_fits(reader.metadata, state["model"], folder)
     with _alone():
@@ -214,7 +228,7 @@ def model_weights(folder: Path) -> Dict[str, torch.Tensor]:
     from launcher.checkpoint import dcp_safe
 
     manifest.verified(folder)
-    reader = dcp_safe.Reader(folder)
+    reader = dcp_safe.reader(folder)
     index = _tensors(reader.metadata, "model.")
     state = {f"model.{key}": torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in index.items()}
     with _alone():
@@ -230,12 +244,12 @@ def lazy_weights(folder: Path):
     from launcher.checkpoint import dcp_safe, hf
 
     manifest.verified(folder)
-    index = _tensors(dcp_safe.Reader(folder).metadata, "model.")
+    index = _tensors(dcp_safe.reader(folder).metadata, "model.")
 
     def read(names: list) -> Dict[str, torch.Tensor]:
         state = {f"model.{n}": torch.empty(index[n].size, dtype=index[n].properties.dtype) for n in names}
         with _alone():
-            dcp.load(state, storage_reader=dcp_safe.Reader(folder), no_dist=True)
+            dcp.load(state, storage_reader=dcp_safe.reader(folder), no_dist=True)
         return {n: state[f"model.{n}"] for n in names}
 
     return hf.Tensors({n: (torch.Size(m.size), m.properties.dtype) for n, m in index.items()}, read)

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from launcher.checkpoint import files, fitting, formats, hf, manifest, sharded, weights
+from launcher.checkpoint import files, fitting, formats, hf, manifest, sharded, storage, weights
 from launcher.errors import UserError
 from launcher.model.plain import tied_names
 
@@ -22,7 +22,7 @@ def load(model: nn.Module, path: Path) -> Optional[str]:
     """Fill the model's parameters (DTensor shards, allocated and uninitialised) and persistent buffers
     from `path`; returns where in it the weights were, as load_model_state does. Collective for a sharded
     checkpoint."""
-    path = Path(path)
+    path = storage.location(path)  # a URL too
     files.file_or_folder(path)
     source = weights.newest_if_run_folder(path)
     if source.is_dir() and formats.of(source) is sharded:

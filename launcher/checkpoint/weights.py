@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from launcher.checkpoint import adapters, files, fitting, formats, hf, layout, manifest
+from launcher.checkpoint import adapters, files, fitting, formats, hf, layout, manifest, storage
 from launcher.errors import UserError
 from launcher.model.plain import strip_prefixes
 
@@ -17,7 +17,7 @@ from launcher.model.plain import strip_prefixes
 def read(path: Path, mmap: bool = False) -> Tuple[Dict[str, torch.Tensor], str]:
     """The plain model's weights in `path` (a checkpoint folder, a run folder or a file), and what they were
     read from."""
-    path = Path(path)
+    path = storage.location(path)  # a URL too
     files.file_or_folder(path)
     path = newest_if_run_folder(path)
     if path.is_dir():
@@ -33,7 +33,7 @@ def lazy(path: Path) -> Tuple["hf.Tensors", str]:
     """The plain model's weights in `path`, as read() finds them, read a few at a time where the format
     allows (a sharded checkpoint, an HF folder, a .safetensors file; a torch file is memory-mapped), and
     what they were read from."""
-    path = Path(path)
+    path = storage.location(path)  # a URL too
     files.file_or_folder(path)
     path = newest_if_run_folder(path)
     if path.is_dir():
@@ -74,7 +74,7 @@ def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cp
     state_dict, {"model": ...}) load too, with a common prefix such as Lightning's `model.` removed when
     that makes them fit; the return value then says where they were found. A file in a checkpoint folder is
     first checked against the manifest's CRC-32."""
-    path = Path(path)
+    path = storage.location(path)  # a URL too
     expected = model.state_dict()
     state, where = _read(path, map_location)
     view = adapters.base_view(model, expected)
@@ -107,7 +107,7 @@ def _read(path: Path, map_location: Any = "cpu") -> Tuple[Any, Optional[str]]:
     if path.is_dir():  # a checkpoint folder of any format, or a run folder (checked as export checks them)
         weights, source = read(path)
         state = {k: v.to(map_location) for k, v in weights.items()}
-        return state, (f"its weights in {source}" if Path(source) != path else None)
+        return state, (f"its weights in {source}" if str(source) != str(path) else None)
     manifest.check_file(path)
     return _file(path, map_location), None
 

@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 # Where a run writes and how it shows itself: changing these does not change what it trains.
 _NOT_TRAINING = {"run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.every", "checkpoint.keep",
-                 "trainer.log_every", "trainer.eval_every"}
+                 "checkpoint.dir", "trainer.log_every", "trainer.eval_every"}
 
 
 def flatten(node: Any, prefix: str = "") -> Dict[str, Any]:

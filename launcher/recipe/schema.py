@@ -166,6 +166,7 @@ class CheckpointConfig:
     consolidate: str = "final"  # sharded runs: gather model.pt at the end (final), at every save (every), or never
     async_save: bool = False  # sharded runs: write a checkpoint's shards while training goes on
     export_hf: bool = False  # an HF model: also write <run_dir>/hf/ at the end, a folder from_pretrained loads
+    dir: Optional[str] = None  # where checkpoints go: null (<run_dir>/checkpoints), a folder, or s3://bucket/prefix
 
     def problems(self) -> List[tuple[str, str]]:
         out = at_least("checkpoint.every", self.every, 1) + at_least("checkpoint.keep", self.keep, 1)

@@ -55,7 +55,7 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
         raise UserError(f"checkpoint.export_hf: the model ({type(model).__name__}) has no HF config (model.config), "
                         f"which an HF folder needs; export_hf is for transformers models")
     if init_from and not on_meta:
-        _initialised(console, init_from, lambda: checkpoint.load_model_state(model, Path(init_from),
+        _initialised(console, init_from, lambda: checkpoint.load_model_state(model, init_from,
                                                                               map_location=strategy.device))
     if recipe.trainer.activation_checkpointing:
         names = recompute.chosen(model, recipe.trainer.activation_checkpointing)
@@ -89,7 +89,7 @@ def wrapped(model: torch.nn.Module, strategy: strategies.Strategy, console, init
         console.info(note)
     if built_empty:
         empty.materialise(model, strategy.device)
-        _initialised(console, init_from, lambda: checkpoint.load_into_shards(model, Path(init_from)),
+        _initialised(console, init_from, lambda: checkpoint.load_into_shards(model, init_from),
                      " into this rank's shards")
     if strategy.sharded and init_from:  # what a rank held to get here (python -m launcher.bench --pretrained)
         console.info(f"host memory: {peak_host_memory() / 2**20:.0f} MiB at most on rank 0 up to here, the pretrained "

@@ -60,7 +60,7 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     strategy = strategies.create(loaded.recipe.strategy, placement, loaded.recipe.ddp, loaded.recipe.fsdp,
                                  loaded.recipe.dist_timeout, loaded.recipe.run_dir, loaded.recipe.parallel)
     strategy.setup()
-    folder = RunFolder(Path(loaded.recipe.run_dir))
+    folder = RunFolder(Path(loaded.recipe.run_dir), loaded.recipe.checkpoint.dir)
     try:
         with strategy.mistakes_shared():
             recipe = loaded.recipe
@@ -208,7 +208,7 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
             except Stopped as stopped:
                 checkpoints.finish_pending()  # a checkpoint still being written is completed before the exit
                 logger.close("stopped")
-                saved = f"saved {run_dir / 'checkpoints' / f'step_{stopped.step}'}" if recipe.checkpoint.on_signal else "not saved"
+                saved = f"saved {checkpoints.folder / f'step_{stopped.step}'}" if recipe.checkpoint.on_signal else "not saved"
                 console.info(f"{stopped}: {saved}")
                 if strategy.placement.is_main and recipe.checkpoint.on_signal:
                     said = requeue()  # raises RequeueFailed when Slurm refuses
@@ -254,7 +254,7 @@ def _save_before_failing(checkpoints: Checkpoints, parts: Parts, started: int, r
         except Exception:  # noqa: BLE001 - the disk may be what failed: the error that stops the run says so
             pass
     if checkpoints.saved_step:
-        console.info(f"the newest checkpoint is {run_dir / 'checkpoints' / f'step_{checkpoints.saved_step}'}: the same "
+        console.info(f"the newest checkpoint is {checkpoints.folder / f'step_{checkpoints.saved_step}'}: the same "
                      f"command resumes from step {checkpoints.saved_step}")
     elif step > started:
         console.info("no checkpoint was saved: the same command starts over")

@@ -1,0 +1,196 @@
+"""Where checkpoints live: a local folder, a pathlib.Path, or a folder of an object store named by a URL
+(s3://bucket/prefix, or any fsspec URL: memory:// in tests), a Remote.
+
+A Remote offers the few Path methods that checkpoints use (/, name, parent, suffix, exists, is_file, is_dir,
+iterdir, glob, open, read_text, read_bytes), plus size() and remove(), so that the code that reads a
+manifest or lists step folders reads both. What differs is said where it differs (layout.py): a local
+checkpoint is made complete by a rename, a remote one by its manifest, written last, since an object store
+has no rename. fsspec and its S3 client (s3fs, the `s3` extra) are imported only when a URL is used.
+
+Credentials and endpoints come from where the AWS SDK reads them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_ENDPOINT_URL for S3-compatible stores, AWS_PROFILE and its files, an instance role): nothing here
+writes them anywhere."""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import posixpath
+from pathlib import Path
+from typing import Any, List, Union
+
+from launcher.errors import UserError, first_line
+
+
+def is_url(where: Any) -> bool:
+    return isinstance(where, Remote) or "://" in str(where)
+
+
+def location(where: Any) -> Union[Path, "Remote"]:
+    """A Path, or a Remote for a URL."""
+    if isinstance(where, (Path, Remote)):
+        return where
+    return Remote(str(where)) if is_url(where) else Path(where)
+
+
+def is_remote(where: Any) -> bool:
+    return isinstance(where, Remote)
+
+
+def size(where: Union[Path, "Remote"]) -> int:
+    return where.size() if is_remote(where) else where.stat().st_size
+
+
+def same(a: Union[Path, "Remote"], b: Union[Path, "Remote"]) -> bool:
+    """The same folder (local ones resolved first)."""
+    if is_remote(a) or is_remote(b):
+        return str(a) == str(b)
+    return Path(a).resolve() == Path(b).resolve()
+
+
+class Remote:
+    """A file or folder of an object store, by URL. Its children share its file system object."""
+
+    def __init__(self, url: str, fs: Any = None):
+        self.url = url.rstrip("/")
+        self.protocol, _, self.key = self.url.partition("://")
+        self._fs = fs
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            self._fs = _filesystem(self.protocol, str(self))
+        return self._fs
+
+    def __truediv__(self, name: str) -> "Remote":
+        return Remote(f"{self.url}/{name}", self._fs)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"Remote({self.url!r})"
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Remote) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.key)
+
+    @property
+    def suffix(self) -> str:
+        return posixpath.splitext(self.name)[1]
+
+    @property
+    def parent(self) -> "Remote":
+        return Remote(f"{self.protocol}://{posixpath.dirname(self.key)}", self._fs)
+
+    def exists(self) -> bool:
+        return self.fs.exists(self.key)
+
+    def is_file(self) -> bool:
+        return self.fs.isfile(self.key)
+
+    def is_dir(self) -> bool:
+        return self.fs.isdir(self.key)
+
+    def iterdir(self) -> List["Remote"]:
+        """The objects and prefixes right under this one."""
+        try:
+            listed = self.fs.ls(self.key, detail=False)
+        except FileNotFoundError:
+            return []
+        names = {posixpath.basename(p.rstrip("/")) for p in listed}
+        return [self / n for n in sorted(names) if n]
+
+    def glob(self, pattern: str) -> List["Remote"]:
+        return [p for p in self.iterdir() if fnmatch.fnmatch(p.name, pattern)]
+
+    def open(self, mode: str = "rb") -> Any:
+        return self.fs.open(self.key, mode)
+
+    def read_bytes(self) -> bytes:
+        try:
+            return self.fs.cat_file(self.key)
+        except FileNotFoundError:
+            raise _missing(self) from None
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def size(self) -> int:
+        try:
+            return self.fs.size(self.key)
+        except FileNotFoundError:
+            raise _missing(self) from None
+
+    def remove(self) -> None:
+        """This object, or every object under this prefix; gone already is fine."""
+        try:
+            self.fs.rm(self.key, recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def _missing(where: Remote) -> FileNotFoundError:
+    return FileNotFoundError(errno.ENOENT, "no such object", str(where))
+
+
+def _filesystem(protocol: str, url: str) -> Any:
+    """A file system object of its own (not fsspec's shared instance: credentials are read when it is made),
+    listing afresh each time (another process may have written since)."""
+    try:
+        import fsspec
+    except ImportError:
+        raise UserError(f"checkpoint.dir: {url} needs fsspec; pip install 'launcher[s3]'") from None
+    options = {"use_listings_cache": False} if protocol in ("s3", "s3a") else {}
+    try:
+        return fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+    except ImportError as e:
+        package = "s3fs; pip install 'launcher[s3]'" if protocol in ("s3", "s3a") else f"its package ({first_line(e)})"
+        raise UserError(f"checkpoint.dir: {url} needs {package}") from None
+    except ValueError as e:  # fsspec: "Protocol not known"
+        raise UserError(f"checkpoint.dir: {url}: {first_line(e)}; use a local folder, s3://bucket/prefix or "
+                        f"another fsspec URL") from None
+
+
+def reachable(folder: Remote, key: str = "checkpoint.dir") -> None:
+    """One line naming `key`, before anything trains, where the store cannot be reached: no such bucket, no
+    credentials, no endpoint answering."""
+    bucket = folder.key.split("/")[0]
+    try:
+        if folder.protocol in ("s3", "s3a"):
+            folder.fs.info(bucket)  # the bucket itself (HEAD): absent, or refused, says so
+        else:
+            folder.fs.exists(folder.key)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - boto's and fsspec's errors, told apart by name
+        raise UserError(f"{key}: {folder}: {_why(e, bucket)}") from None
+
+
+def _why(e: BaseException, bucket: str) -> str:
+    kind = type(e).__name__
+    text = first_line(e)
+    if kind == "NoCredentialsError" or "Unable to locate credentials" in text:
+        return ("no credentials for the object store; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+                "AWS_PROFILE, or run where an instance role gives them)")
+    if isinstance(e, FileNotFoundError) or "NoSuchBucket" in text:
+        return f"no bucket {bucket!r} there; create it, or name an existing one (AWS_ENDPOINT_URL names the store)"
+    if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
+        return f"access to bucket {bucket!r} refused ({text[:120]}); check the credentials in AWS_*"
+    return f"cannot reach the object store ({kind}: {text[:160]}); check AWS_ENDPOINT_URL and the network"
+
+
+def removed(where: Union[Path, Remote]) -> None:
+    """A local folder or a remote prefix deleted (gone already, or partly: what is left goes)."""
+    if is_remote(where):
+        where.remove()
+    else:
+        import shutil
+
+        shutil.rmtree(where, ignore_errors=True)

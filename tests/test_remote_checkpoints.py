@@ -1,0 +1,250 @@
+"""Checkpoints in an object store (checkpoint.dir=s3://bucket/prefix), against a real S3 API server that the
+module starts on loopback (moto's, as MinIO or AWS would answer): saved there, sealed by the manifest written
+last, resumed bitwise, kept `keep` at a time, partial ones ignored, damaged ones refused naming the object,
+a missing bucket or missing credentials one line before training."""
+
+import logging
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launcher.checkpoint import choose, complete, full, layout, manifest, storage
+from launcher.errors import UserError
+from recipes.components.mlp import MLP
+from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights, launch, state_dict, train
+
+BUCKET = "launcher-ckpt"
+SECRET = "fake-secret-key-0f1e2d"  # must never be written anywhere
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3 API on a free loopback port, with a bucket; the AWS_* environment pointing at it (fake keys),
+    put back as it was afterwards."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=BUCKET)
+    try:
+        yield client
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def objects(client, prefix):
+    """The keys under `prefix`, relative to it."""
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", [])
+    return sorted(o["Key"][len(prefix) + 1:] for o in listed)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """40 steps in one go, on the local disk: what every resumed run must equal."""
+    run = tmp_path_factory.mktemp("whole")
+    train(run, "trainer.max_steps=40")
+    return run / "model.pt"
+
+
+def test_a_run_saves_to_s3_and_a_run_on_another_machine_resumes_bitwise(s3, tmp_path, whole):
+    url = f"s3://{BUCKET}/resumed"
+    train(tmp_path / "first", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
+    assert objects(s3, "resumed") == [f"step_{n}/{f}" for n in (10, 20) for f in ("manifest.json", "model.pt", "state.pt")]
+    assert not (tmp_path / "first" / "checkpoints").exists()  # no local copy; the logs and model.pt stay local
+    assert_same_weights(tmp_path / "first" / "model.pt", _fetched(s3, "resumed/step_20/model.pt", tmp_path))
+    # another machine (a fresh run folder), the same checkpoint.dir: it continues from step 20
+    train(tmp_path / "second", "trainer.max_steps=40", "checkpoint.every=10", f"checkpoint.dir={url}")
+    assert_same_weights(whole, tmp_path / "second" / "model.pt")
+    assert objects(s3, "resumed")[-3:] == [f"step_40/{f}" for f in ("manifest.json", "model.pt", "state.pt")]
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and not [p for p in written if SECRET.encode() in p.read_bytes()]
+
+
+def _fetched(client, key, folder):
+    path = folder / key.replace("/", "_")
+    client.download_file(BUCKET, key, str(path))
+    return path
+
+
+def test_keep_deletes_old_checkpoints_only_after_the_new_manifest(s3, tmp_path, monkeypatch):
+    events = []
+    write, remove = manifest.write, layout._remove
+    monkeypatch.setattr(manifest, "write", lambda folder, step, *a, **k: (write(folder, step, *a, **k),
+                                                                          events.append(("sealed", step))))
+    monkeypatch.setattr(layout, "_remove", lambda p: (events.append(("deleted", layout.step_of(p))), remove(p)))
+    train(tmp_path, "trainer.max_steps=40", "checkpoint.every=10", "checkpoint.keep=2", f"checkpoint.dir=s3://{BUCKET}/kept")
+    assert {k.split("/")[0] for k in objects(s3, "kept")} == {"step_30", "step_40"}
+    assert [e for e in events if e[0] == "sealed"] == [("sealed", n) for n in (10, 20, 30, 40)]
+    for deleted in (10, 20):  # after the manifest of the save two later (keep=2), never before
+        last = max(i for i, e in enumerate(events) if e == ("deleted", deleted))  # before: its prefix made empty
+        assert last > events.index(("sealed", deleted + 20))
+
+
+def test_a_partial_checkpoint_is_ignored_by_resume_and_deleted_by_the_next_save(s3, tmp_path, whole):
+    url = f"s3://{BUCKET}/partial"
+    train(tmp_path / "a", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
+    for n in (25, 30):  # killed before their manifests: objects without one
+        s3.copy_object(Bucket=BUCKET, Key=f"partial/step_{n}/model.pt", CopySource=f"{BUCKET}/partial/step_20/model.pt")
+    folder = storage.location(url)
+    assert [p.name for p in complete(folder)] == ["step_10", "step_20"]
+    assert choose(folder, "auto")[0] == folder / "step_20"
+    train(tmp_path / "a", "trainer.max_steps=40", "checkpoint.every=10", f"checkpoint.dir={url}")
+    assert_same_weights(whole, tmp_path / "a" / "model.pt")
+    assert "step_25/model.pt" not in objects(s3, "partial")  # deleted once step 30 was sealed again
+
+
+def test_a_damaged_or_missing_object_is_refused_naming_it(s3, tmp_path):
+    url = f"s3://{BUCKET}/damaged"
+    train(tmp_path, "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
+    key = "damaged/step_20/model.pt"
+    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01  # one bit, same size
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    with pytest.raises(UserError, match=r"step_20/model.pt|model.pt: CRC-32 \w+, the manifest says") as named:
+        train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}", f"checkpoint.resume={url}/step_20")
+    assert "damaged (model.pt: CRC-32" in str(named.value)
+    # resume=auto steps back to step_10 but leaves no newer checkpoint of another history beside its own
+    with pytest.raises(UserError, match=r"holds step_20 \(damaged: model.pt: CRC-32 \w+, the manifest says \w+\)"):
+        train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}")
+    s3.delete_object(Bucket=BUCKET, Key="damaged/step_10/state.pt")
+    with pytest.raises(UserError, match=r"damaged \(state.pt: .*no such object.*, the manifest lists it\)"):
+        train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}", f"checkpoint.resume={url}/step_10")
+
+
+def test_a_kill_inside_an_upload_resumes_from_the_newest_sealed_checkpoint(s3, tmp_path):
+    """SIGKILL at two seeded instants of the saves (every chunk torch.save writes to the store is one,
+    tests/save_crash.py): what the store holds then resumes bitwise from its newest sealed checkpoint."""
+    from tests.save_crash import run
+
+    def into(name):
+        return [f"checkpoint.dir=s3://{BUCKET}/{name}"]
+
+    done = run(tmp_path / "reference", extra=into("crash_reference"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    total = int(re.search(r"save_crash: rank 0 events=(\d+)", done.stderr).group(1))
+    for kill_at in random.Random(0).sample(range(1, total + 1), 2):
+        name = f"crash_{kill_at}"
+        killed = run(tmp_path / name, kill_at, into(name))
+        assert killed.returncode == -signal.SIGKILL and "save_crash: killed" in killed.stderr, killed.stderr[-2000:]
+        newest, _ = choose(storage.location(f"s3://{BUCKET}/{name}"), "auto")
+        resumed = run(tmp_path / name, extra=into(name))
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert newest is None or f"resumed from {newest} " in resumed.stdout
+        assert_same_weights(tmp_path / "reference" / "model.pt", tmp_path / name / "model.pt")
+
+
+def test_starting_over_onto_another_runs_checkpoints_is_refused(s3, tmp_path):
+    url = f"s3://{BUCKET}/taken"
+    train(tmp_path / "a", "trainer.max_steps=10", "checkpoint.every=10", f"checkpoint.dir={url}")
+    with pytest.raises(UserError, match="holds another run's checkpoints .step_10. and this run starts over"):
+        train(tmp_path / "b", "trainer.max_steps=10", "checkpoint.resume=never", f"checkpoint.dir={url}")
+
+
+def test_init_from_and_export_read_an_s3_checkpoint(s3, tmp_path):
+    url = f"s3://{BUCKET}/exported"
+    train(tmp_path / "a", "trainer.max_steps=10", "checkpoint.every=10", f"checkpoint.dir={url}")
+    out = subprocess.run([sys.executable, "-m", "launcher.export", f"{url}/step_10", str(tmp_path / "out.pt")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"from {url}/step_10" in out.stdout
+    assert_same_weights(tmp_path / "a" / "model.pt", tmp_path / "out.pt")
+    model = MLP()
+    from launcher.checkpoint import load_model_state
+
+    load_model_state(model, f"{url}/step_10")
+    assert all(torch.equal(v, state_dict(tmp_path / "out.pt")[k]) for k, v in model.state_dict().items())
+
+
+def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_path):
+    args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path}"]
+    missing = launch(*args, "checkpoint.dir=s3://no-such-bucket/run")
+    assert missing.returncode == 2 and "training" not in missing.stderr + missing.stdout
+    assert missing.stderr.strip().splitlines()[-1].endswith(
+        "checkpoint.dir: s3://no-such-bucket/run: no bucket 'no-such-bucket' there; create it, or name an existing "
+        "one (AWS_ENDPOINT_URL names the store)"), missing.stderr
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    bare.update(AWS_ENDPOINT_URL=os.environ["AWS_ENDPOINT_URL"], AWS_EC2_METADATA_DISABLED="true",
+                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
+    nokeys = subprocess.run([sys.executable, "-m", "launcher", *args, f"checkpoint.dir=s3://{BUCKET}/run"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, env=bare)
+    assert nokeys.returncode == 2, nokeys.stderr
+    assert "no credentials for the object store; set AWS_ACCESS_KEY_ID" in nokeys.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "recipe.yaml").exists()  # refused before the run folder was written
+    export = subprocess.run([sys.executable, "-m", "launcher.export", "s3://no-such-bucket/run/step_10",
+                             str(tmp_path / "out.pt")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert export.returncode == 2 and export.stderr.strip().splitlines()[-1].endswith(
+        "CHECKPOINT: s3://no-such-bucket/run/step_10: no bucket 'no-such-bucket' there; create it, or name an "
+        "existing one (AWS_ENDPOINT_URL names the store)"), export.stderr
+    with pytest.raises(UserError, match="^checkpoint.init_from: s3://no-such-bucket/run/step_10: no bucket"):
+        train(tmp_path / "init", "checkpoint.init_from=s3://no-such-bucket/run/step_10")
+
+
+def test_full_checkpoints_in_fsspec_memory_store(tmp_path):
+    """Any fsspec URL: memory:// holds a full checkpoint sealed by its manifest, as S3 does."""
+    folder = storage.location("memory://launcher-test/run")
+    model = MLP()
+    for step in (1, 2, 3):
+        full.write(folder, step, model.state_dict(), {"x": step}, keep=2)
+    assert [p.name for p in complete(folder)] == ["step_2", "step_3"]
+    assert manifest.verify(folder / "step_3") is None
+    (folder / "step_3" / "manifest.json").remove()
+    assert choose(folder, "auto")[0] == folder / "step_2"
+    storage.removed(folder)
+
+
+@pytest.mark.slow
+def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_disk(s3, tmp_path):
+    """fsdp x 2 (torchrun, gloo) writes DCP's shards through fsspec, sealed by rank 0's manifest (step 20 in
+    the background, with async_save; the final step 40 at once); one process resumes from them bitwise as
+    from the same run's shards on a local disk."""
+    from tests.test_fsdp import FSDP, QUICK, launch as torchrun
+
+    url = f"s3://{BUCKET}/fsdp"
+    torchrun(tmp_path / "s3", *QUICK, *FSDP, f"checkpoint.dir={url}", "checkpoint.async_save=true")
+    torchrun(tmp_path / "local", *QUICK, *FSDP)
+    assert_same_weights(tmp_path / "local" / "model.pt", tmp_path / "s3" / "model.pt")
+    assert [k for k in objects(s3, "fsdp") if k.startswith("step_20/")] == [
+        f"step_20/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json")]
+    assert manifest.verify(storage.location(f"{url}/step_20")) is None
+    one = [*QUICK, "strategy=single"]
+    done = torchrun(tmp_path / "one_s3", *one, f"checkpoint.resume={url}/step_20")
+    assert "written by 2 processes, resharded to 1" in done.stdout
+    torchrun(tmp_path / "one_local", *one, f"checkpoint.resume={tmp_path / 'local' / 'checkpoints' / 'step_20'}")
+    assert_same_weights(tmp_path / "one_local" / "model.pt", tmp_path / "one_s3" / "model.pt")
+
+
+def test_a_local_checkpoint_dir_outside_the_run_folder(tmp_path, whole):
+    """checkpoint.dir as a folder: written there as in <run_dir>/checkpoints (renamed into place, `latest`),
+    resumed from there, and not moved aside when another run would start over in it."""
+    elsewhere = tmp_path / "elsewhere"
+    train(tmp_path / "a", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={elsewhere}")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["latest", "step_10", "step_20"]
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    train(tmp_path / "b", "trainer.max_steps=40", "checkpoint.every=10", f"checkpoint.dir={elsewhere}")
+    assert_same_weights(whole, tmp_path / "b" / "model.pt")
+    with pytest.raises(UserError, match="holds another run's checkpoints .step_40. and this run starts over"):
+        train(tmp_path / "c", "checkpoint.resume=never", f"checkpoint.dir={elsewhere}")
