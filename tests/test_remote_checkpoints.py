@@ -135,6 +135,7 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(s3, tmp_path):
         train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}", f"checkpoint.resume={url}/step_10")
 
 
+@pytest.mark.slow  # three runs killed and resumed, as tests/test_faults.py's (25 s): the full suite runs it
 def test_a_kill_inside_an_upload_resumes_from_the_newest_sealed_checkpoint(s3, tmp_path):
     """SIGKILL at two seeded instants of the saves (every chunk torch.save writes to the store is one,
     tests/save_crash.py): what the store holds then resumes bitwise from its newest sealed checkpoint."""
