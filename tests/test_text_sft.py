@@ -63,6 +63,9 @@ def test_one_step_on_packed_rows_is_the_step_on_the_same_samples_padded(base, tm
     packed = here(base, tmp_path / "packed", *common, "data.train.packing=true", f"data.batch_size={rows}")
     assert f"data.train: packing: 12 samples into {rows} rows of at most 64 tokens" in capsys.readouterr().out
     assert packed["train/loss"] == pytest.approx(padded["train/loss"], rel=1e-5)
+    tokens = sum(len(s["input_ids"]) for s in TextDataset(str(base), str(tmp_path / "chat.jsonl"), max_len=64).samples)
+    for values, samples in ((padded, 12), (packed, rows)):  # tokens/s counts the samples' tokens, not padding
+        assert values["train/tokens_per_s"] / values["train/samples_per_s"] * samples == pytest.approx(tokens, rel=1e-6)
     one, other = state_dict(tmp_path / "padded" / "model.pt"), state_dict(tmp_path / "packed" / "model.pt")
     for key in one:
         torch.testing.assert_close(other[key], one[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs when packed")

@@ -42,3 +42,28 @@ def test_rates_of_an_interval():
     line = format_values(values)
     assert "samples/s 1,600" in line and "tokens/s 16,000" in line and "mfu 80.0%" in line
     assert format_values({"train/max_memory_gib": 1.5}) == "max mem 1.50 GiB"
+
+
+def test_tokens_per_s_counts_the_real_tokens_of_padded_and_packed_batches():
+    """Batches of token rows are counted at the read: the attention_mask's ones, or packed rows' document_ids
+    >= 0; a tuple batch has no tokens/s without data.tokens_per_sample; under two ranks the mean is doubled."""
+    from launcher.model.step import Result
+    from launcher.run.metrics import TrainMeter
+
+    def rates(batches, world_size=1, tokens_per_sample=None):
+        meter = TrainMeter({}, torch.device("cpu"), throughput.Throughput(4, tokens_per_sample, world_size=world_size))
+        meter.start(0)
+        for batch in batches:  # one micro-batch a step
+            meter.add(torch.tensor(1.0), None, Result(torch.tensor(1.0), None, None, None), batch)
+            meter.step_done(None)
+        values = meter.read(lambda t: t, 1e-3)
+        return values.get("train/tokens_per_s", 0.0) / values["train/samples_per_s"] * 4 * len(batches)
+
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    padded = {"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}
+    packed = {"input_ids": ids, "document_ids": torch.tensor([[0, 0, 1, 1, -1], [0, 1, 1, 1, 2]])}
+    assert abs(rates([padded, packed]) - (8 + 9)) < 1e-3  # tokens in the interval, whatever its seconds
+    assert abs(rates([padded], world_size=2) - 16) < 1e-3  # a rank's mean, times the ranks
+    assert rates([(torch.zeros(4, 3), torch.zeros(4))]) == 0.0  # no tokens/s for samples alone
+    assert abs(rates([(torch.zeros(4, 3), torch.zeros(4))], tokens_per_sample=7) - 28) < 1e-3
+    assert abs(rates([{"input_ids": ids}], tokens_per_sample=7) - 28) < 1e-3  # no mask: the recipe's figure

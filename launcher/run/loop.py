@@ -110,7 +110,7 @@ def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", p
         if micro == 0 and not free_after_step:
             p.optimizer.zero_grad(set_to_none=True)
         p.precision.backward(loss)
-        p.meter.add(out.loss * count if count is not None else loss, count, out)
+        p.meter.add(out.loss * count if count is not None else loss, count, out, batch)
     weights.finish()
     p.precision.unscale(p.optimizer)
     norm = p.strategy.clip(params, cfg.clip_grad_norm) if cfg.clip_grad_norm or syncing else None

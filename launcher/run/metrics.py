@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -69,18 +69,23 @@ class TrainMeter:
         self.losses: List[torch.Tensor] = []  # this interval's micro-batch losses, on the device
         self.counts: List[torch.Tensor] = []  # and their item counts, when the step gives them
         self.values: List[List[torch.Tensor]] = [[] for _ in metrics]  # per metric, per micro-batch values
+        self.marks: List[Tuple[torch.Tensor, bool]] = []  # where a batch's real tokens are (`_marks`), counted at read
         self.first_step = 0  # the last step before this interval: its k-th loss is step first_step + k + 1
         self.steps = 0  # steps recorded since the last read
         self.checked = 0  # of which checked for NaN at a save or an evaluation
         self.grad_norm: Optional[torch.Tensor] = None
         self.clock = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, count: Optional[torch.Tensor], out: Result) -> None:
+    def add(self, loss: torch.Tensor, count: Optional[torch.Tensor], out: Result, batch: Any = None) -> None:
         """One micro-batch: `loss` is its summed loss when `count` is given, else its mean already
-        divided by the accumulation steps."""
+        divided by the accumulation steps. A batch of token rows (input_ids with an attention_mask, or packed
+        rows' document_ids) is kept by reference, and its real tokens counted at the read: tokens/s."""
         self.losses.append(loss.detach())
         if count is not None:
             self.counts.append(count)
+        marks = _marks(batch)
+        if marks is not None:
+            self.marks.append(marks)
         if self.metrics:
             with torch.no_grad():
                 for i, fn in enumerate(self.metrics.values()):
@@ -122,7 +127,8 @@ class TrainMeter:
         counts = torch.stack(self.counts).float().view(n, -1).sum(1) if n and self.counts else empty
         metric_sums = [_sum_and_count(v, self.device) for v in self.values]
         grad = self.grad_norm.reshape(1).float() if self.grad_norm is not None else empty
-        packed = all_reduce_mean(torch.cat([per_step, counts, *metric_sums, grad]))
+        tokens = _real_tokens(self.marks, self.device) if self.marks else empty
+        packed = all_reduce_mean(torch.cat([per_step, counts, *metric_sums, tokens, grad]))
         values = packed.tolist()  # device -> host: the only read between log steps
         seconds = time.perf_counter() - self.clock
         losses, at = values[:n], n
@@ -137,15 +143,36 @@ class TrainMeter:
             out[f"train/{name}"] = total / count if count else float("nan")
         if self.grad_norm is not None:
             out["train/grad_norm"] = values[-1]
-        out.update(self.throughput.values(n, seconds))
+        real = values[at + 2 * len(self.metrics)] if self.marks else None  # a rank's mean: the throughput scales it
+        out.update(self.throughput.values(n, seconds, real))
         self._reset(self.first_step + n)
         return out
 
     def _reset(self, first_step: int) -> None:
-        self.losses, self.counts = [], []
+        self.losses, self.counts, self.marks = [], [], []
         self.values = [[] for _ in self.metrics]
         self.first_step, self.steps, self.checked, self.grad_norm = first_step, 0, 0, None
         self.clock = time.perf_counter()
+
+
+def _marks(batch: Any) -> Optional[Tuple[torch.Tensor, bool]]:
+    """Where a batch's real (not padding) tokens are: packed rows' document_ids (>= 0), or the 2-D
+    attention_mask of a batch of input_ids (ones); None for other batches, whose items are samples alone."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
+        return None
+    documents, mask = batch.get("document_ids"), batch.get("attention_mask")
+    if isinstance(documents, torch.Tensor):
+        return documents, True
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return mask, False
+    return None
+
+
+def _real_tokens(marks: List[Tuple[torch.Tensor, bool]], device: torch.device) -> torch.Tensor:
+    """The real tokens of an interval's batches on this rank, as a 1-element float tensor: a sum per batch,
+    run at the read (no operation per step)."""
+    sums = [(tensor >= 0).sum() if documents else tensor.sum() for tensor, documents in marks]
+    return torch.stack(sums).to(device=device, dtype=torch.float64).sum().reshape(1).float()
 
 
 def _sum_and_count(values: List[torch.Tensor], device: torch.device) -> torch.Tensor:
