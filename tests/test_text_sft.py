@@ -78,9 +78,17 @@ def test_ddp_two_processes_give_one_process_weights_and_a_bad_row_is_one_line_on
     good = (REPO / "recipes" / "data" / "chat.jsonl").read_text().splitlines()[0]
     bad.write_text(good + "\n" + json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")
     common = [str(RECIPE), f"model.config.pretrained_model_name_or_path={base}", *SHORT, *SGD]
+    packed = ["data.train.packing=true", "data.batch_size=4"]
     ranks = several({"ddp": [*common, f"run_dir={tmp_path / 'ddp'}"],
-                     "bad": [*common, f"run_dir={tmp_path / 'bad'}", f"data.train.files={bad}"]}, tmp_path)
+                     "bad": [*common, f"run_dir={tmp_path / 'bad'}", f"data.train.files={bad}"],
+                     "tp": [*common, *packed, f"run_dir={tmp_path / 'tp'}", "strategy=fsdp", "parallel.tp=2",
+                            "logging.jsonl=true"]}, tmp_path)
     assert [rank["ddp"]["error"] for rank in ranks] == [None, None]
+    # tokens/s of packed rows under tensor parallelism (both ranks hold the same rows) is one process's
+    alone = here(base, tmp_path / "packed", *SGD, *packed, "strategy=single")
+    logged = json.loads((tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["train/tokens_per_s"] / logged["train/samples_per_s"] == pytest.approx(
+        alone["train/tokens_per_s"] / alone["train/samples_per_s"], rel=1e-6), logged
     assert "(ddp)" in ranks[0]["ddp"]["said"]
     one, ddp = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "ddp" / "model.pt")
     assert one.keys() == ddp.keys()

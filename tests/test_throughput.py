@@ -46,24 +46,27 @@ def test_rates_of_an_interval():
 
 def test_tokens_per_s_counts_the_real_tokens_of_padded_and_packed_batches():
     """Batches of token rows are counted at the read: the attention_mask's ones, or packed rows' document_ids
-    >= 0; a tuple batch has no tokens/s without data.tokens_per_sample; under two ranks the mean is doubled."""
+    >= 0, per sample (row) of the batches, times the global samples; a tuple batch has no tokens/s without
+    data.tokens_per_sample. The ranks of a tensor-parallel group hold the same batch: a whole run under
+    fsdp x tp 2 shows it (tests/test_text_sft.py)."""
     from launcher.model.step import Result
     from launcher.run.metrics import TrainMeter
 
-    def rates(batches, world_size=1, tokens_per_sample=None):
-        meter = TrainMeter({}, torch.device("cpu"), throughput.Throughput(4, tokens_per_sample, world_size=world_size))
+    def rates(batches, tokens_per_sample=None, ranks=1):
+        meter = TrainMeter({}, torch.device("cpu"), throughput.Throughput(2 * ranks, tokens_per_sample))
         meter.start(0)
         for batch in batches:  # one micro-batch a step
             meter.add(torch.tensor(1.0), None, Result(torch.tensor(1.0), None, None, None), batch)
             meter.step_done(None)
         values = meter.read(lambda t: t, 1e-3)
-        return values.get("train/tokens_per_s", 0.0) / values["train/samples_per_s"] * 4 * len(batches)
+        return values.get("train/tokens_per_s", 0.0) / values["train/samples_per_s"] * 2 * ranks * len(batches)
 
     ids = torch.zeros(2, 5, dtype=torch.long)
     padded = {"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}
     packed = {"input_ids": ids, "document_ids": torch.tensor([[0, 0, 1, 1, -1], [0, 1, 1, 1, 2]])}
     assert abs(rates([padded, packed]) - (8 + 9)) < 1e-3  # tokens in the interval, whatever its seconds
-    assert abs(rates([padded], world_size=2) - 16) < 1e-3  # a rank's mean, times the ranks
-    assert rates([(torch.zeros(4, 3), torch.zeros(4))]) == 0.0  # no tokens/s for samples alone
-    assert abs(rates([(torch.zeros(4, 3), torch.zeros(4))], tokens_per_sample=7) - 28) < 1e-3
-    assert abs(rates([{"input_ids": ids}], tokens_per_sample=7) - 28) < 1e-3  # no mask: the recipe's figure
+    # two data-parallel ranks, each with this batch (the all-reduce a mean): the global batch holds twice its tokens
+    assert abs(rates([padded], ranks=2) - 16) < 1e-3
+    assert rates([(torch.zeros(2, 3), torch.zeros(2))]) == 0.0  # no tokens/s for samples alone
+    assert abs(rates([(torch.zeros(2, 3), torch.zeros(2))], tokens_per_sample=7) - 14) < 1e-3
+    assert abs(rates([{"input_ids": ids}], tokens_per_sample=7) - 14) < 1e-3  # no mask: the recipe's figure

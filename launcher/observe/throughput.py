@@ -49,23 +49,22 @@ class Throughput:
 
     def __init__(self, samples_per_step: int, tokens_per_sample: Optional[int] = None,
                  flops_per_sample: Optional[float] = None, peak_flops_all_devices: Optional[float] = None,
-                 device: torch.device = torch.device("cpu"), world_size: int = 1):
+                 device: torch.device = torch.device("cpu")):
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_sample = flops_per_sample
         self.peak = peak_flops_all_devices
         self.device = device
-        self.world_size = world_size
 
-    def values(self, steps: int, seconds: float, real_tokens: Optional[float] = None) -> Dict[str, float]:
-        """`real_tokens`: the interval's tokens that are not padding, a rank's mean (batches of token rows:
-        counted, so tokens/s is what was trained on, packed or padded); else data.tokens_per_sample's."""
+    def values(self, steps: int, seconds: float, real_per_sample: Optional[float] = None) -> Dict[str, float]:
+        """`real_per_sample`: the tokens that are not padding in a sample (a row, when packed) of the interval,
+        as counted in batches of token rows, so that tokens/s is what was trained on, packed or padded, and
+        whatever the layout (a tensor-parallel group's ranks hold the same batch); else data.tokens_per_sample."""
         samples_per_s = steps * self.samples_per_step / max(seconds, 1e-9)
         out = {"train/samples_per_s": samples_per_s}
-        if real_tokens is not None:
-            out["train/tokens_per_s"] = real_tokens * self.world_size / max(seconds, 1e-9)
-        elif self.tokens_per_sample:
-            out["train/tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        per_sample = real_per_sample if real_per_sample is not None else self.tokens_per_sample
+        if per_sample:
+            out["train/tokens_per_s"] = samples_per_s * per_sample
         if self.flops_per_sample and self.peak:
             out["train/mfu"] = samples_per_s * self.flops_per_sample / self.peak
         if self.device.type == "cuda":

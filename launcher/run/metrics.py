@@ -143,7 +143,8 @@ class TrainMeter:
             out[f"train/{name}"] = total / count if count else float("nan")
         if self.grad_norm is not None:
             out["train/grad_norm"] = values[-1]
-        real = values[at + 2 * len(self.metrics)] if self.marks else None  # a rank's mean: the throughput scales it
+        rows = sum(tensor.shape[0] for tensor, _ in self.marks)  # this rank's: as many on every rank
+        real = values[at + 2 * len(self.metrics)] / rows if rows else None  # real tokens a sample (a row)
         out.update(self.throughput.values(n, seconds, real))
         self._reset(self.first_step + n)
         return out

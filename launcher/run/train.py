@@ -170,7 +170,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
     rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample,
                                   throughput.model_flops_per_sample(model, cfg.tokens_per_sample),
-                                  peak * placement.world_size if peak else None, device, placement.world_size)
+                                  peak * placement.world_size if peak else None, device)
     if recipe.trainer.compile:  # after the eager check. The wrapper is compiled, so DDP's buckets still
         wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys
     parts = Parts(wrapped, optimizer, schedule, step=step, metrics=metrics,
