@@ -13,7 +13,7 @@ import tempfile
 
 import torch
 
-from launcher.bench.workload import StepClock
+from launcher.bench.workload import StepClock, trainer_callback
 from launcher.data.collate import Pad
 from recipes.components.passages import Passages
 
@@ -23,16 +23,12 @@ SKIP = 3  # the benchmark's code for a peer whose library is not installed
 def main(argv: list) -> int:
     folder, steps, batch, length, checkpointing, compile = argv[0], *map(int, argv[1:6])
     try:
-        from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+        from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     except ImportError:
         return SKIP
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     clock = StepClock()
-
-    class Timed(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.tick()
 
     with tempfile.TemporaryDirectory(prefix="launcher-bench-trainer-") as out:
         settings = TrainingArguments(
@@ -42,7 +38,7 @@ def main(argv: list) -> int:
             gradient_checkpointing=bool(checkpointing), torch_compile=bool(compile), seed=0)
         data = Passages(n=max(2048, steps * batch), min_len=length, max_len=length, prompt=8)
         trainer = Trainer(model=model, args=settings, train_dataset=data, data_collator=Pad(values={"labels": -100}),
-                          callbacks=[Timed()])
+                          callbacks=[trainer_callback(clock)])
         trainer.train()
     clock.report(optim=str(settings.optim).split(".")[-1].lower())
     return 0

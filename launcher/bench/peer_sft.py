@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from launcher.bench.workload import StepClock
+from launcher.bench.workload import StepClock, trainer_callback
 
 SKIP = 3  # the benchmark's code for a peer whose library is not installed
 LR, WEIGHT_DECAY = 1.0e-3, 0.0  # recipes/hf_sft.yaml's optimizer
@@ -26,7 +26,7 @@ def main(argv: list) -> int:
     folder, data, steps, batch, max_len, seed, log_every = argv[0], argv[1], *map(int, argv[2:7])
     try:
         from datasets import Dataset
-        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         from trl import SFTConfig, SFTTrainer
     except ImportError:
         return SKIP
@@ -37,14 +37,6 @@ def main(argv: list) -> int:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     clock, logged = StepClock(), {}
 
-    class Timed(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.tick()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:  # the mean over the steps since the last log, as the launcher logs it
-                logged["loss"] = logs["loss"]
-
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="launcher-bench-trl-") as out:
         settings = SFTConfig(
@@ -53,7 +45,7 @@ def main(argv: list) -> int:
             save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, bf16=cuda, use_cpu=not cuda,
             max_length=max_len, packing=True, packing_strategy="bfd", seed=seed)
         trainer = SFTTrainer(model=model, args=settings, train_dataset=dataset,
-                             processing_class=AutoTokenizer.from_pretrained(folder), callbacks=[Timed()])
+                             processing_class=AutoTokenizer.from_pretrained(folder), callbacks=[trainer_callback(clock, logged)])
         rows = trainer.train_dataset
         result = trainer.train()
     clock.report(loss=float(logged.get("loss", result.training_loss)), rows=len(rows),

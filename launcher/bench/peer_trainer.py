@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from launcher.bench.raw_hf import RECIPE, arguments
-from launcher.bench.workload import StepClock
+from launcher.bench.workload import StepClock, trainer_callback
 from launcher.data.collate import Pad
 from recipes.components.passages import Passages
 
@@ -26,7 +26,7 @@ SKIP = 3  # the benchmark's code for a peer whose library is not installed
 def main(argv: list) -> int:
     steps = int(argv[0]) if argv else 200
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+        from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     except ImportError:
         return SKIP
     torch.set_num_threads(1)
@@ -35,17 +35,7 @@ def main(argv: list) -> int:
     torch.manual_seed(recipe["seed"])
     others = {k: v for k, v in arguments(recipe, "model").items() if k != "config"}
     model = GPT2LMHeadModel(GPT2Config(**arguments(recipe, "model.config")), **others)
-    clock = StepClock()
-
-    logged = {}
-
-    class Timed(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.tick()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:  # the mean over the steps since the last log, as the launcher logs it
-                logged["loss"] = logs["loss"]
+    clock, logged = StepClock(), {}
 
     with tempfile.TemporaryDirectory(prefix="launcher-bench-trainer-") as out:
         settings = TrainingArguments(
@@ -55,7 +45,7 @@ def main(argv: list) -> int:
             eval_strategy="no", report_to="none", disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
             dataloader_num_workers=recipe["data"].get("num_workers", 0), seed=recipe["seed"])
         trainer = Trainer(model=model, args=settings, train_dataset=Passages(**arguments(recipe, "data.train")),
-                          data_collator=Pad(**arguments(recipe, "data.collate")), callbacks=[Timed()])
+                          data_collator=Pad(**arguments(recipe, "data.collate")), callbacks=[trainer_callback(clock, logged)])
         result = trainer.train()
     # Its last logged loss, the mean over the steps since the log before (with fewer than 100 steps, none
     # was logged: the mean over all of them, as the launcher's last log step has it)

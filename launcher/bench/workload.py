@@ -9,6 +9,7 @@ import os
 import resource
 import statistics
 import time
+from typing import Optional
 
 import torch
 from torch import nn
@@ -52,3 +53,20 @@ class StepClock:
             "first_step_s": self.first_wall - t0 if t0 else None,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "steps": len(self.ends), **extra}), flush=True)
+
+
+def trainer_callback(clock: StepClock, logged: Optional[dict] = None):
+    """A transformers Trainer callback for a peer: every step's end on `clock` (the other sides' clock), and
+    into `logged["loss"]` the last loss Trainer logs (the mean over the steps since the log before, as the
+    launcher logs it)."""
+    from transformers import TrainerCallback
+
+    class Timed(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.tick()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logged is not None and logs and "loss" in logs:
+                logged["loss"] = logs["loss"]
+
+    return Timed()
