@@ -16,8 +16,8 @@ import argparse
 import sys
 from typing import List, Optional
 
-from launcher.errors import (EXIT_BUG, EXIT_DIVERGED, EXIT_HUNG, EXIT_OOM, EXIT_REQUEUE, EXIT_USER, Hung, OutOfMemory,
-                             PeerFailed, TrainingDiverged, UserError)
+from launcher.errors import (EXIT_BUG, EXIT_CHECKPOINTS, EXIT_DIVERGED, EXIT_HUNG, EXIT_OOM, EXIT_REQUEUE, EXIT_USER,
+                             CheckpointsFailed, Hung, OutOfMemory, PeerFailed, TrainingDiverged, UserError)
 from launcher.report import agreed, for_torchrun, mistake, rank, say
 from launcher.stopping import RequeueFailed, Stopped, exit_code
 
@@ -40,7 +40,7 @@ EPILOG = """commands (each takes --help):
 Every recipe key with its type, default and meaning: docs/recipe.md (README.md, section Recipes, shows
 them as one recipe).
 Exit codes: 0 done, 1 a bug (traceback), 2 a mistake (one line), 3 NaN loss, 4 requeue refused,
-5 out of memory, 6 a collective timed out, 128+N stopped by signal N (checkpoint saved)."""
+5 out of memory, 6 a collective timed out, 7 saves kept failing, 128+N stopped by signal N (checkpoint saved)."""
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -84,6 +84,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         say(str(e), every_rank=True)
         for_torchrun([f"launcher: rank {rank()}: {e}"])
         return EXIT_HUNG
+    except CheckpointsFailed as e:
+        agreed(str(e))  # every rank meets it at the same save (its failure is agreed)
+        return EXIT_CHECKPOINTS
     except OutOfMemory as e:
         say(str(e), every_rank=True)  # each rank's own: its step, its device, its peak
         return EXIT_OOM

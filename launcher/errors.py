@@ -1,7 +1,8 @@
 """The one exception type for user mistakes, and the exit codes the command line gives.
 
 0 done; 1 a bug or crash (Python's traceback); 2 a user mistake, one line per problem; 3 the loss
-diverged; 4 Slurm refused the requeue after a signal; 5 out of memory; 6 a collective timed out; 128+N stopped by signal N (see cli.py).
+diverged; 4 Slurm refused the requeue after a signal; 5 out of memory; 6 a collective timed out; 7 checkpoints
+could not be saved, save after save; 128+N stopped by signal N (see cli.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ EXIT_DIVERGED = 3
 EXIT_REQUEUE = 4
 EXIT_OOM = 5
 EXIT_HUNG = 6
+EXIT_CHECKPOINTS = 7
 
 
 class UserError(Exception):
@@ -76,6 +78,11 @@ class OutOfMemory(Exception):
 class Hung(Exception):
     """A collective did not finish within dist_timeout (another rank stopped, hung or died); the message
     is this rank's one line (exit code 6)."""
+
+
+class CheckpointsFailed(Exception):
+    """Saves failed one after another (an object store gone, a disk refusing writes): the run stops with what
+    is sealed; the message is the one line every rank gives (exit code 7)."""
 
 
 class PeerFailed(Exception):

@@ -3,6 +3,7 @@
     python -m tests.save_crash --trials 20                  # the stress run: random instants, seed printed
     python -m tests.save_crash --trials 20 --fsdp           # fsdp x2: sharded checkpoints, each rank's shards
     python -m tests.save_crash --trials 20 --fsdp --async   # ... written in the background
+    python -m tests.save_crash --trials 20 --async          # one process, rank 0's writer thread
 
 `python -m tests.save_crash --kill-at K -- ARGS` trains `python -m launcher ARGS` and SIGKILLs itself
 at the K-th file-system event of checkpoint saving: every chunk torch.save writes, every item DCP
@@ -128,7 +129,8 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--fsdp", action="store_true", help="fsdp x2 under torchrun: sharded checkpoints")
-    parser.add_argument("--async", dest="background", action="store_true", help="with --fsdp: checkpoint.async_save")
+    parser.add_argument("--async", dest="background", action="store_true", help="checkpoint.async_save: saves written "
+                        "on a thread (rank 0's writer of the full format, DCP's of the shards)")
     parser.add_argument("args", nargs="*")
     args = parser.parse_args()
     if args.kill_at is not None:
@@ -137,7 +139,7 @@ def main() -> int:
 
         return launcher_main(args.args)
     seed = args.seed if args.seed is not None else random.randrange(10**6)
-    extra = (SHARDED if args.fsdp else []) + (ASYNC if args.fsdp and args.background else [])
+    extra = (SHARDED if args.fsdp else []) + (ASYNC if args.background else [])
     folder = Path(tempfile.mkdtemp(prefix="save_crash_"))
     ranks = [0, 1] if args.fsdp else [0]
     totals = reference(folder, extra)

@@ -277,6 +277,17 @@ def test_no_space_or_permission_while_saving(tiny_disk, capsys):
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and err == [f"launcher: run_dir: cannot write {readonly}: Read-only file system; "
                                  f"point run_dir=... at a writable folder"]
+    # written in the background, the failures are met at the next save: the run trains on, says so, and
+    # stops at the third in a row (exit 7), the partial folders gone
+    code = main([Q, *SMALL, f"run_dir={full}/async", "model.hidden=256", "checkpoint.async_save=true",
+                 "trainer.max_steps=40", "checkpoint.every=10"])
+    out, err = capsys.readouterr()
+    assert code == 7 and out.count("was not saved (cannot write") == 2, out
+    assert err.splitlines() == [f"launcher: checkpoint: 3 saves in a row failed, the last at step 30 (cannot write "
+                                f"{full}/async/checkpoints: No space left on device (errno 28); the newest complete "
+                                f"checkpoint is kept. HINT: free some space, or point run_dir=... at a writable folder); "
+                                f"the run stops. No checkpoint is sealed: the same command starts over"], err
+    assert not list(full.glob("async/checkpoints/.step_*"))
 
 
 @pytest.mark.slow

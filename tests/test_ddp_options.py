@@ -215,15 +215,23 @@ def test_ddp_sync_batchnorm_on_the_cpu_exits_2_with_one_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
-    ["ddp.static_graph=true"],
+    # and checkpoints written by rank 0 in the background (checkpoint.async_save), which train nothing differently
+    ["ddp.static_graph=true", "checkpoint.async_save=true", "checkpoint.every=10", "checkpoint.keep=4"],
     # half the batch twice: the micro-steps skip sync, into gradients that are views of small buckets
     ["ddp.gradient_as_bucket_view=true", "ddp.bucket_cap_mb=0.01", "ddp.find_unused_parameters=true",
      "data.batch_size=16", "trainer.grad_accum_steps=2"],
-], ids=["static-graph", "bucket-views-accumulating"])
+], ids=["static-graph-async-saves", "bucket-views-accumulating"])
 def test_ddp_options_keep_the_single_process_weights(reference, tmp_path, options):
     """They change how DDP reduces, not what."""
+    from launcher.checkpoint import layout, manifest
+
     run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", *options])
     assert_equivalent(reference, tmp_path / "model.pt")
+    if "checkpoint.async_save=true" in options:
+        sealed = layout.complete(tmp_path / "checkpoints")
+        assert [p.name for p in sealed] == ["step_10", "step_20", "step_30", "step_40"]
+        assert all(manifest.verify(p) is None for p in sealed)
+        assert_equivalent(reference, sealed[-1] / "model.pt")
 
 
 @pytest.mark.gpu

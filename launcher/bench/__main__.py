@@ -3,6 +3,7 @@
                           [--no-startup] [--startup [--startup-reps 9]] [--no-defaults] [--defaults]
                           [--no-pretrained] [--pretrained [--pretrained-layers 11 --pretrained-width 2048]]
                           [--layouts all|two] [--sft [--sft-steps 60 --sft-size small|tiny]]
+                          [--saves [--saves-width 2048 --saves-every 40 --saves-count 3]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -52,6 +53,10 @@ packed, as real (non-pad) tokens a second, and TRL's SFTTrainer packing the same
 when trl is installed): the step and the final loss, over seeds. Only `--sft` runs it, alone: TRL's step is
 seconds on a CPU, and the row takes about 15 minutes at --reps 3.
 
+The checkpoint row (launcher/bench/saves.py): the time a save holds the training step, written synchronously
+and in the background (checkpoint.async_save), to a local folder and to an S3 API server on loopback (moto's),
+for a 12.7M-parameter MLP with AdamW; only `--saves` runs it, alone.
+
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 """
 
@@ -66,6 +71,7 @@ import tempfile
 from launcher.bench.defaults import defaults
 from launcher.bench.layouts import layouts
 from launcher.bench.runs import PY, aborted_at_exit, alternate, median, ratio
+from launcher.bench.saves import saves
 from launcher.bench.pretrained import pretrained
 from launcher.bench.sft import sft
 from launcher.bench.startup import startup
@@ -223,6 +229,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sft-steps", type=int, default=60, help="steps per run of the SFT row (default 60)")
     parser.add_argument("--sft-size", choices=("small", "tiny"), default="small",
                         help="the SFT row's data and model: small (1024 samples, max_len 512) or tiny (a smoke test)")
+    parser.add_argument("--saves", dest="saves_only", action="store_true",
+                        help="the checkpoint row alone: the step blocked by a save, sync and async, local and S3")
+    parser.add_argument("--saves-width", type=int, default=2048, help="the checkpoint row's MLP width (default 2048)")
+    parser.add_argument("--saves-every", type=int, default=40, help="its steps between saves (default 40: more "
+                        "than an upload to the loopback store takes on 2 cores)")
+    parser.add_argument("--saves-count", type=int, default=3, help="its saves a run, the final one aside (default 3)")
     return parser
 
 
@@ -252,6 +264,9 @@ def main() -> int:
             return 0
         if args.sft_only:
             print("\n".join(sft_row(args)), flush=True)
+            return 0
+        if args.saves_only:
+            print("\n".join(saves(args)), flush=True)
             return 0
         if args.workload:
             print("\n".join(workload(args)), flush=True)

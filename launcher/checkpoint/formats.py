@@ -3,7 +3,7 @@ functions (see full.py) and one entry here.
 
 Each format module has NAME and holds(folder) (is this folder of mine?); model_weights(folder) (the plain
 model's weights, for export and init_from, once the folder's files are checked as the format checks
-them); lazy_weights(folder) (the same as hf.Tensors, read a few at a time: export --format hf); and, where runs write and resume it, save(checkpoints, step, final), read_run_state(checkpoints,
+them); lazy_weights(folder) (the same as hf.Tensors, read a few at a time: export --format hf); and, where runs write and resume it, save(checkpoints, step, final, background), read_run_state(checkpoints,
 folder) and load(checkpoints, folder). A format that runs only read (an HF model folder, say) has the
 first four alone."""
 

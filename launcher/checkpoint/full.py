@@ -1,12 +1,17 @@
 """The full format: rank 0 writes the whole state, gathered, as two files any process can read.
 
     checkpoints/step_<N>/model.pt   the plain model's state_dict
-    checkpoints/step_<N>/state.pt   the optimizer's state keyed by parameter names, and the run state"""
+    checkpoints/step_<N>/state.pt   the optimizer's state keyed by parameter names, and the run state
+
+In the background (checkpoint.async_save), rank 0 copies the state to host memory (staging.py) and a
+thread of its own writes and seals it while training goes on; the other ranks write nothing."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -43,14 +48,19 @@ def write(folder: Path, step: int, model_state: Dict[str, torch.Tensor], state: 
         return layout.seal(folder, step, listed, keep)
 
 
-def save(checkpoints, step: int, final: bool) -> None:
-    """Every rank takes part in gathering the run state; rank 0 writes it all, and, when final, model.pt too."""
+def save(checkpoints, step: int, final: bool, background: bool = False) -> None:
+    """Every rank takes part in gathering the run state; rank 0 writes it all, and, when final, model.pt too
+    (in the `background`: from its host copy, on a thread)."""
     strategy, optimizer = checkpoints.strategy, checkpoints.optimizer
     fields = checkpoints.run.fields()  # a collective
     model_state = strategy.model_state(checkpoints.model)
     # Whole on every rank (runs that write this format hold their state whole): keyed by parameter names
     # as DCP's get_state_dict keys it, without importing DCP for a run that never reads a shard.
     optimizer_state = named_optimizer_state(optimizer.state_dict(), strategy.unwrap(checkpoints.model), optimizer)
+    if background:
+        staged = checkpoints.staging.copy((model_state, {**fields, "optimizer": optimizer_state})) if checkpoints.writer else None
+        checkpoints.pending = _Pending(checkpoints, step, staged)
+        return
 
     def written() -> None:
         if checkpoints.writer:
@@ -59,6 +69,36 @@ def save(checkpoints, step: int, final: bool) -> None:
                 checkpoints.write_model(model_state)
 
     strategy.agree(written)  # no rank goes on before the checkpoint is complete, or all stop with its mistake
+
+
+class _Pending:
+    """A save that rank 0 writes on a thread (the other ranks wait for nothing but its outcome)."""
+
+    def __init__(self, checkpoints, step: int, staged: Optional[tuple]):
+        self.checkpoints, self.step, self.began = checkpoints, step, time.perf_counter()
+        self.future = None
+        if staged is not None:
+            model_state, state = staged
+            self.future = _thread().submit(write, checkpoints.folder, step, model_state, state, checkpoints.keep)
+
+    def ready(self) -> bool:
+        """Written (a collective: rank 0 says)."""
+        return all(self.checkpoints.strategy.all_gather_object(self.future is None or self.future.done()))
+
+    def seal(self) -> None:
+        """Its outcome on every rank (write() sealed it): a failure as rank 0's UserError, everywhere."""
+        self.checkpoints.strategy.agree(lambda: self.future.result() if self.future is not None else None)
+
+
+_writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _thread() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread writes the background saves of this process, one after another."""
+    global _writer
+    if _writer is None:
+        _writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+    return _writer
 
 
 def read_run_state(checkpoints, folder: Path) -> None:

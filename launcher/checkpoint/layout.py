@@ -115,24 +115,28 @@ def guarding(folder: Path, step: int) -> Iterator[None]:
         cause = _os_error(e)
         if cause is None:
             raise
-        _remove(partial(folder, step))
+        try:
+            _remove(partial(folder, step))
+        except Exception as gone:  # noqa: BLE001 - a store that refuses the write may refuse this too:
+            if _os_error(gone) is None:  # the next save deletes the partial one
+                raise
         raise files.cannot_write(folder, cause) from None
 
 
 def _os_error(e: BaseException) -> Optional[OSError]:
-    """The OSError behind an error (DCP's CheckpointException gathers every rank's failures): None when it
-    is neither, a stand-in for a CheckpointException without one."""
-    if isinstance(e, OSError):
-        return e
+    """The OSError behind an error (an object store's failure stands as one; DCP's CheckpointException
+    gathers every rank's failures): None when it is neither, a stand-in for a CheckpointException without one."""
+    if storage.store_error(e) is not None:
+        return storage.store_error(e)
     failures = getattr(e, "failures", None)
     if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict):
         return None
     for failure in failures.values():
         cause = failure if isinstance(failure, BaseException) else getattr(failure, "exc", None)
-        while cause is not None and not isinstance(cause, OSError):
+        while cause is not None and storage.store_error(cause) is None:
             cause = cause.__cause__ or cause.__context__
         if cause is not None:
-            return cause
+            return storage.store_error(cause)
     return OSError(first_line(e))
 
 

@@ -1,20 +1,31 @@
 """The checkpoints of one run: save() at a step (every rank calls it), resume() once at the start, and
 an asynchronous save finished before the next. The strategy knows whether the state is whole on rank 0
-or in shards on every rank; the format (formats.py) writes and reads it; this file decides nothing else."""
+or in shards on every rank; the format (formats.py) writes and reads it.
+
+What this file decides is what a failed save does. A save written synchronously to a local folder that
+refuses it (a full disk) stops the run with that one line (exit 2), as before training. A save written in
+the background, or to an object store (which comes and goes), leaves the newest sealed checkpoint as it
+was, says so, and the run trains on: the next save tries again. FAILURES saves failing in a row stop the
+run (CheckpointsFailed, exit 7); the final save tries again at once, as often."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from launcher.checkpoint import adapters, files, formats, hf, layout, run_state
+from launcher.checkpoint import adapters, files, formats, hf, layout, run_state, storage
 from launcher.checkpoint.run_state import RunState
-from launcher.errors import UserError
+from launcher.checkpoint.staging import Staging
+from launcher.errors import CheckpointsFailed, UserError
 from launcher.recipe.flat import differences
+
+
+FAILURES = 3  # saves failing in a row before the run stops (exit 7)
 
 
 class Checkpoints:
@@ -23,25 +34,62 @@ class Checkpoints:
     ones are kept)."""
 
     def __init__(self, strategy: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunState,
-                 run_dir: Path, section: Any):
+                 run_dir: Path, section: Any, say: Callable[[str], None] = lambda line: None):
         self.strategy, self.model, self.optimizer, self.run = strategy, model, optimizer, run
         self.run_dir, self.folder = Path(run_dir), layout.folder_of(run_dir, section.dir)
         self.writer = strategy.placement.is_main
         self.keep, self.consolidate, self.export_hf = section.keep, section.consolidate, section.export_hf
-        self.async_save = section.async_save and strategy.sharded
+        self.async_save, self.say = section.async_save, say
         self.format = formats.written_by(strategy)
         self.saved_step: Optional[int] = None  # the newest checkpoint of this line of training: saved or resumed
-        self.pending: Optional[Any] = None  # a save being written in the background: ready(), seal()
+        self.pending: Optional[Any] = None  # a save being written in the background: step, began, ready(), seal()
+        self.staging = Staging()  # host copies of the state that a background save writes
+        self.failures = 0  # saves failed in a row
+        self.waited = False  # a save has waited for the one before it (said once)
 
-    def save(self, final: bool) -> None:
-        """A checkpoint of the current step (and, when final, model.pt). Every rank calls it."""
+    def save(self, final: bool, wait: bool = True) -> None:
+        """A checkpoint of the current step (and, when final, model.pt). Every rank calls it. With
+        checkpoint.async_save, a save that neither is final nor must `wait` (a signal's) is staged in host
+        memory and written in the background; the next save, the end and a signal wait for it."""
         self.finish_pending()
         step = self.run.position.step
-        self.format.save(self, step, final)
-        self.saved_step = step
+        background = self.async_save and not (final or wait)
+        while True:
+            try:
+                self.format.save(self, step, final, background)
+            except UserError as e:
+                if not (background or storage.is_remote(self.folder)):
+                    raise  # a local disk that refuses a synchronous save: one line, exit 2
+                self.failed(step, e)
+                if final:
+                    continue  # the run's end: at once, until FAILURES in a row
+            else:
+                if not background:
+                    self.sealed(step)
+            break
         # Kept after the last agreement (a gather): without it, runs under torchrun (gloo, torch 2.13)
         # now and then aborted at exit after their last save ("terminate called without an active exception").
         self.strategy.barrier()
+
+    def sealed(self, step: int) -> None:
+        if self.failures:
+            self.say(f"checkpoint step {step} saved: {self.folder / f'step_{step}'}")
+        self.saved_step, self.failures = step, 0
+
+    def failed(self, step: int, e: UserError) -> None:
+        """A save that failed (on every rank: its failure is agreed): said, or the run stopped."""
+        self.failures += 1
+        problem = "; ".join(e.problems)
+        newest = (f"{self.folder / f'step_{self.saved_step}'} (step {self.saved_step})" if self.saved_step is not None
+                  else "none yet")
+        if self.failures >= FAILURES:
+            then = (f"The newest sealed checkpoint: {newest}; the same command resumes from it" if self.saved_step is not None
+                    else "No checkpoint is sealed: the same command starts over")
+            raise CheckpointsFailed(f"checkpoint: {FAILURES} saves in a row failed, the last at step {step} ({problem}); "
+                                    f"the run stops. {then}") from None
+        self.say(f"checkpoint step {step} was not saved ({problem}); the newest sealed checkpoint: {newest}. "
+                 f"Training goes on and the next save tries again ({self.failures} of {FAILURES} failed in a row "
+                 f"stop the run)")
 
     def write_model(self, state: Dict[str, torch.Tensor]) -> Path:
         """<run_dir>/model.pt, atomically (rank 0)."""
@@ -68,10 +116,24 @@ class Checkpoints:
         """Seal the asynchronous save still being written, once it is written on every rank (without
         `wait`: only if it is already; a collective either way)."""
         pending = self.pending
-        if pending is None or (not wait and not pending.ready()):
+        if pending is None:
             return
+        if not pending.ready():
+            if not wait:
+                return
+            if not self.waited:  # once a run: the blocked time of every save is in the logged values
+                self.waited = True
+                self.say(f"checkpoint step {pending.step} is still being written ({time.perf_counter() - pending.began:.2f} s "
+                         f"so far): step {self.run.position.step} waits for it. HINT: the store is slower than "
+                         f"checkpoint.every steps of training (checkpoint/blocked_s logs what each save costs); "
+                         f"save less often")
         self.pending = None
-        pending.seal()
+        try:
+            pending.seal()
+        except UserError as e:
+            self.failed(pending.step, e)
+        else:
+            self.sealed(pending.step)
 
     def resume(self, folder: Path, recipe: Any) -> List[str]:
         """Continue from a checkpoint of any format, written by any strategy at any world size (its CRC-32s

@@ -14,6 +14,7 @@ here only when a sharded checkpoint is written or read (dcp_safe.py reads its fi
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
@@ -32,7 +33,7 @@ def holds(folder: Path) -> bool:
     return (folder / METADATA).is_file()
 
 
-def save(checkpoints, step: int, final: bool) -> None:
+def save(checkpoints, step: int, final: bool, background: bool = False) -> None:
     """Every rank writes its shards (in the background with async_save, but for the final save); rank 0
     seals the checkpoint once every rank's are written."""
     strategy, folder, writer = checkpoints.strategy, checkpoints.folder, checkpoints.writer
@@ -41,7 +42,6 @@ def save(checkpoints, step: int, final: bool) -> None:
     agree(lambda: layout.prepare(folder, step) if writer else None)
     model_state, optimizer_state = strategy.state_dicts(checkpoints.model, checkpoints.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state, "run": checkpoints.run}
-    background = checkpoints.async_save and not final
     if background:  # the state is copied to host memory before start() returns
         group = strategy.checkpoint_group()
         future = agree(lambda: _guarded(folder, step, lambda: start(partial, state, group)))
@@ -90,6 +90,7 @@ class _Pending:
 
     def __init__(self, checkpoints, step: int, future: Any, gathered: Dict[str, Any]):
         self.checkpoints, self.step, self.future, self.gathered = checkpoints, step, future, gathered
+        self.began = time.perf_counter()
 
     def ready(self) -> bool:
         """Written on every rank (a collective)."""

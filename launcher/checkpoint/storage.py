@@ -17,7 +17,7 @@ import errno
 import fnmatch
 import posixpath
 from pathlib import Path
-from typing import Any, List, Union
+from typing import Any, List, Optional, Union
 
 from launcher.errors import UserError, first_line
 
@@ -184,6 +184,20 @@ def _why(e: BaseException, bucket: str) -> str:
     if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
         return f"access to bucket {bucket!r} refused ({text[:120]}); check the credentials in AWS_*"
     return f"cannot reach the object store ({kind}: {text[:160]}); check AWS_ENDPOINT_URL and the network"
+
+
+STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "urllib3", "gcsfs", "google")
+
+
+def store_error(e: BaseException) -> Optional[OSError]:
+    """An object store's failure as the OSError a disk's would be (the store gone, a connection closed mid-upload,
+    a request refused), or None for anything else. boto's and aiohttp's errors are told by their module: their
+    packages are imported only where a URL is used."""
+    if isinstance(e, OSError):
+        return e
+    if any(getattr(kind, "__module__", "").split(".")[0] in STORE_CLIENTS for kind in type(e).__mro__[:-2]):
+        return OSError(errno.EIO, f"{type(e).__name__}: {first_line(e)[:200]}")
+    return None
 
 
 def removed(where: Union[Path, Remote]) -> None:

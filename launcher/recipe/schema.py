@@ -164,7 +164,7 @@ class CheckpointConfig:
     init_from: Optional[str] = None  # a model state_dict file or a checkpoint folder; wrapper prefixes accepted
     on_signal: bool = True  # SIGTERM, Ctrl-C, Slurm's SIGUSR1: save at the next step boundary, then stop
     consolidate: str = "final"  # sharded runs: gather model.pt at the end (final), at every save (every), or never
-    async_save: bool = False  # sharded runs: write a checkpoint's shards while training goes on
+    async_save: bool = False  # stage a checkpoint in host memory and write it while training goes on
     export_hf: bool = False  # an HF model: also write <run_dir>/hf/ at the end, a folder from_pretrained loads
     dir: Optional[str] = None  # where checkpoints go: null (<run_dir>/checkpoints), a folder, or s3://bucket/prefix
 

@@ -35,7 +35,7 @@ class Parts:
     meter: TrainMeter
     logger: Loggers
     console: Console
-    save: Callable[[Position, bool], None]  # a checkpoint (and, when final, model.pt); every rank calls it
+    save: Callable[[Position, bool, bool], None]  # a checkpoint (when final, model.pt too; the last: wait for it)
     stop: StopFlag  # set by a signal; checked at step boundaries
     save_on_stop: bool = True
     idle: Callable[[], None] = lambda: None  # at log steps: finish what runs in the background (a checkpoint's write)
@@ -76,12 +76,18 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         stopping = p.stop.agreed(step, p.strategy.max_over_ranks) if step < total else None
         if stopping and p.save_on_stop:
             saving = syncing = True
+        values: Dict[str, float] = {}
         if syncing:
-            last.update(_sync_point(p, pos, total, lr, log_step or stopping, log_step, evaluating))
-        if saving:
+            values = _sync_point(p, pos, total, lr, log_step or stopping, log_step, evaluating)
+            last.update(values)
+        if saving:  # a signal's save is written before the exit, never in the background
             began = time.perf_counter()
-            p.save(pos, step == total)
-            p.meter.exclude(time.perf_counter() - began)
+            p.save(pos, step == total, bool(stopping))
+            blocked = time.perf_counter() - began
+            p.meter.exclude(blocked)
+            values["checkpoint/blocked_s"] = blocked  # what the save cost the step: its staging alone when async
+        if values:
+            p.logger.scalars(values, step)  # one call per step logged: a tracker's step holds train and val
         p.watch.at(step)
         if stopping:
             p.console.close()
@@ -125,7 +131,7 @@ def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", p
 def _sync_point(p: Parts, pos: Position, total: int, lr: float, reading: bool, log_step: bool,
                 evaluating: bool) -> Dict[str, float]:
     """A step where the host reads device values: the train values since the last log step (`reading`;
-    else only a NaN check before a checkpoint or an evaluation), the evaluation, the loggers."""
+    else only a NaN check before a checkpoint or an evaluation) and the evaluation, for the loggers."""
     step = pos.step
     values: Dict[str, float] = {}
     if reading:  # a stop logs what it trained since the last log step
@@ -142,8 +148,6 @@ def _sync_point(p: Parts, pos: Position, total: int, lr: float, reading: bool, l
         p.meter.exclude(time.perf_counter() - began)
         p.console.info(f"eval at step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
         values = {**values, **results}
-    if values:
-        p.logger.scalars(values, step)  # one call per step logged: a tracker's step holds train and val
     return values
 
 

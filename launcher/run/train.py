@@ -21,7 +21,7 @@ from launcher.observe import hang
 from launcher.observe import throughput
 from launcher.observe import watch
 from launcher.checkpoint import Checkpoints, RunState
-from launcher.errors import Hung, OutOfMemory, TrainingDiverged, UserError
+from launcher.errors import CheckpointsFailed, Hung, OutOfMemory, TrainingDiverged, UserError
 from launcher.run.loop import Parts, fit, total_steps
 from launcher.run.metrics import TrainMeter
 from launcher.model.precision import Precision, tf32
@@ -161,11 +161,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
         console.info(chosen)
     schedule = build.component(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
     run = RunState(data.Position(), schedule, precision, strategy, OmegaConf.to_yaml(loaded.config), train_data)
-    checkpoints = Checkpoints(strategy, wrapped, optimizer, run, run_dir, recipe.checkpoint)
-
-    if recipe.checkpoint.async_save and not strategy.sharded:
-        console.info(f"checkpoint.async_save: strategy {strategy.name} writes full checkpoints from rank 0, "
-                     f"synchronously; sharded checkpoints (strategy fsdp) are written in the background")
+    checkpoints = Checkpoints(strategy, wrapped, optimizer, run, run_dir, recipe.checkpoint, console.info)
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
     peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
     rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample,
@@ -176,7 +172,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     parts = Parts(wrapped, optimizer, schedule, step=step, metrics=metrics,
                   precision=precision, strategy=strategy, data=train_data, val=val,
                   meter=TrainMeter(metrics, device, rates), logger=logger, console=console,
-                  save=lambda pos, final: checkpoints.save(final), stop=StopFlag(placement.world_size),
+                  save=lambda pos, final, wait: checkpoints.save(final, wait), stop=StopFlag(placement.world_size),
                   save_on_stop=recipe.checkpoint.on_signal, idle=lambda: checkpoints.finish_pending(wait=False),
                   watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
     return checkpoints, parts
@@ -208,7 +204,8 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
             except Stopped as stopped:
                 checkpoints.finish_pending()  # a checkpoint still being written is completed before the exit
                 logger.close("stopped")
-                saved = f"saved {checkpoints.folder / f'step_{stopped.step}'}" if recipe.checkpoint.on_signal else "not saved"
+                saved = (f"saved {checkpoints.folder / f'step_{stopped.step}'}" if checkpoints.saved_step == stopped.step
+                         else "not saved")
                 console.info(f"{stopped}: {saved}")
                 if strategy.placement.is_main and recipe.checkpoint.on_signal:
                     said = requeue()  # raises RequeueFailed when Slurm refuses
@@ -226,8 +223,8 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
             finally:
                 parts.stop.restore()
                 parts.watch.close(position.step)
-        except (Stopped, TrainingDiverged, OutOfMemory, Hung):
-            raise  # nothing is saved after a NaN, out of memory or a lost rank; a signal saved already
+        except (Stopped, TrainingDiverged, OutOfMemory, Hung, CheckpointsFailed):
+            raise  # nothing is saved after a NaN, out of memory, a lost rank or saves failing; a signal saved already
         except Exception:  # a mistake met mid-run, a full disk, a bug in a component
             _save_before_failing(checkpoints, parts, started, run_dir, console)
             raise

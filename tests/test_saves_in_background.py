@@ -1,0 +1,132 @@
+"""checkpoint.async_save for the full format (single, ddp), and what a failing save does: a save in the
+background or to an object store that fails leaves the newest sealed checkpoint as it was, is said, and the
+next save tries again; three failing in a row stop the run with exit code 7. The object store is a real S3
+API server on loopback (moto's) behind tests/flaky_store.py, which fails the requests a test chooses."""
+
+import os
+
+import pytest
+import torch
+
+from launcher.checkpoint import manifest
+from launcher.checkpoint.staging import Staging
+from launcher.cli import main
+from tests.conftest import QUICKSTART, SMALL, assert_same_weights, train
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+from tests.test_remote_checkpoints import BUCKET, objects, s3  # noqa: E402,F401 - the S3 server, shared
+
+
+def test_a_background_save_writes_what_a_synchronous_one_does_and_resumes_exactly(tmp_path, capsys):
+    common = ["trainer.max_steps=40", "checkpoint.every=10", "checkpoint.keep=4", "logging.jsonl=true"]
+    train(tmp_path / "sync", *common)
+    train(tmp_path / "async", *common, "checkpoint.async_save=true")
+    for step in (10, 20, 30, 40):
+        sync, background = (tmp_path / run / "checkpoints" / f"step_{step}" for run in ("sync", "async"))
+        assert manifest.verify(background) is None
+        assert (background / "model.pt").read_bytes() == (sync / "model.pt").read_bytes()
+        a, b = (torch.load(folder / "state.pt", weights_only=True) for folder in (sync, background))
+        assert a.pop("recipe") != b.pop("recipe")  # the run folder and async_save: all else is equal
+        assert equal(a, b)
+    # a run that continues from the background save of step 20 ends with the same weights
+    train(tmp_path / "again", *common, f"checkpoint.resume={tmp_path / 'async' / 'checkpoints' / 'step_20'}")
+    assert_same_weights(tmp_path / "sync" / "model.pt", tmp_path / "again" / "model.pt")
+    logged = (tmp_path / "async" / "metrics.jsonl").read_text()
+    assert logged.count('"checkpoint/blocked_s"') == 4  # each save's cost to the step, logged at its step
+
+
+def equal(a, b) -> bool:
+    """The same nested values, tensors bitwise."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_staging_copies_once_keeps_ties_and_reuses_its_buffers():
+    weight = torch.randn(4, 3)
+    state = {"a": weight, "tied": weight, "rows": [torch.arange(3), {"n": 1, "s": "x"}], "pair": (torch.ones(2), 2.0)}
+    staging = Staging()
+    copied = staging.copy(state)
+    assert copied["tied"] is copied["a"] and copied["a"] is not weight and torch.equal(copied["a"], weight)
+    assert copied["rows"][1] == {"n": 1, "s": "x"} and copied["pair"][1] == 2.0 and isinstance(copied["pair"], tuple)
+    weight.add_(1)  # training goes on: the staged copy keeps the saved values
+    assert not torch.equal(copied["a"], weight)
+    again = staging.copy(state)
+    assert again["a"].data_ptr() == copied["a"].data_ptr() and torch.equal(again["a"], weight)  # the same buffer
+
+
+@pytest.fixture
+def flaky(s3, monkeypatch):
+    """The S3 server behind a store that fails chosen requests; one try a request, as a store gone stays gone."""
+    from tests.flaky_store import FlakyStore
+
+    store = FlakyStore(os.environ["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    yield store
+    store.close()
+
+
+def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, flaky, tmp_path, capsys):
+    """The uploads of steps 20 and 30 refused (403, as a policy denying writes): the run says so each time, trains
+    on, and the save of step 40 seals; the refused steps leave no object behind."""
+    flaky.rules = {r"/step_(20|30)/": "refuse"}
+    url = f"s3://{BUCKET}/retried"
+    code = main([str(QUICKSTART), *SMALL, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40", "checkpoint.every=10",
+                 f"checkpoint.dir={url}", "checkpoint.async_save=true"])
+    out = capsys.readouterr().out
+    assert code == 0 and flaky.failed
+    for step, failed in ((20, 1), (30, 2)):
+        assert (f"checkpoint step {step} was not saved (cannot write {url}: Access Denied" in out
+                and f"the newest sealed checkpoint: {url}/step_10 (step 10). Training goes on and the next save tries "
+                    f"again ({failed} of 3 failed in a row stop the run)" in out), out
+    assert f"checkpoint step 40 saved: {url}/step_40" in out
+    assert not [key for key in objects(s3, "retried") if key.startswith(("step_20", "step_30"))]
+    train(tmp_path / "whole", "trainer.max_steps=40")
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")
+
+
+def test_a_store_gone_for_three_saves_stops_the_run_with_exit_7_and_the_sealed_one_resumes(s3, flaky, tmp_path, capsys):
+    """From step 20 on, every write's connection closed without an answer (the store gone mid-upload): the
+    saves of steps 20 and 30 fail, the final one of step 40 fails and tries again at once, and the run stops
+    (exit 7) naming step 10, sealed and intact; with the store back the same command resumes from it."""
+    flaky.rules = {r"/step_(20|30|40)/": "drop"}
+    url = f"s3://{BUCKET}/gone"
+    args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40", "checkpoint.every=10",
+            f"checkpoint.dir={url}"]
+    assert main(args) == 7
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert (f"checkpoint: 3 saves in a row failed, the last at step 40 (cannot write {url}: ConnectionClosedError: "
+            in err and f"the run stops. The newest sealed checkpoint: {url}/step_10 (step 10); the same command "
+                       f"resumes from it" in err), err
+    assert out.count("was not saved") == 2 and not (tmp_path / "run" / "model.pt").exists()
+    flaky.rules = {}
+    assert main(args) == 0
+    assert f"resumed from {url}/step_10 (step 10" in capsys.readouterr().out
+    train(tmp_path / "whole", "trainer.max_steps=40")
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")
+
+
+@pytest.mark.slow  # four processes, about 25 s
+def test_the_benchmarks_checkpoint_row():
+    """`python -m launcher.bench --saves` at its smallest: one save a run besides the final one (the figures are
+    the README's, from the default sizes; here only that every side ran and said what it measured)."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-m", "launcher.bench", "--saves", "--reps", "1", "--saves-width", "256",
+                           "--saves-every", "10", "--saves-count", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for store in ("local disk", r"S3 \(moto, loopback\)"):
+        row = re.search(rf"^{store} +(\d+)ms +(\d+)ms +(\d\.\d{{3}})$", done.stdout, re.M)
+        assert row and int(row.group(1)) > 0, done.stdout
