@@ -73,9 +73,10 @@ def flaky(s3, monkeypatch):
 
 
 def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, flaky, tmp_path, capsys):
-    """The uploads of steps 20 and 30 refused (403, as a policy denying writes): the run says so each time, trains
-    on, and the save of step 40 seals; the refused steps leave no object behind."""
-    flaky.rules = {r"/step_(20|30)/": "refuse"}
+    """Step 10's upload slow (each request held a second): step 20's save waits for it, and says so once. The
+    uploads of steps 20 and 30 refused (403, as a policy denying writes): the run says so each time, trains on,
+    and the save of step 40 seals; the refused steps leave no object behind."""
+    flaky.rules = {r"/step_10/": "slow", r"/step_(20|30)/": "refuse"}
     url = f"s3://{BUCKET}/retried"
     code = main([str(QUICKSTART), *SMALL, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40", "checkpoint.every=10",
                  f"checkpoint.dir={url}", "checkpoint.async_save=true"])
@@ -86,6 +87,7 @@ def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, fl
                 and f"the newest sealed checkpoint: {url}/step_10 (step 10). Training goes on and the next save tries "
                     f"again ({failed} of 3 failed in a row stop the run)" in out), out
     assert f"checkpoint step 40 saved: {url}/step_40" in out
+    assert out.count("is still being written") == 1 and "checkpoint step 10 is still being written (" in out, out
     assert not [key for key in objects(s3, "retried") if key.startswith(("step_20", "step_30"))]
     train(tmp_path / "whole", "trainer.max_steps=40")
     assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")

@@ -59,7 +59,7 @@ def test_num_proc_is_auto_or_a_count(made, wrong):
 
 def test_auto_takes_processes_for_large_files_alone_and_shares_the_cpus_of_ranks_without_a_cache(made, monkeypatch):
     _, data = made
-    files = samples.sources.paths(data)
+    files = text_dataset._size(samples.sources.paths(data))  # their bytes
     assert text_dataset._processes(files, "auto", alone=True) == 1  # a small file: no processes to spawn
     assert text_dataset._processes(files, 3, alone=True) == 3
     monkeypatch.setattr(text_dataset, "LARGE", 1)

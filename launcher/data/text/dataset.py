@@ -122,7 +122,8 @@ def _cached_or_tokenized(files, folder: str, make, settings: Dict[str, Any], cac
     root = token_cache.folder(cache)
     under = None if root is None else token_cache.key(found, Path(folder).expanduser(), tokenizers.files(folder),
                                                       settings)
-    progress, processes = _progress(found), _processes(found, num_proc, alone=root is not None)
+    size = _size(found)  # the files walked once
+    progress, processes = _progress(size), _processes(size, num_proc, alone=root is not None)
     return token_cache.cached(root, under, lambda: _tokenized(files, make, settings, progress, processes))
 
 
@@ -152,14 +153,14 @@ def _check_num_proc(num_proc) -> None:
         raise ValueError(f"num_proc: {num_proc!r}: auto, or the number of processes that tokenize (1 or more)")
 
 
-def _processes(paths: List[Path], num_proc: Union[int, str], alone: bool) -> int:
+def _processes(size: int, num_proc: Union[int, str], alone: bool) -> int:
     """The processes that tokenize: the recipe's number, or for auto one (small files: spawning processes
     that import torch and transformers costs seconds) or, from LARGE bytes of files, one a CPU this process
     may use, at most MAX_PROCESSES. Under torchrun the ranks wait for one to fill the cache, so its processes
     have the machine; without a cache every rank tokenizes, and the CPUs are shared among a machine's ranks."""
     if num_proc != "auto":
         return num_proc
-    if _size(paths) < LARGE:
+    if size < LARGE:
         return 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if not alone:
@@ -172,10 +173,10 @@ def _size(paths: List[Path]) -> int:
                for path in paths)
 
 
-def _progress(paths: List[Path]) -> bool:
-    """Whether tokenizing shows a bar: for large files, on a terminal, on global rank 0 alone (torchrun's
-    RANK; a rank that waits for another to fill the cache shows nothing)."""
-    return _size(paths) >= LARGE and sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"
+def _progress(size: int) -> bool:
+    """Whether tokenizing shows a bar: for large files (`size` bytes), on a terminal, on global rank 0 alone
+    (torchrun's RANK; a rank that waits for another to fill the cache shows nothing)."""
+    return size >= LARGE and sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"
 
 
 def _summary(files, format: str, rows: int, samples: List[Sample], loss_on: str) -> str:
