@@ -3,12 +3,10 @@ module starts on loopback (moto's, as MinIO or AWS would answer): saved there, s
 last, resumed bitwise, kept `keep` at a time, partial ones ignored, damaged ones refused naming the object,
 a missing bucket or missing credentials one line before training."""
 
-import logging
 import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,47 +17,15 @@ from launcher.checkpoint import choose, complete, full, layout, manifest, storag
 from launcher.errors import UserError
 from recipes.components.mlp import MLP
 from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights, launch, state_dict, train
+from tests.s3 import BUCKET, SECRET, s3  # noqa: F401
 
-BUCKET = "launcher-ckpt"
-SECRET = "fake-secret-key-0f1e2d"  # must never be written anywhere
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """An S3 API on a free loopback port, with a bucket; the AWS_* environment pointing at it (fake keys),
-    put back as it was afterwards."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    try:
-        yield client
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
-
-
-def objects(client, prefix):
+def objects(store, prefix):
     """The keys under `prefix`, relative to it."""
-    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", [])
-    return sorted(o["Key"][len(prefix) + 1:] for o in listed)
+    return store.objects(prefix)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +50,9 @@ def test_a_run_saves_to_s3_and_a_run_on_another_machine_resumes_bitwise(s3, tmp_
     assert written and not [p for p in written if SECRET.encode() in p.read_bytes()]
 
 
-def _fetched(client, key, folder):
+def _fetched(store, key, folder):
     path = folder / key.replace("/", "_")
-    client.download_file(BUCKET, key, str(path))
+    store.client.download_file(BUCKET, key, str(path))
     return path
 
 
@@ -108,7 +74,7 @@ def test_a_partial_checkpoint_is_ignored_by_resume_and_deleted_by_the_next_save(
     url = f"s3://{BUCKET}/partial"
     train(tmp_path / "a", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
     for n in (25, 30):  # killed before their manifests: objects without one
-        s3.copy_object(Bucket=BUCKET, Key=f"partial/step_{n}/model.pt", CopySource=f"{BUCKET}/partial/step_20/model.pt")
+        s3.client.copy_object(Bucket=BUCKET, Key=f"partial/step_{n}/model.pt", CopySource=f"{BUCKET}/partial/step_20/model.pt")
     folder = storage.location(url)
     assert [p.name for p in complete(folder)] == ["step_10", "step_20"]
     assert choose(folder, "auto")[0] == folder / "step_20"
@@ -121,16 +87,16 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(s3, tmp_path):
     url = f"s3://{BUCKET}/damaged"
     train(tmp_path, "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
     key = "damaged/step_20/model.pt"
-    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data = bytearray(s3.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0x01  # one bit, same size
-    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    s3.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
     with pytest.raises(UserError, match=r"step_20/model.pt|model.pt: CRC-32 \w+, the manifest says") as named:
         train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}", f"checkpoint.resume={url}/step_20")
     assert "damaged (model.pt: CRC-32" in str(named.value)
     # resume=auto steps back to step_10 but leaves no newer checkpoint of another history beside its own
     with pytest.raises(UserError, match=r"holds step_20 \(damaged: model.pt: CRC-32 \w+, the manifest says \w+\)"):
         train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}")
-    s3.delete_object(Bucket=BUCKET, Key="damaged/step_10/state.pt")
+    s3.client.delete_object(Bucket=BUCKET, Key="damaged/step_10/state.pt")
     with pytest.raises(UserError, match=r"damaged \(state.pt: .*no such object.*, the manifest lists it\)"):
         train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}", f"checkpoint.resume={url}/step_10")
 
