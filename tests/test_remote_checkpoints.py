@@ -186,20 +186,26 @@ def test_full_checkpoints_in_fsspec_memory_store(tmp_path):
 @pytest.mark.slow
 def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_disk(s3, tmp_path):
     """fsdp x 2 (torchrun, gloo) writes DCP's shards through fsspec, sealed by rank 0's manifest (step 20 in
-    the background, with async_save; the final step 40 at once); one process resumes from them bitwise as
-    from the same run's shards on a local disk."""
+    the background, with async_save; the final step 40 at once), without reading a shard back; one process
+    resumes from them bitwise as from the same run's shards on a local disk, fetching each byte once."""
     from tests.test_fsdp import FSDP, QUICK, launch as torchrun
 
     url = f"s3://{BUCKET}/fsdp"
+    s3.fetched.clear()
     torchrun(tmp_path / "s3", *QUICK, *FSDP, f"checkpoint.dir={url}", "checkpoint.async_save=true")
+    assert not [key for key in s3.fetched_under("fsdp") if not key.endswith("/manifest.json")], s3.fetched
     torchrun(tmp_path / "local", *QUICK, *FSDP)
     assert_same_weights(tmp_path / "local" / "model.pt", tmp_path / "s3" / "model.pt")
     assert [k for k in objects(s3, "fsdp") if k.startswith("step_20/")] == [
         f"step_20/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json")]
     assert manifest.verify(storage.location(f"{url}/step_20")) is None
     one = [*QUICK, "strategy=single"]
+    s3.fetched.clear()
     done = torchrun(tmp_path / "one_s3", *one, f"checkpoint.resume={url}/step_20")
     assert "written by 2 processes, resharded to 1" in done.stdout
+    sizes, fetched = s3.sizes("fsdp/step_20"), s3.fetched_under("fsdp/step_20")
+    shards = [key for key in sizes if key.endswith(".distcp")]
+    assert len(shards) == 2 and all(0 < fetched.get(key, 0) <= sizes[key] for key in shards), (fetched, sizes)
     torchrun(tmp_path / "one_local", *one, f"checkpoint.resume={tmp_path / 'local' / 'checkpoints' / 'step_20'}")
     assert_same_weights(tmp_path / "one_local" / "model.pt", tmp_path / "one_s3" / "model.pt")
 
