@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from launcher.checkpoint import choose, complete, full, layout, manifest, storage
+from launcher.checkpoint import choose, complete, crc32, full, layout, manifest, storage
 from launcher.errors import UserError
 from recipes.components.mlp import MLP
 from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights, launch, state_dict, train
@@ -184,10 +184,11 @@ def test_full_checkpoints_in_fsspec_memory_store(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_disk(s3, tmp_path):
+def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_disk(s3, tmp_path, capsys):
     """fsdp x 2 (torchrun, gloo) writes DCP's shards through fsspec, sealed by rank 0's manifest (step 20 in
     the background, with async_save; the final step 40 at once), without reading a shard back; one process
-    resumes from them bitwise as from the same run's shards on a local disk, fetching each byte once."""
+    resumes from them bitwise as from the same run's shards on a local disk, fetching each byte once; export
+    writes the run's newest checkpoint, found through its recipe, as an HF folder."""
     from tests.test_fsdp import FSDP, QUICK, launch as torchrun
 
     url = f"s3://{BUCKET}/fsdp"
@@ -198,7 +199,9 @@ def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_di
     assert_same_weights(tmp_path / "local" / "model.pt", tmp_path / "s3" / "model.pt")
     assert [k for k in objects(s3, "fsdp") if k.startswith("step_20/")] == [
         f"step_20/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json")]
-    assert manifest.verify(storage.location(f"{url}/step_20")) is None
+    step_20 = storage.location(f"{url}/step_20")
+    assert manifest.verify(step_20) is None  # by the ETags recorded: the CRC-32s kept while writing are right too
+    assert all(crc32(step_20 / name) == entry["crc32"] for name, entry in manifest.read(step_20).items())
     one = [*QUICK, "strategy=single"]
     s3.fetched.clear()
     done = torchrun(tmp_path / "one_s3", *one, f"checkpoint.resume={url}/step_20")
@@ -208,6 +211,16 @@ def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_di
     assert len(shards) == 2 and all(0 < fetched.get(key, 0) <= sizes[key] for key in shards), (fetched, sizes)
     torchrun(tmp_path / "one_local", *one, f"checkpoint.resume={tmp_path / 'local' / 'checkpoints' / 'step_20'}")
     assert_same_weights(tmp_path / "one_local" / "model.pt", tmp_path / "one_s3" / "model.pt")
+    from safetensors.torch import load_file
+
+    from launcher.export import main as export
+
+    (tmp_path / "config.json").write_text('{"architectures": ["MLP"]}')
+    assert export([str(tmp_path / "s3"), str(tmp_path / "hf"), "--format", "hf", "--config", str(tmp_path / "config.json")]) == 0
+    assert f"from {url}/step_40" in capsys.readouterr().out
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == state_dict(tmp_path / "s3" / "model.pt").keys()
+    assert all(torch.equal(v, exported[k]) for k, v in state_dict(tmp_path / "s3" / "model.pt").items())
 
 
 def test_a_local_checkpoint_dir_outside_the_run_folder(tmp_path, whole):
