@@ -5,7 +5,8 @@ A Remote offers the few Path methods that checkpoints use (/, name, parent, suff
 iterdir, glob, open, read_text, read_bytes), plus size(), listing() (sizes and ETags) and remove(), so
 that the code that reads a manifest or lists step folders reads both. What differs is said where it differs
 (layout.py): a local checkpoint is made complete by a rename, a remote one by its manifest, written last,
-since an object store has no rename. fsspec and its S3 client (s3fs, the `s3` extra) are imported only when a URL is used.
+since an object store has no rename. fsspec and its S3 client (s3fs, the `s3` extra) are imported only
+when a URL is used.
 
 Credentials and endpoints come from where the AWS SDK reads them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_ENDPOINT_URL for S3-compatible stores, AWS_PROFILE and its files, an instance role): nothing here
