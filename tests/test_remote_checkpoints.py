@@ -221,6 +221,11 @@ def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_di
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert exported.keys() == state_dict(tmp_path / "s3" / "model.pt").keys()
     assert all(torch.equal(v, exported[k]) for k, v in state_dict(tmp_path / "s3" / "model.pt").items())
+    key = "fsdp/step_20/__1_0.distcp"  # one bit flipped in a shard: another object, another ETag, refused by CRC-32
+    data = bytearray(s3.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    s3.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    assert re.fullmatch(r"__1_0.distcp: CRC-32 \w+, the manifest says \w+", manifest.verify(step_20) or "")
 
 
 def test_a_local_checkpoint_dir_outside_the_run_folder(tmp_path, whole):
