@@ -3,63 +3,29 @@ module starts on loopback (moto's, as MinIO or AWS would answer): saved there, s
 last, resumed bitwise, kept `keep` at a time, partial ones ignored, damaged ones refused naming the object,
 a missing bucket or missing credentials one line before training."""
 
-import logging
 import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from launcher.checkpoint import choose, complete, full, layout, manifest, storage
+from launcher.checkpoint import choose, complete, crc32, full, layout, manifest, storage
 from launcher.errors import UserError
 from recipes.components.mlp import MLP
 from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights, launch, state_dict, train
+from tests.s3 import BUCKET, SECRET, s3  # noqa: F401
 
-BUCKET = "launcher-ckpt"
-SECRET = "fake-secret-key-0f1e2d"  # must never be written anywhere
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """An S3 API on a free loopback port, with a bucket; the AWS_* environment pointing at it (fake keys),
-    put back as it was afterwards."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    try:
-        yield client
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
-
-
-def objects(client, prefix):
+def objects(store, prefix):
     """The keys under `prefix`, relative to it."""
-    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", [])
-    return sorted(o["Key"][len(prefix) + 1:] for o in listed)
+    return store.objects(prefix)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +50,9 @@ def test_a_run_saves_to_s3_and_a_run_on_another_machine_resumes_bitwise(s3, tmp_
     assert written and not [p for p in written if SECRET.encode() in p.read_bytes()]
 
 
-def _fetched(client, key, folder):
+def _fetched(store, key, folder):
     path = folder / key.replace("/", "_")
-    client.download_file(BUCKET, key, str(path))
+    store.client.download_file(BUCKET, key, str(path))
     return path
 
 
@@ -108,7 +74,7 @@ def test_a_partial_checkpoint_is_ignored_by_resume_and_deleted_by_the_next_save(
     url = f"s3://{BUCKET}/partial"
     train(tmp_path / "a", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
     for n in (25, 30):  # killed before their manifests: objects without one
-        s3.copy_object(Bucket=BUCKET, Key=f"partial/step_{n}/model.pt", CopySource=f"{BUCKET}/partial/step_20/model.pt")
+        s3.client.copy_object(Bucket=BUCKET, Key=f"partial/step_{n}/model.pt", CopySource=f"{BUCKET}/partial/step_20/model.pt")
     folder = storage.location(url)
     assert [p.name for p in complete(folder)] == ["step_10", "step_20"]
     assert choose(folder, "auto")[0] == folder / "step_20"
@@ -121,16 +87,16 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(s3, tmp_path):
     url = f"s3://{BUCKET}/damaged"
     train(tmp_path, "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
     key = "damaged/step_20/model.pt"
-    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data = bytearray(s3.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0x01  # one bit, same size
-    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    s3.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
     with pytest.raises(UserError, match=r"step_20/model.pt|model.pt: CRC-32 \w+, the manifest says") as named:
         train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}", f"checkpoint.resume={url}/step_20")
     assert "damaged (model.pt: CRC-32" in str(named.value)
     # resume=auto steps back to step_10 but leaves no newer checkpoint of another history beside its own
     with pytest.raises(UserError, match=r"holds step_20 \(damaged: model.pt: CRC-32 \w+, the manifest says \w+\)"):
         train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}")
-    s3.delete_object(Bucket=BUCKET, Key="damaged/step_10/state.pt")
+    s3.client.delete_object(Bucket=BUCKET, Key="damaged/step_10/state.pt")
     with pytest.raises(UserError, match=r"damaged \(state.pt: .*no such object.*, the manifest lists it\)"):
         train(tmp_path, "trainer.max_steps=40", f"checkpoint.dir={url}", f"checkpoint.resume={url}/step_10")
 
@@ -218,24 +184,48 @@ def test_full_checkpoints_in_fsspec_memory_store(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_disk(s3, tmp_path):
+def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_disk(s3, tmp_path, capsys):
     """fsdp x 2 (torchrun, gloo) writes DCP's shards through fsspec, sealed by rank 0's manifest (step 20 in
-    the background, with async_save; the final step 40 at once); one process resumes from them bitwise as
-    from the same run's shards on a local disk."""
+    the background, with async_save; the final step 40 at once), without reading a shard back; one process
+    resumes from them bitwise as from the same run's shards on a local disk, fetching each byte once; export
+    writes the run's newest checkpoint, found through its recipe, as an HF folder."""
     from tests.test_fsdp import FSDP, QUICK, launch as torchrun
 
     url = f"s3://{BUCKET}/fsdp"
+    s3.fetched.clear()
     torchrun(tmp_path / "s3", *QUICK, *FSDP, f"checkpoint.dir={url}", "checkpoint.async_save=true")
+    assert not [key for key in s3.fetched_under("fsdp") if not key.endswith("/manifest.json")], s3.fetched
     torchrun(tmp_path / "local", *QUICK, *FSDP)
     assert_same_weights(tmp_path / "local" / "model.pt", tmp_path / "s3" / "model.pt")
     assert [k for k in objects(s3, "fsdp") if k.startswith("step_20/")] == [
         f"step_20/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json")]
-    assert manifest.verify(storage.location(f"{url}/step_20")) is None
+    step_20 = storage.location(f"{url}/step_20")
+    assert manifest.verify(step_20) is None  # by the ETags recorded: the CRC-32s kept while writing are right too
+    assert all(crc32(step_20 / name) == entry["crc32"] for name, entry in manifest.read(step_20).items())
     one = [*QUICK, "strategy=single"]
+    s3.fetched.clear()
     done = torchrun(tmp_path / "one_s3", *one, f"checkpoint.resume={url}/step_20")
     assert "written by 2 processes, resharded to 1" in done.stdout
+    sizes, fetched = s3.sizes("fsdp/step_20"), s3.fetched_under("fsdp/step_20")
+    shards = [key for key in sizes if key.endswith(".distcp")]
+    assert len(shards) == 2 and all(0 < fetched.get(key, 0) <= sizes[key] for key in shards), (fetched, sizes)
     torchrun(tmp_path / "one_local", *one, f"checkpoint.resume={tmp_path / 'local' / 'checkpoints' / 'step_20'}")
     assert_same_weights(tmp_path / "one_local" / "model.pt", tmp_path / "one_s3" / "model.pt")
+    from safetensors.torch import load_file
+
+    from launcher.export import main as export
+
+    (tmp_path / "config.json").write_text('{"architectures": ["MLP"]}')
+    assert export([str(tmp_path / "s3"), str(tmp_path / "hf"), "--format", "hf", "--config", str(tmp_path / "config.json")]) == 0
+    assert f"from {url}/step_40" in capsys.readouterr().out
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == state_dict(tmp_path / "s3" / "model.pt").keys()
+    assert all(torch.equal(v, exported[k]) for k, v in state_dict(tmp_path / "s3" / "model.pt").items())
+    key = "fsdp/step_20/__1_0.distcp"  # one bit flipped in a shard: another object, another ETag, refused by CRC-32
+    data = bytearray(s3.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    s3.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    assert re.fullmatch(r"__1_0.distcp: CRC-32 \w+, the manifest says \w+", manifest.verify(step_20) or "")
 
 
 def test_a_local_checkpoint_dir_outside_the_run_folder(tmp_path, whole):

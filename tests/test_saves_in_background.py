@@ -15,7 +15,7 @@ from tests.conftest import QUICKSTART, SMALL, assert_same_weights, train
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
-from tests.test_remote_checkpoints import BUCKET, objects, s3  # noqa: E402,F401 - the S3 server, shared
+from tests.s3 import BUCKET, s3  # noqa: E402,F401 - the S3 server, shared
 
 
 def test_a_background_save_writes_what_a_synchronous_one_does_and_resumes_exactly(tmp_path, capsys):
@@ -88,7 +88,7 @@ def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, fl
                     f"again ({failed} of 3 failed in a row stop the run)" in out), out
     assert f"checkpoint step 40 saved: {url}/step_40" in out
     assert out.count("is still being written") == 1 and "checkpoint step 10 is still being written (" in out, out
-    assert not [key for key in objects(s3, "retried") if key.startswith(("step_20", "step_30"))]
+    assert not [key for key in s3.objects("retried") if key.startswith(("step_20", "step_30"))]
     train(tmp_path / "whole", "trainer.max_steps=40")
     assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")
 

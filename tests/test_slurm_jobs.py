@@ -14,16 +14,18 @@ import pytest
 from launcher.recipe.schema import SlurmConfig
 from launcher.slurm.render import render
 from tests.conftest import REPO, assert_same_weights
+from tests.s3 import BUCKET, s3  # noqa: F401
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
 from tests.test_strategies import RECIPE, assert_equivalent
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
-def submit(cluster, run_dir: Path, *args: str) -> int:
+def submit(cluster, run_dir: Path, *args: str, env: dict = None) -> int:
+    """The job gets the environment it is submitted from (sbatch's --export=ALL): the cluster's, plus `env`."""
     done = subprocess.run([sys.executable, "-m", "launcher.slurm", "submit", *RECIPE, f"run_dir={run_dir}",
                            f"--python={sys.executable}", "--time=5", *args],
-                          cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=60)
+                          cwd=REPO, env={**cluster.env, **(env or {})}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     match = re.fullmatch(r"submitted job (\d+): script (\S+), logs (\S+)\n", done.stdout)
     assert match and Path(match.group(2)) == run_dir / "slurm" / "job.sbatch", done.stdout
@@ -89,15 +91,20 @@ SLOW = ["model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_s
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-process", "fsdp-x2"])
-def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path, sharded, monkeypatch):  # noqa: F811
-    """... and the requeued job continues the same MLflow run, each step logged once."""
+def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path, sharded, monkeypatch, request):  # noqa: F811
+    """... and the requeued job continues the same MLflow run, each step logged once. fsdp x2 keeps its
+    checkpoints in an object store (S3's API on this machine: tests/s3.py): the requeued job resumes from there."""
     fsdp = ["strategy=fsdp"] if sharded else []
+    store = request.getfixturevalue("s3") if sharded else None
+    url = f"s3://{BUCKET}/preempted"
     whole = subprocess.run([sys.executable, "-m", "launcher", *RECIPE, *SLOW, *fsdp, *(["nproc_per_node=2"] if sharded else []),
                             f"run_dir={tmp_path / 'whole'}"], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert whole.returncode == 0, whole.stderr
     run_dir = tmp_path / "preempted"
     tracked = [f"logging.mlflow.tracking_uri=file:{tmp_path / 'mlruns'}", "logging.jsonl=true"]
-    job = submit(slurm_cluster, run_dir, *SLOW, *fsdp, *tracked, *(["--tasks-per-node=2"] if sharded else []))
+    elsewhere = [f"checkpoint.dir={url}"] if sharded else []
+    job = submit(slurm_cluster, run_dir, *SLOW, *fsdp, *tracked, *elsewhere, *(["--tasks-per-node=2"] if sharded else []),
+                 env=store.env if sharded else None)
     deadline = time.time() + 90
     while "step 10/" not in log(run_dir, job):
         assert time.time() < deadline, log(run_dir, job)
@@ -109,6 +116,13 @@ def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path,
     assert "restart 1" in output and "resumed from" in output, output
     assert slurm_cluster.job_state(job)["Restarts"] == "1"
     assert_same_weights(tmp_path / "whole" / "model.pt", run_dir / "model.pt")
+    if sharded:  # saved on SIGUSR1 and at the end into the store alone, resumed from there
+        saved = re.search(rf"resumed from {url}/step_(\d+) ", output)
+        assert saved and not (run_dir / "checkpoints").exists(), output
+        held = store.objects("preempted")
+        assert {key.split("/")[0] for key in held} == {f"step_{saved.group(1)}", "step_300"}, held
+        assert all(f"step_{n}/{f}" in held for n in (saved.group(1), 300)
+                   for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json")), held
 
     import mlflow
 

@@ -14,6 +14,7 @@ from launcher.errors import UserError
 from launcher.sweep import folder, grid
 from launcher.sweep.__main__ import main
 from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights
+from tests.s3 import BUCKET, s3  # noqa: F401
 
 
 def test_the_grid_in_hydra_s_syntax():
@@ -105,13 +106,14 @@ def sweep(*args, timeout=300, **kwargs):
 
 
 @pytest.mark.slow
-def test_a_sweep_runs_each_combination_reports_a_failure_and_skips_what_is_done(tmp_path, monkeypatch):
+def test_a_sweep_runs_each_combination_reports_a_failure_and_skips_what_is_done(tmp_path, monkeypatch, s3):  # noqa: F811
     """Two runs at once: one diverges (exit 3), one finishes; the table says so, MLflow holds both under the
-    sweep's name; started again, the finished run is skipped and the failed one runs again."""
+    sweep's name; started again, the finished run is skipped and the failed one runs again. Their checkpoints
+    go to an object store (tests/s3.py), each run's below the recipe's checkpoint.dir."""
     uri = f"file:{tmp_path / 'mlruns'}"
     args = [QUICKSTART, *SMALL, "trainer.max_steps=20", "model={_target_: tests.components.DivergesAt, at: 1000}",
             "model.at=5,1000", f"run_dir={tmp_path / 'grid'}", f"logging.mlflow={{tracking_uri: '{uri}'}}",
-            "--parallel", "2"]
+            f"checkpoint.dir=s3://{BUCKET}/grid", "--parallel", "2"]
     done = sweep(*args)
     assert done.returncode == 1, done.stdout + done.stderr
     table = done.stdout.splitlines()[-3:]
@@ -120,6 +122,10 @@ def test_a_sweep_runs_each_combination_reports_a_failure_and_skips_what_is_done(
     assert "the training loss is nan at step 5" in (tmp_path / "grid" / "at=5" / "output.log").read_text()
     again = sweep(*args)
     assert "2 runs in" in again.stdout and "1 done already" in again.stdout and "at=1000 started" not in again.stdout
+    assert s3.objects("grid") == [f"at=1000/step_20/{f}" for f in ("manifest.json", "model.pt", "state.pt")]
+    from launcher.sweep import report  # read from the run folders, wherever their checkpoints are
+
+    assert [row["status"] for row in report.rows(folder.read(tmp_path / "grid"))] == ["failed (exit 3)", "done"]
 
     import mlflow
 

@@ -21,6 +21,7 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     adapters.py   a peft model seen as the model it adapts (init_from of the base model's weights)
     fitting.py    whether weights fit a model, naming the first difference
     dcp_safe.py   DCP's files read without unpickling anything but data
+    dcp_io.py     DCP's streams: CRC-32s kept while shards are written; an object store's items fetched exactly
     untrusted.py  safetensors headers (validated by the safetensors library) and a model folder's JSON,
                   checked before anything they describe is read
 """

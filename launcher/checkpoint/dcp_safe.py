@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from launcher.checkpoint import files, storage
+from launcher.checkpoint import dcp_io, files, storage
 from launcher.errors import UserError, first_line
 
 METADATA = ".metadata"
@@ -39,17 +39,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def reader(folder: Path) -> FileSystemReader:
-    """DCP's reader of a local folder, or of an object store's prefix (fsspec's), reading `.metadata` safely."""
+    """DCP's reader of a local folder, or of an object store's prefix (fsspec's, each item fetched by a ranged
+    GET of its bytes alone: dcp_io.py), reading `.metadata` safely."""
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # not in dcp's namespace (torch 2.13)
 
-        return _safe(FsspecReader)(str(folder))
+        return _safe(dcp_io.ExactSlices, FsspecReader)(str(folder))
     return _safe(FileSystemReader)(folder)
 
 
 @functools.lru_cache(maxsize=None)
-def _safe(reader: type) -> type:
-    return type(f"Safe{reader.__name__}", (_SafeMetadata, reader), {})
+def _safe(*readers: type) -> type:
+    return type(f"Safe{readers[-1].__name__}", (_SafeMetadata, *readers), {})
 
 
 class _SafeMetadata:

@@ -59,6 +59,11 @@ def _filled(f: Any, fill: Callable[[Any], Any]) -> "_Recorder":
     return recorder
 
 
+def recorder(f: Any) -> _Recorder:
+    """`f` seen through a file that keeps the size and CRC-32 of what is written through it."""
+    return _Recorder(f)
+
+
 def write_text(path: Path, text: str) -> None:
     """A small file replaced atomically (a temporary name, fsync, rename)."""
     write(path, lambda f: f.write(text.encode()), atomic=True)
@@ -79,7 +84,7 @@ class _Recorder:
     PARALLEL = 1 << 20  # bytes: below this a thread costs more than it saves
 
     def __init__(self, f):
-        self.f, self.error, self.crc = f, None, 0
+        self.f, self.error, self.crc, self.size = f, None, 0, 0
 
     def write(self, data):
         view = memoryview(data).cast("B")
@@ -96,7 +101,12 @@ class _Recorder:
         if crc is None or written != view.nbytes:
             crc = zlib.crc32(view[:written] if written is not None else view, self.crc)
         self.crc = crc
+        self.size += written if written is not None else view.nbytes
         return written
+
+    def written(self) -> Dict[str, Any]:
+        """The size and CRC-32 of what was written through it, as a manifest lists them."""
+        return {"size": self.size, "crc32": f"{self.crc:08x}"}
 
     def __getattr__(self, name):
         return getattr(self.f, name)

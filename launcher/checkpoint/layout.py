@@ -31,6 +31,18 @@ def folder_of(run_dir: Path, configured: Optional[str]) -> Path:
     return storage.location(configured) if configured else Path(run_dir) / "checkpoints"
 
 
+def of_run(run_dir: Path) -> Path:
+    """A run folder's checkpoints folder: the checkpoint.dir its recipe.yaml names (another folder, a URL),
+    else <run_dir>/checkpoints."""
+    import yaml
+
+    try:
+        configured = (yaml.safe_load((Path(run_dir) / "recipe.yaml").read_text()) or {})["checkpoint"]["dir"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        configured = None
+    return folder_of(run_dir, configured if isinstance(configured, str) else None)
+
+
 def steps(folder: Path) -> List[tuple[int, Path]]:
     """(step, folder) of every step_<N> folder, complete or not, by step."""
     if not folder.is_dir():

@@ -1,5 +1,6 @@
-"""A checkpoint's manifest.json: written last, it lists each file's size and CRC-32. A step folder with a
-readable manifest is complete (the save finished); its files matching the manifest make it undamaged."""
+"""A checkpoint's manifest.json: written last, it lists each file's size and CRC-32 (in an object store, the
+store's ETag too). A step folder with a readable manifest is complete (the save finished); its files matching
+the manifest make it undamaged."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ NAME = "manifest.json"
 
 
 def write(folder: Path, step: int, listed: Dict[str, Any], **about: Any) -> None:
-    """The manifest of a checkpoint whose files are all written (format 3: sharded, 2: full state)."""
+    """The manifest of a checkpoint whose files are all written (format 3: sharded, 2: full state); in an
+    object store each entry with its object's ETag too."""
+    if storage.is_remote(folder):
+        listed = _with_etags(folder, listed)
     manifest = {"format": 3 if about.get("sharded") else 2, "step": step, **about, "files": listed, "time": time.time()}
     files.write(folder / NAME, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
@@ -53,18 +57,44 @@ def _entry(entry: Any) -> Dict[str, Any]:
 def verify(folder: Path) -> Optional[str]:
     """What is wrong with a complete checkpoint's files (a file missing, of another size or with another
     CRC-32 than the manifest lists), naming the file, or None. Checkpoints written before checksums were
-    recorded pass on their sizes alone."""
+    recorded pass on their sizes alone. In an object store, one listing gives every object's size and ETag:
+    an object whose ETag is the one recorded when the checkpoint was sealed is that object, unchanged, and
+    is not downloaded to be checked (the reader downloads it once); any other is, and its CRC-32 decides."""
+    stored = folder.listing() if storage.is_remote(folder) else None
     for name, entry in (read(folder) or {}).items():
         try:
-            size = storage.size(folder / name)
+            size = storage.size(folder / name) if stored is None else stored[name]["size"]
+        except KeyError:
+            return f"{name}: no such object, the manifest lists it"
         except OSError as e:
             return f"{name}: {e.strerror or e}, the manifest lists it"
         if size != _entry(entry)["size"]:
             return f"{name}: {size} bytes, the manifest says {_entry(entry)['size']}"
+        if stored is not None and _sealed(stored[name], entry):
+            continue
         problem = _crc_problem(folder / name, entry)
         if problem:
             return problem
     return None
+
+
+def _sealed(stored: Dict[str, Any], entry: Any) -> bool:
+    """An object the store lists with the ETag recorded in its manifest entry."""
+    etag = _entry(entry).get("etag")
+    return etag is not None and stored.get("etag") == etag
+
+
+def _with_etags(folder: Path, listed: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest entries of an object store's checkpoint, each with the ETag the store gives its object
+    (one listing), where it has one and its size is the entry's."""
+    stored = folder.listing()
+    out = {}
+    for name, entry in listed.items():
+        entry, found = dict(_entry(entry)), stored.get(name, {})
+        if found.get("etag") and found.get("size") == entry["size"]:
+            entry["etag"] = found["etag"]
+        out[name] = entry
+    return out
 
 
 def _crc_problem(path: Path, entry: Any) -> Optional[str]:
@@ -78,6 +108,8 @@ def check_file(path: Path) -> None:
     """A file inside a checkpoint folder is checked against that folder's manifest before it is used."""
     listed = read(path.parent) if path.is_file() else None
     entry = listed.get(path.name) if listed else None
+    if entry is not None and storage.is_remote(path) and _sealed(path.parent.listing().get(path.name, {}), entry):
+        return
     if entry is not None and _crc_problem(path, entry):
         raise UserError(f"{path}: damaged: its CRC-32 differs from the one {path.parent / NAME} recorded; use another "
                         f"checkpoint's file")

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint import adapters, files, layout, manifest, run_state, storage
+from launcher.checkpoint import adapters, dcp_io, files, layout, manifest, run_state, storage
 from launcher.errors import UserError
 
 NAME = "sharded"
@@ -126,14 +126,15 @@ def _writer(folder: Path) -> Any:
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not in dcp's namespace (torch 2.13)
 
-        return FsspecWriter(str(folder), sync_files=False)
-    return dcp.FileSystemWriter(folder, sync_files=True)
+        return dcp_io.recording(FsspecWriter(str(folder), sync_files=False))
+    return dcp_io.recording(dcp.FileSystemWriter(folder, sync_files=True))
 
 
 def own_files(folder: Path, rank: int) -> Dict[str, Dict[str, Any]]:
-    """The size and CRC-32 of each file this rank wrote (rank 0: DCP's index too), for the manifest."""
+    """The size and CRC-32 of each file this rank wrote (rank 0: DCP's index too), for the manifest: kept as
+    DCP wrote them (dcp_io.py), not read back."""
     names = [p.name for p in folder.glob(f"__{rank}_*.distcp")] + ([METADATA] if rank == 0 else [])
-    return {name: {"size": storage.size(folder / name), "crc32": files.crc32(folder / name)} for name in names}
+    return {name: dcp_io.written(folder / name) for name in names}
 
 
 def read_run_state(checkpoints, folder: Path) -> None:

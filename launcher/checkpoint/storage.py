@@ -2,10 +2,11 @@
 (s3://bucket/prefix, or any fsspec URL: memory:// in tests), a Remote.
 
 A Remote offers the few Path methods that checkpoints use (/, name, parent, suffix, exists, is_file, is_dir,
-iterdir, glob, open, read_text, read_bytes), plus size() and remove(), so that the code that reads a
-manifest or lists step folders reads both. What differs is said where it differs (layout.py): a local
-checkpoint is made complete by a rename, a remote one by its manifest, written last, since an object store
-has no rename. fsspec and its S3 client (s3fs, the `s3` extra) are imported only when a URL is used.
+iterdir, glob, open, read_text, read_bytes), plus size(), listing() (sizes and ETags) and remove(), so
+that the code that reads a manifest or lists step folders reads both. What differs is said where it differs
+(layout.py): a local checkpoint is made complete by a rename, a remote one by its manifest, written last,
+since an object store has no rename. fsspec and its S3 client (s3fs, the `s3` extra) are imported only
+when a URL is used.
 
 Credentials and endpoints come from where the AWS SDK reads them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_ENDPOINT_URL for S3-compatible stores, AWS_PROFILE and its files, an instance role): nothing here
@@ -17,7 +18,7 @@ import errno
 import fnmatch
 import posixpath
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from launcher.errors import UserError, first_line
 
@@ -106,6 +107,17 @@ class Remote:
             return []
         names = {posixpath.basename(p.rstrip("/")) for p in listed}
         return [self / n for n in sorted(names) if n]
+
+    def listing(self) -> Dict[str, Dict[str, Any]]:
+        """The objects right under this prefix, by name: their size and the store's ETag (None where the store
+        gives none), from one listing, nothing downloaded. An S3 store computes an object's ETag from the bytes
+        it received, so an object replaced or changed has another."""
+        try:
+            listed = self.fs.ls(self.key, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {posixpath.basename(e["name"].rstrip("/")): {"size": e.get("size"), "etag": e.get("ETag") or e.get("etag")}
+                for e in listed if e.get("type") != "directory"}
 
     def glob(self, pattern: str) -> List["Remote"]:
         return [p for p in self.iterdir() if fnmatch.fnmatch(p.name, pattern)]

@@ -59,8 +59,11 @@ def newest_if_run_folder(path: Path) -> Path:
 def newest_in_run_folder(folder: Path) -> Path:
     """A run folder's newest weights: its newest complete checkpoint (a finished run's last one holds what its
     model.pt holds; a run continued and killed later holds newer ones than a model.pt left from before), else
-    its model.pt."""
-    found = layout.complete(folder / "checkpoints")
+    its model.pt. Its checkpoints are where its recipe put them (checkpoint.dir: an object store too)."""
+    checkpoints = layout.of_run(folder)
+    if storage.is_remote(checkpoints):
+        storage.reachable(checkpoints, f"{folder / 'recipe.yaml'}: checkpoint.dir")
+    found = layout.complete(checkpoints)
     if found:
         return found[-1]
     if (folder / "model.pt").is_file():

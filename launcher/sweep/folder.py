@@ -30,6 +30,7 @@ class Sweep:
     axes: Dict[str, List[str]]
     runs: List[Run]
     trackers: List[str] = field(default_factory=list)  # the recipe's mlflow, wandb: each run named in them
+    checkpoints: Optional[str] = None  # the recipe's checkpoint.dir (a folder, a URL): each run's below it
 
     def run_dir(self, run: Run) -> Path:
         return self.folder / run.name
@@ -37,10 +38,13 @@ class Sweep:
     def arguments(self, run: Run) -> List[str]:
         """`python -m launcher`'s arguments for the run: the recipe, every run's overrides, the run's swept
         values, and what the sweep sets: the run's folder, metrics.jsonl (the report reads it), and its name
-        under the sweep's in the trackers (MLflow's experiment, W&B's group)."""
+        under the sweep's in the trackers (MLflow's experiment, W&B's group), and its checkpoints' folder below
+        the recipe's checkpoint.dir, where it names one (the runs would mix their histories in one)."""
         name = self.folder.name
         every = [o for o in self.overrides if not o.startswith("run_dir=")]  # the sweep's folder: each run's below
         out = [self.recipe, *every, *run.overrides, f"run_dir={self.run_dir(run)}", "logging.jsonl=true"]
+        if self.checkpoints and not any(o.startswith("checkpoint.dir=") for o in run.overrides):
+            out.append(f"checkpoint.dir='{self.checkpoints.rstrip('/')}/{run.name}'")
         if "mlflow" in self.trackers:
             out += [f"logging.mlflow.experiment='{name}'", f"logging.mlflow.run_name='{run.name}'"]
         if "wandb" in self.trackers:
@@ -52,7 +56,7 @@ class Sweep:
 
         self.folder.mkdir(parents=True, exist_ok=True)
         text = json.dumps({"recipe": self.recipe, "overrides": self.overrides, "axes": self.axes,
-                           "trackers": self.trackers,
+                           "trackers": self.trackers, "checkpoints": self.checkpoints,
                            "runs": [{"name": r.name, "overrides": r.overrides} for r in self.runs]}, indent=1)
         write_text(self.folder / SWEEP, text + "\n")
 
@@ -62,7 +66,8 @@ def read(folder: Path) -> Sweep:
     try:
         saved = json.loads(path.read_text())
         runs = [Run(r["name"], tuple(tuple(o.split("=", 1)) for o in r["overrides"])) for r in saved["runs"]]
-        return Sweep(Path(folder), saved["recipe"], saved["overrides"], saved["axes"], runs, saved.get("trackers", []))
+        return Sweep(Path(folder), saved["recipe"], saved["overrides"], saved["axes"], runs, saved.get("trackers", []),
+                     saved.get("checkpoints"))
     except FileNotFoundError:
         raise UserError(f"{folder}: not a sweep's folder (no {SWEEP}); python -m launcher.sweep RECIPE key=a,b makes "
                         f"one") from None

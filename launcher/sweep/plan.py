@@ -30,10 +30,11 @@ def plan(recipe: Path, args: List[str], max_runs: int, yes: bool) -> Sweep:
     try:
         base = load(recipe, plain).recipe
         where, trackers = Path(base.run_dir).resolve(), [t for t in ("mlflow", "wandb") if getattr(base.logging, t)]
+        checkpoints = base.checkpoint.dir
     except UserError as e:  # the combinations are still checked: every problem at once
         problems += e.problems
-        where, trackers = Path("sweep").resolve(), []
-    sweep = Sweep(where, str(Path(recipe).resolve()), plain, axes, runs, trackers)
+        where, trackers, checkpoints = Path("sweep").resolve(), [], None
+    sweep = Sweep(where, str(Path(recipe).resolve()), plain, axes, runs, trackers, checkpoints)
     seen: Dict[str, Run] = {}
     for run in runs:
         try:
@@ -50,12 +51,14 @@ def plan(recipe: Path, args: List[str], max_runs: int, yes: bool) -> Sweep:
 
 
 def _what_it_trains(config, run_dir: Path) -> str:
-    """The run's resolved recipe less what the sweep sets apart for each run (its folder, its name in the
-    trackers): two runs alike here would train the same thing twice (0.1 and 1e-1, 3 and '3')."""
+    """The run's resolved recipe less what the sweep sets apart for each run (its folder, its checkpoints'
+    folder, its name in the trackers): two runs alike here would train the same thing twice (0.1 and 1e-1, 3
+    and '3')."""
     from omegaconf import OmegaConf
 
     resolved = OmegaConf.to_container(config, resolve=True)
     resolved.pop("run_dir", None)
+    resolved.get("checkpoint", {}).pop("dir", None)  # each run's own below the recipe's
     for tracker in ("mlflow", "wandb"):
         if isinstance(resolved.get("logging", {}).get(tracker), dict):
             resolved["logging"][tracker].pop("run_name", None)
