@@ -72,14 +72,15 @@ def flaky(s3, monkeypatch):
     store.close()
 
 
-def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, flaky, tmp_path, capsys):
-    """Step 10's upload slow (each request held a second): step 20's save waits for it, and says so once. The
-    uploads of steps 20 and 30 refused (403, as a policy denying writes): the run says so each time, trains on,
-    and the save of step 40 seals; the refused steps leave no object behind."""
+def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, flaky, tmp_path, capsys, one_rank):
+    """fsdp (a torchrun world of one: DCP's shards, written by its async_save). Step 10's upload slow (each
+    request held a second): step 20's save waits for it, and says so once. The uploads of steps 20 and 30
+    refused (403, as a policy denying writes): the run says so each time, trains on, and the save of step 40
+    seals; the refused steps leave no object behind, and the weights are an uninterrupted run's."""
     flaky.rules = {r"/step_10/": "slow", r"/step_(20|30)/": "refuse"}
-    url = f"s3://{BUCKET}/retried"
-    code = main([str(QUICKSTART), *SMALL, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40", "checkpoint.every=10",
-                 f"checkpoint.dir={url}", "checkpoint.async_save=true"])
+    url, fsdp = f"s3://{BUCKET}/retried", ["strategy=fsdp", "devices=cpu"]
+    code = main([str(QUICKSTART), *SMALL, *fsdp, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40",
+                 "checkpoint.every=10", f"checkpoint.dir={url}", "checkpoint.async_save=true"])
     out = capsys.readouterr().out
     assert code == 0 and flaky.failed
     for step, failed in ((20, 1), (30, 2)):
@@ -89,7 +90,7 @@ def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, fl
     assert f"checkpoint step 40 saved: {url}/step_40" in out
     assert out.count("is still being written") == 1 and "checkpoint step 10 is still being written (" in out, out
     assert not [key for key in s3.objects("retried") if key.startswith(("step_20", "step_30"))]
-    train(tmp_path / "whole", "trainer.max_steps=40")
+    train(tmp_path / "whole", *fsdp, "trainer.max_steps=40")
     assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")
 
 

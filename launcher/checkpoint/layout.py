@@ -123,7 +123,7 @@ def guarding(folder: Path, step: int) -> Iterator[None]:
     complete checkpoints stay as they were."""
     try:
         yield
-    except Exception as e:  # OSError, or DCP's CheckpointException gathering every rank's failures
+    except BaseException as e:  # OSError, or DCP's CheckpointException (a BaseException) gathering every rank's failures
         cause = _os_error(e)
         if cause is None:
             raise
@@ -144,7 +144,9 @@ def _os_error(e: BaseException) -> Optional[OSError]:
     if type(e).__name__ != "CheckpointException" or not isinstance(failures, dict):
         return None
     for failure in failures.values():
-        cause = failure if isinstance(failure, BaseException) else getattr(failure, "exc", None)
+        # torch 2.13 wraps each rank's as (exception, traceback summary)
+        cause = failure if isinstance(failure, BaseException) else (
+            failure[0] if isinstance(failure, tuple) and failure else getattr(failure, "exc", None))
         while cause is not None and storage.store_error(cause) is None:
             cause = cause.__cause__ or cause.__context__
         if cause is not None:

@@ -150,7 +150,7 @@ def load(checkpoints, folder: Path) -> None:
     except DoesNotFit as e:
         raise UserError(f"checkpoint.resume: {folder} does not fit this run ({e}); start over with "
                         f"checkpoint.resume=never") from None
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         if type(e).__name__ != "CheckpointException":
             raise
         raise run_state.does_not_fit(folder, e) from None
