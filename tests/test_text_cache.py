@@ -326,4 +326,4 @@ def test_a_progress_bar_only_for_large_files_on_a_terminal_on_rank_0(tmp_path, m
     monkeypatch.setattr(text_dataset.sys.stderr, "isatty", lambda: terminal)
     if rank is not None:
         monkeypatch.setenv("RANK", rank)
-    assert text_dataset._progress([data]) is shown
+    assert text_dataset._progress(text_dataset._size([data])) is shown
