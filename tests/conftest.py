@@ -85,6 +85,10 @@ def pytest_collection_modifyitems(config, items):
             _group(config, item, "measuring")
         elif item.module.__name__ in sharing:  # the whole module, in a row: pytest ends a module's fixtures
             _group(config, item, item.module.__name__)  # when it moves to another module
+    if getattr(config.option, "loadgroup", False):
+        # loadgroup hands out the groups first (most tests first), then single tests in this order: the slow
+        # ones before the quick, so that the run does not end on one worker's long test while the other idles
+        items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.get_closest_marker("xdist_group")))
 
 
 def _group(config, item, name: str) -> None:
