@@ -72,7 +72,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`) every Slurm test runs on one worker: they share one
     local cluster, which one process starts. The tests that measure (marked `measuring`) run on one worker
     too, one after another. So do a module's tests that share a module-scoped fixture
@@ -80,11 +80,27 @@ def pytest_collection_modifyitems(items):
     sharing = {item.module.__name__ for item in items if _uses_a_module_fixture(item)}
     for item in items:
         if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+            _group(config, item, "slurm")
         elif item.get_closest_marker("measuring"):  # not two at once: each would load the CPU the other measures
-            item.add_marker(pytest.mark.xdist_group("measuring"))
+            _group(config, item, "measuring")
         elif item.module.__name__ in sharing:  # the whole module, in a row: pytest ends a module's fixtures
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))  # when it moves to another module
+            _group(config, item, item.module.__name__)  # when it moves to another module
+    if getattr(config.option, "loadgroup", False):
+        # loadgroup hands out the groups first (most tests first), then single tests in this order: the slow
+        # ones before the quick, so that the run does not end on one worker's long test while the other idles
+        items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.get_closest_marker("xdist_group")))
+
+
+def _group(config, item, name: str) -> None:
+    """Mark the item with xdist_group(name), and give its id the `@name` that loadgroup schedules by.
+    pytest-xdist 3.8 writes that suffix into `item._nodeid`, which pytest 9.2 no longer reads (the id is
+    `item._id`): the mark alone changed nothing, and every group was spread over both workers
+    (pytest-dev/pytest-xdist#1386). Written here into the id that pytest reads, on a loadgroup worker only."""
+    item.add_marker(pytest.mark.xdist_group(name))
+    if getattr(config.option, "loadgroup", False) and hasattr(item, "_id") and not hasattr(item, "_nodeid"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{name}")
 
 
 def _uses_a_module_fixture(item) -> bool:

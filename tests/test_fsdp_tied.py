@@ -8,20 +8,33 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.hf_tolerance import RECIPE, in_process, launch, outside, overrides
+from tests.hf_tolerance import RECIPE, in_process, outside, overrides
 
 transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def fsdp_x2(tmp_path_factory):
+    """Each model's fsdp x2 run, one after another in one torchrun launch (tests/several_runs.py): (folder, rank 0's
+    results)."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("tied")
+    cases = {model: [str(RECIPE), f"run_dir={root / model}", *overrides(model, "sgd"), "strategy=fsdp"]
+             for model in ("bert", "gpt2", "llama")}
+    return root, several(cases, root)[0]
+
+
 @pytest.mark.parametrize("model, units", [
     ("bert", "units BertLayer (BertEmbeddings left to the root: it holds a weight tied to one outside it)"),
     ("gpt2", "units GPT2Block\n"), ("llama", "units LlamaDecoderLayer\n")])
-def test_tied_embeddings_under_fsdp_x2_give_one_process_s_weights(model, units, tmp_path):
-    args = overrides(model, "sgd")
-    in_process(tmp_path / "one", args)
-    assert units in launch(tmp_path / "two", args, "fsdp").stdout
-    one, two = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("one", "two"))
+def test_tied_embeddings_under_fsdp_x2_give_one_process_s_weights(model, units, tmp_path, fsdp_x2):
+    root, results = fsdp_x2
+    assert results[model]["error"] is None, results[model]
+    assert units in results[model]["said"], results[model]["said"]
+    in_process(tmp_path / "one", overrides(model, "sgd"))
+    one, two = (torch.load(path / "model.pt", weights_only=True) for path in (tmp_path / "one", root / model))
     assert outside(one, two) == []
 
 

@@ -66,25 +66,39 @@ def test_a_bf16_folder_loads_into_fp32_weights_and_a_tied_output_layer_is_filled
     assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])  # tied, not in the folder
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Each strategy's run of two processes from its folder, one after another in one torchrun launch
+    (tests/several_runs.py): (the folders, rank 0's results). Under fsdp, a bf16 folder with a tied output layer."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("two")
+    plain, tied = folder(root, "plain", shard_size="60KB"), folder(root, "tied", shard_size="60KB", dtype="bf16", tie=True)
+    lr = ["optimizer.lr=0.1"]  # the tied-weights tests' (tests/test_fsdp_tied.py)
+    cases = {"ddp": overrides(plain, root / "ddp", "strategy=ddp"),
+             "fsdp": overrides(tied, root / "fsdp", "strategy=fsdp", *lr),
+             "fsdp-tp": overrides(tied, root / "fsdp-tp", "strategy=fsdp", "parallel.tp=2", *lr)}
+    return root, several({name: [str(RECIPE), *args] for name, args in cases.items()}, root)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp-tp"])
-def test_two_processes_from_a_folder_end_as_one(tmp_path, strategy):
+def test_two_processes_from_a_folder_end_as_one(tmp_path, strategy, two_processes):
     """Under fsdp each rank reads its slices into shards of a model built on the meta device: here a bf16
     folder with a tied output layer, in shards with their index, at the learning rate of the tied-weights
     tests (tests/test_fsdp_tied.py: a tied gradient is summed in another order over two ranks). fsdp-tp: the
     Llama's own tensor-parallel plan (tp 2), its tied embedding and output head split on the vocabulary."""
+    root, results = two_processes
     tied = strategy != "ddp"
-    base = folder(tmp_path, shard_size="60KB", **({"dtype": "bf16", "tie": True} if tied else {}))
-    lr = ["optimizer.lr=0.1"] if tied else []
-    here(base, tmp_path / "one", *lr)
-    how = ["strategy=fsdp", "parallel.tp=2"] if strategy == "fsdp-tp" else [f"strategy={strategy}"]
-    done = launch(str(RECIPE), *overrides(base, tmp_path / "two", *how, "nproc_per_node=2", *lr), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (f"initialised the model from {base} into this rank's shards" in done.stdout) == tied
+    base = root / ("tied" if tied else "plain")
+    here(base, tmp_path / "one", *(["optimizer.lr=0.1"] if tied else []))
+    done = results[strategy]
+    assert done["error"] is None, done
+    assert (f"initialised the model from {base} into this rank's shards" in done["said"]) == tied
     if strategy == "fsdp-tp":
         assert "parallel.tp: 16 layers split over 2 ranks: lm_head (colwise_rep), model.embed_tokens " \
-               "(embedding_rowwise), model.layers.0.self_attn.q_proj (colwise)" in done.stdout, done.stdout
-    one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "two" / "model.pt")
+               "(embedding_rowwise), model.layers.0.self_attn.q_proj (colwise)" in done["said"], done["said"]
+    one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(root / strategy / "model.pt")
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
 
