@@ -82,7 +82,7 @@ def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, fl
     code = main([str(QUICKSTART), *SMALL, *fsdp, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40",
                  "checkpoint.every=10", f"checkpoint.dir={url}", "checkpoint.async_save=true"])
     out = capsys.readouterr().out
-    assert code == 0 and flaky.failed
+    assert code == 0 and flaky.failed, out
     for step, failed in ((20, 1), (30, 2)):
         assert (f"checkpoint step {step} was not saved (cannot write {url}: Access Denied" in out
                 and f"the newest sealed checkpoint: {url}/step_10 (step 10). Training goes on and the next save tries "
@@ -133,3 +133,4 @@ def test_the_benchmarks_checkpoint_row():
     for store in ("local disk", r"S3 \(moto, loopback\)"):
         row = re.search(rf"^{store} +(\d+)ms +(\d+)ms +(\d\.\d{{3}})$", done.stdout, re.M)
         assert row and int(row.group(1)) > 0, done.stdout
+
