@@ -41,14 +41,18 @@ def written(path: Path) -> Dict[str, Any]:
     return {"size": size, "crc32": files.crc32(path)}
 
 
-class _Recording:
-    """DCP's file system object, its write streams seen through files.recorder."""
+class _Wrapped:
+    """DCP's file system object, all of it but what a subclass does otherwise."""
 
     def __init__(self, fs: Any):
         self.fs = fs
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fs, name)
+
+
+class _Recording(_Wrapped):
+    """DCP's file system object, its write streams seen through files.recorder."""
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -82,12 +86,8 @@ class ExactSlices:
         self.fs = _NoReadAhead(self.fs)
 
 
-class _NoReadAhead:
-    def __init__(self, fs: Any):
-        self.fs = fs
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.fs, name)
+class _NoReadAhead(_Wrapped):
+    """DCP's file system object, its read streams opened without fsspec's read-ahead."""
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
