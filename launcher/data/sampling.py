@@ -110,9 +110,12 @@ class TrainData:
 
     is_stream = False
 
-    def first_items(self) -> Any:
-        """This rank's first batch of items, fetched as training fetches them (for the check before training)."""
-        keys = [(0, i) for i in range(min(self.loader.batch_size, len(self.dataset)))]
+    def first_items(self, count: Optional[int] = None) -> Any:
+        """This rank's first batch of items, fetched as training fetches them (for the check before training);
+        or the first `count` items, from the start again when the dataset holds fewer (a micro-batch of any
+        size, for python -m launcher.plan)."""
+        keys = ([(0, i) for i in range(min(self.loader.batch_size, len(self.dataset)))] if count is None else
+                [(0, i % len(self.dataset)) for i in range(count)])
         kept = item_rng.Kept()  # the check leaves the process's generators as they were
         try:
             return item_rng.fetched(_batched(self.dataset), keys, self.seed)

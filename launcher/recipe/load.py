@@ -33,6 +33,7 @@ class Loaded:
     config: DictConfig  # resolved; `OmegaConf.to_yaml(config)` is what the run folder keeps
     path: Path
     notes: List[str] = dataclasses.field(default_factory=list)  # what loading decided (on_cpu applied)
+    overrides: List[str] = dataclasses.field(default_factory=list)  # the command line's key=value, as given
 
 
 def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
@@ -77,7 +78,7 @@ def load(path: str | os.PathLike, overrides: List[str] = ()) -> Loaded:
     if problems:
         raise UserError(*problems)
     OmegaConf.resolve(cfg)
-    return Loaded(recipe=recipe, config=cfg, path=path, notes=notes)
+    return Loaded(recipe=recipe, config=cfg, path=path, notes=notes, overrides=list(overrides))
 
 
 def _built(cfg: DictConfig) -> Optional[Recipe]:

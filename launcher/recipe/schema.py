@@ -225,6 +225,7 @@ class LoggingConfig:
     jsonl: bool = False  # <run_dir>/metrics.jsonl, one JSON object per log step; config.json, the recipe with what ran
     progress_bar: bool = True  # a tqdm bar when stderr is a terminal; otherwise one line per log interval
     peak_tflops: Optional[float] = None  # one device's peak, for MFU; default: a known GPU's dense bf16 peak
+    memory_plan: bool = True  # rank 0 plans its layout's peak memory beside training (python -m launcher.plan) and says it with the measured peak
 
     def problems(self) -> List[tuple[str, str]]:
         out = []

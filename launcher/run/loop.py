@@ -41,6 +41,7 @@ class Parts:
     idle: Callable[[], None] = lambda: None  # at log steps: finish what runs in the background (a checkpoint's write)
     watch: Watch = field(default_factory=lambda: Watch([]))  # the recipe's profiler and memory windows
     between_steps: bool = True  # False from a step's first batch until it is counted: no checkpoint then
+    measured: Optional[Any] = None  # the peak memory of a step, measured (launcher/observe/memory.py)
 
 
 def total_steps(cfg: TrainerConfig, steps_per_epoch: int) -> int:

@@ -15,6 +15,7 @@ from launcher.run import build
 from launcher.data import sampling as data
 from launcher.run import first_batch
 from launcher.observe import holdings
+from launcher.observe import memory
 from launcher.placement import scheduler
 from launcher.placement import spawn
 from launcher.observe import hang
@@ -175,7 +176,14 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                   save=lambda pos, final, wait: checkpoints.save(final, wait), stop=StopFlag(placement.world_size),
                   save_on_stop=recipe.checkpoint.on_signal, idle=lambda: checkpoints.finish_pending(wait=False),
                   watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
+    if strategy.name in PLANNED:
+        buckets = memory.ddp_buckets(model, recipe.ddp.gradient_as_bucket_view) if strategy.name == "ddp" else 0
+        parts.measured = memory.Measured(wrapped, optimizer, device, strategy.sharded, buckets)
+        parts.watch.windows.append(parts.measured)
     return checkpoints, parts
+
+
+PLANNED = ("single", "ddp", "fsdp")  # the strategies python -m launcher.plan plans
 
 
 def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) -> Dict[str, float]:
@@ -198,6 +206,7 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
                 console.info(said)
         parts.stop.install()
         started = position.step
+        planned = _planning(loaded, parts, run_dir)
         try:
             try:
                 results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
@@ -223,11 +232,16 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
             finally:
                 parts.stop.restore()
                 parts.watch.close(position.step)
+            if planned is not None:
+                _memory(parts, planned, position.step, logger, console)
         except (Stopped, TrainingDiverged, OutOfMemory, Hung, CheckpointsFailed):
             raise  # nothing is saved after a NaN, out of memory, a lost rank or saves failing; a signal saved already
         except Exception:  # a mistake met mid-run, a full disk, a bug in a component
             _save_before_failing(checkpoints, parts, started, run_dir, console)
             raise
+        finally:
+            if planned is not None:
+                planned.close()
     logger.close("finished")
     if strategy.placement.world_size > 1:  # what sharding and splitting saved each rank
         console.info(holdings.line(strategy.placement.rank, holdings.held(parts.model, parts.optimizer)))
@@ -237,6 +251,44 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
     exported = f"HF folder: {run_dir / 'hf'}" if recipe.checkpoint.export_hf else ""
     console.info(" | ".join(x for x in (f"done: step {position.step}", final, model, exported) if x))
     return results
+
+
+def _planning(loaded: Loaded, parts: Parts, run_dir: Path) -> Optional[memory.Planned]:
+    """The planner for this run's layout, started beside training on rank 0; its figure is said at the first
+    log step after it is ready (and at the end, with the measured peak)."""
+    strategy = parts.strategy
+    if not (loaded.recipe.logging.memory_plan and strategy.placement.is_main and parts.measured is not None):
+        return None
+    planned = memory.Planned(loaded.path, loaded.overrides, strategy.name, strategy.placement.world_size,
+                             strategy.device.type, run_dir)
+    idle = parts.idle
+
+    def said_when_ready() -> None:
+        idle()
+        if not planned.said and planned.ready():
+            planned.said = True
+            figure, line = planned.result(wait=False)
+            parts.console.info(line)
+
+    parts.idle = said_when_ready
+    return planned
+
+
+def _memory(parts: Parts, planned: memory.Planned, step: int, logger, console) -> None:
+    """The measured peak beside the planned one: a line, and both in the loggers at the last step."""
+    figure, line = planned.result(wait=True)
+    measured = parts.measured.peak()
+    if measured is None:
+        console.info(line)
+        return
+    values = {"memory/peak_bytes": float(measured)}
+    if figure is None:
+        console.info(f"{line}; measured {measured / 2**20:.1f} MiB per rank ({parts.measured.how()})")
+    else:
+        values["memory/predicted_peak_bytes"] = float(figure)
+        console.info(f"memory: {measured / 2**20:.1f} MiB per rank at the peak ({parts.measured.how()}); planned "
+                     f"{figure / 2**20:.1f} MiB (python -m launcher.plan), {100 * (figure - measured) / measured:+.1f}%")
+    logger.scalars(values, step)
 
 
 def _save_before_failing(checkpoints: Checkpoints, parts: Parts, started: int, run_dir: Path, console) -> None:

@@ -1,0 +1,138 @@
+"""Every run checks the memory planner: the peak a rank held, measured, beside the figure
+`python -m launcher.plan` gives for the run's own layout, in the console and in metrics.jsonl
+(`memory/peak_bytes`, `memory/predicted_peak_bytes`).
+
+Measured: on CUDA, the caching allocator's peak over the run (`torch.cuda.max_memory_allocated`); on the
+CPU, where no allocator keeps one, torch's memory tracker (`torch.distributed._tools`, FSDP's own under
+fsdp) over one step: the run's second (the first makes the optimizer's state), or its first when it resumes
+or makes one step. The tracker sees what Python's dispatcher allocates: DDP's buckets, allocated by its C++
+reducer, are added as their size (`buckets`), as the planner adds them.
+
+Planned: rank 0 starts the planner for its run's layout beside training, at the lowest CPU priority; its
+figure is said at the first log step after it is ready, and waited for at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+
+from launcher.observe.watch import Window
+
+MIB = 2**20
+ENV_LEFT_OUT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+class Measured(Window):
+    """The peak of one step on the CPU (a tracker around it), or of the whole run on CUDA."""
+
+    name = "memory peak"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 sharded: bool, buckets: int = 0):
+        super().__init__(2, 1)
+        self.model, self.optimizer, self.device, self.sharded, self.buckets = model, optimizer, device, sharded, buckets
+        self.tracker = None
+        self.bytes: Optional[int] = None
+        self.step_measured: Optional[int] = None
+
+    def clip(self, start: int, total: int, say: Callable[[str], None]) -> bool:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return False  # nothing to do between steps: the allocator keeps the peak
+        if total <= start:
+            return False
+        self.first = self.last = start + 2 if total >= start + 2 and start == 0 else start + 1
+        self.begin_after = self.first - 1
+        return True
+
+    def begin(self, done: int) -> None:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        if self.sharded:
+            self.tracker = FSDPMemTracker(self.model, self.optimizer)
+        else:
+            self.tracker = MemTracker()
+            self.tracker.track_external(self.model, self.optimizer)
+        self.tracker.__enter__()
+        self.on = True
+
+    def step(self, done: int) -> None:
+        if done >= self.last:
+            self.end(done)
+
+    def end(self, done: int) -> None:
+        self.tracker.__exit__(None, None, None)
+        self.on = False
+        peak = next(iter(self.tracker.get_tracker_snapshot("peak").values()), {})
+        self.bytes = int(peak.get("Total", 0)) + self.buckets
+        self.step_measured = done
+        self.tracker = None
+
+    def peak(self) -> Optional[int]:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return self.bytes
+
+    def how(self) -> str:
+        if self.device.type == "cuda":
+            return "CUDA's allocator, the whole run"
+        return f"torch's memory tracker, step {self.step_measured}" + (" and DDP's buckets" if self.buckets else "")
+
+
+def ddp_buckets(model: torch.nn.Module, as_view: bool) -> int:
+    """The bytes of DDP's all-reduce buckets that no tracker sees: a copy of every trainable parameter's
+    gradient, unless the gradients are views into them (then counted as the gradients)."""
+    if as_view:
+        return 0
+    return sum(q.numel() * q.element_size() for q in model.parameters() if q.requires_grad)
+
+
+class Planned:
+    """`python -m launcher.plan --as-run` for this run's layout, in a process of its own beside training."""
+
+    def __init__(self, recipe_path: Path, overrides: List[str], strategy: str, world: int, device_type: str,
+                 run_dir: Path):
+        self.out = run_dir / "memory_plan.json"
+        self.err = run_dir / "memory_plan.err"
+        env = {k: v for k, v in os.environ.items() if k not in ENV_LEFT_OUT}
+        command = [sys.executable, "-m", "launcher.plan", str(recipe_path), *overrides, "--as-run", strategy,
+                   "--devices", str(world), "--device", device_type, "--json"]
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                                            preexec_fn=lambda: os.nice(19))
+        self.said = False
+
+    def ready(self) -> bool:
+        return self.process.poll() is not None
+
+    def result(self, wait: bool) -> tuple:
+        """(the planned peak in bytes or None, the line that says it or why there is none)."""
+        if not wait and not self.ready():
+            return None, None
+        try:
+            code = self.process.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return None, "memory: not planned: the planner took more than 10 minutes"
+        if code != 0:
+            lines = [x for x in self.err.read_text(errors="replace").splitlines() if x.strip()]
+            why = lines[-1].removeprefix("launcher: ") if lines else f"exit code {code}"
+            return None, f"memory: not planned: {why}"
+        row = json.loads(self.out.read_text().splitlines()[0])
+        if row["peak_bytes"] is None:
+            return None, f"memory: not planned: {row['problem']}"
+        return row["peak_bytes"], (f"memory: {row['peak_bytes'] / MIB:.1f} MiB per rank at the peak of a step, "
+                                   f"planned for {row['layout']} (python -m launcher.plan)")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

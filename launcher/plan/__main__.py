@@ -1,0 +1,117 @@
+"""`python -m launcher.plan RECIPE [key=value ...] --devices N --memory 80GB [--json]`: the bytes one rank holds
+at the peak of the recipe's training step under each layout on N devices, which fit, the largest micro-batch
+that fits each, and the one to use. Nothing is allocated: the step runs on fake tensors (launcher/plan/fake.py).
+Docs: docs/recipe.md and README.md, section "Planning memory"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import List, Optional
+
+from launcher.errors import EXIT_USER, UserError
+from launcher.report import mistake
+
+USAGE = ("python -m launcher.plan RECIPE.yaml [key=value ...] [--devices N] [--memory 80GB] [--device cuda|cpu] "
+         "[--json]")
+MIB, GIB = 2**20, 2**30
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        mistake(UserError(f"{message} (usage: {USAGE})"))
+        raise SystemExit(EXIT_USER)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _Parser(prog="python -m launcher.plan", usage=USAGE, description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--devices", type=int, default=1, help="devices (ranks) to plan for (default 1)")
+    parser.add_argument("--memory", help="one device's memory, e.g. 80GB, 24GiB: which layouts fit, and the "
+                                         "largest micro-batch of each")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="the device type trained on (when the loop frees gradients; default cuda)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per layout, one per line")
+    parser.add_argument("--as-run", metavar="STRATEGY",
+                        help="only the layout a run of this strategy on --devices ranks has (what a run prints)")
+    args = parser.parse_args(argv)
+    try:
+        if args.devices < 1:
+            raise UserError(f"--devices {args.devices}: give a number of devices of 1 or more")
+        memory = _bytes(args.memory) if args.memory else None
+        from launcher.recipe import load
+
+        loaded = load(args.recipe, args.overrides)
+        from launcher.plan import layouts, planner
+        from launcher.plan.fake import Layout
+
+        recipe = loaded.recipe
+        if args.as_run:
+            p = recipe.parallel
+            found = [Layout(args.as_run, args.devices, p.tp, p.dp_replicate) if args.as_run == "fsdp"
+                     else Layout(args.as_run, args.devices)]
+        else:
+            found = layouts.candidates(args.devices)
+        rows = planner.plan(recipe, found, memory, args.device, largest=not args.as_run)
+    except UserError as e:
+        mistake(e)
+        return EXIT_USER
+    if args.json:
+        for row in rows:
+            print(json.dumps(row.as_json()))
+        return 0
+    print(table(rows, memory))
+    best = planner.chosen(rows)
+    if memory is not None:
+        if best is None:
+            print(f"none fits in {_size(memory)} per device: lower data.batch_size, or plan for more devices")
+        else:
+            line = " ".join(best.layout.overrides())
+            print(f"use: {best.layout.name} (the least communication that fits)")
+            print(f"  python -m launcher {args.recipe} {' '.join(args.overrides + [line])}".rstrip())
+    return 0
+
+
+def table(rows, memory: Optional[int]) -> str:
+    from launcher.plan.fake import KINDS
+
+    head = ["layout", "micro-batch", *KINDS, "peak per rank"] + (["fits", "largest micro-batch"] if memory else [])
+    lines = [head]
+    for r in rows:
+        if r.peak is None:
+            lines.append([r.layout.name, "-", f"cannot: {r.problem}"])
+            continue
+        cells = [r.layout.name, str(r.micro_batch), *(_size(r.peak.by_kind[k]) for k in KINDS), _size(r.peak.total)]
+        if memory:
+            cells += ["yes" if r.fits else "no", str(r.largest)]
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines if len(line) > i and len(line) == len(head)) for i in range(len(head))]
+    out = []
+    for line in lines:
+        if len(line) != len(head):
+            out.append(f"{line[0]:<{widths[0]}}  {line[2]}")
+        else:
+            out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))))
+    return "\n".join(out)
+
+
+def _size(n: int) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n / 2**10:.1f} KiB"
+
+
+def _bytes(size: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size.upper())
+    if not match or float(match.group(1)) <= 0:
+        raise UserError(f"--memory {size}: give one device's memory, such as 80GB, 24GiB or 1000000000 (bytes)")
+    return int(float(match.group(1)) * units[match.group(2) or ""])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

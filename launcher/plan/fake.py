@@ -1,0 +1,214 @@
+"""One rank's memory at the peak of a training step, found by running the step on fake tensors.
+
+The recipe's model, optimizer, step and precision are built as a run builds them, but inside torch's
+`FakeTensorMode`: tensors have shapes, dtypes and storages of a size, and no memory. Distributed layouts
+run as rank 0 of a fake process group of their world size (torch's `fake` backend: collectives return at
+once), so FSDP2 shards, HSDP and tensor parallel split exactly as they would. torch's memory trackers
+(`torch.distributed._tools`: MemTracker, FSDPMemTracker) count each live storage by kind while two
+optimizer steps run in the loop's order (the second holds the optimizer state through its forward and
+backward: that is where steady training peaks).
+
+DDP's own memory is its all-reduce buckets, which its C++ reducer allocates and fills outside any
+tracker's sight (and it cannot run on fake tensors): a ddp layout is the single step plus one bucket byte
+per trainable parameter byte, or with `ddp.gradient_as_bucket_view` the gradients held for good in the
+buckets instead of freed between steps."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from launcher.errors import UserError, first_line
+
+KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+# the trackers' reference types, by kind
+_KIND_OF = {"PARAM": "parameters", "SHARDED_PARAM": "parameters", "BUFFER": "parameters", "GRAD": "gradients",
+            "SHARDED_GRAD": "gradients", "UNSHARDED_GRAD": "gradients", "OPT": "optimizer", "ACT": "activations",
+            "INP": "activations", "TEMP": "temporaries", "OTH": "temporaries", "UNSHARDED_PARAM": "temporaries",
+            "ALL_GATHER": "temporaries", "REDUCE_SCATTER": "temporaries"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks share the model: a strategy over `world` ranks, the fsdp mesh's tp and dp_replicate, and
+    whether the model's blocks recompute their activations."""
+
+    strategy: str  # single | ddp | fsdp
+    world: int = 1
+    tp: int = 1
+    dp_replicate: int = 1
+    recompute: bool = False
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that read a share of the batch of their own."""
+        return self.world // self.tp
+
+    @property
+    def name(self) -> str:
+        if self.strategy in ("single", "ddp"):
+            return self.strategy if self.world == 1 else f"{self.strategy} x{self.world}"
+        shard = self.world // (self.tp * self.dp_replicate)
+        parts = ([f"hsdp {self.dp_replicate}x{shard}"] if self.dp_replicate > 1 else [f"fsdp x{shard}"] if shard > 1
+                 else [])
+        if self.tp > 1:
+            parts.append(f"tp x{self.tp}")
+        return " ".join(parts or ["fsdp x1"]) + (" +ac" if self.recompute else "")
+
+    def overrides(self) -> List[str]:
+        """The command line's keys for this layout."""
+        out = [f"strategy={self.strategy}"]
+        if self.strategy != "single":
+            out.append(f"nproc_per_node={self.world}")
+        if self.tp > 1:
+            out.append(f"parallel.tp={self.tp}")
+        if self.dp_replicate > 1:
+            out.append(f"parallel.dp_replicate={self.dp_replicate}")
+        if self.recompute:
+            out.append("trainer.activation_checkpointing=auto")
+        return out
+
+
+@dataclass
+class Peak:
+    """The bytes one rank holds at its peak, by kind."""
+
+    by_kind: Dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+
+class NotFake(UserError):
+    """The model or its step does an operation fake tensors cannot run."""
+
+
+def peak(recipe, layout: Layout, batch: Any, device_type: str) -> Peak:
+    """The peak of rank 0 under `layout`, `batch` being one micro-batch of that rank (on the host), on a
+    device of `device_type` (where the loop frees the gradients: after the step on CUDA, after the next
+    forward on the CPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with _world(layout.world) if layout.strategy == "fsdp" else contextlib.nullcontext():
+        strategy = _strategy(recipe, layout)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            try:
+                return _run(recipe, layout, strategy, mode, batch, device_type)
+            except UserError:
+                raise
+            except Exception as e:  # an operation with no fake (meta) kernel, or one that reads tensor values
+                raise NotFake(f"model: {recipe.model.get('_target_')}: its training step cannot run on fake tensors "
+                              f"({type(e).__name__}: {first_line(e)}); the plan needs every operation of the step "
+                              f"to have a meta kernel and no step to read a tensor's values on the host") from None
+
+
+@contextlib.contextmanager
+def _world(world: int):
+    """A default process group of `world` ranks, this one rank 0, whose collectives do nothing."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the fake backend
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _strategy(recipe, layout: Layout):
+    from launcher import strategies
+    from launcher.parallel import mesh
+    from launcher.placement.scheduler import Placement
+
+    name = "single" if layout.strategy == "ddp" else layout.strategy  # ddp: the single step, and its buckets
+    world = layout.world if name == "fsdp" else 1
+    placement = Placement(world_size=world, local_world_size=world, launched_by="torchrun" if world > 1 else "plain")
+    parallel = dataclasses.replace(recipe.parallel, tp=layout.tp, dp_replicate=layout.dp_replicate)
+    strategy = strategies.create(name, placement, recipe.ddp, recipe.fsdp, parallel=parallel)
+    if name == "fsdp":  # its setup, less the rendezvous: the mesh is made outside fake mode
+        strategy.shape = mesh.layout(layout.tp, layout.dp_replicate, layout.world)
+        strategy.device_mesh = mesh.device_mesh(strategy.shape, "cpu")
+    strategy.settle(recipe.precision, recipe.trainer.grad_accum_steps)
+    return strategy
+
+
+def _run(recipe, layout: Layout, strategy, mode, batch: Any, device_type: str) -> Peak:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils._pytree import tree_map_only
+
+    from launcher.model import recompute
+    from launcher.model.precision import Precision
+    from launcher.model.step import result
+    from launcher.run import build
+
+    model = build.component(recipe.model, "model")
+    setting = recipe.trainer.activation_checkpointing or ("auto" if layout.recompute else None)
+    if setting:
+        recompute.apply(model, recompute.chosen(model, setting))
+    model = strategy.wrap(model)
+    if layout.strategy == "fsdp":
+        strategy.after_forward(model)
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer, _ = build.optimizer(recipe.optimizer, params)
+    step = build.step(recipe.step, recipe.loss)
+    precision = Precision(recipe.precision, torch.device("cpu"))
+    batch = tree_map_only(torch.Tensor, mode.from_tensor, batch)
+    free_after_step = device_type == "cuda"
+    accum = min(recipe.trainer.grad_accum_steps, 2)
+
+    def train_step() -> None:  # the loop's order (launcher/run/loop.py), one or two micro-batches
+        for micro in range(accum):
+            with strategy.no_sync(model, skip=micro + 1 < accum), precision.autocast():
+                loss = result(step(model, batch)).loss
+            if micro == 0 and not free_after_step:
+                optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            del loss
+        optimizer.step()
+        if free_after_step:
+            optimizer.zero_grad(set_to_none=True)
+
+    # The first step makes the optimizer's state (and, on fake tensors, caches of its own that a real run does
+    # not have); the second, tracked, holds that state through its forward and backward: the steady peak.
+    train_step()
+    if layout.strategy == "fsdp":
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((batch,))
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+    with tracker:
+        train_step()
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    by_kind = dict.fromkeys(KINDS, 0)
+    for ref, size in snapshot.items():
+        kind = _KIND_OF.get(getattr(ref, "name", str(ref)))
+        if kind:
+            by_kind[kind] += size
+    if layout.strategy == "ddp":
+        by_kind = _with_buckets(by_kind, params, recipe.ddp.gradient_as_bucket_view)
+    return Peak(by_kind)
+
+
+def _with_buckets(by_kind: Dict[str, int], params: List[torch.Tensor], as_view: bool) -> Dict[str, int]:
+    """DDP's peak from one process's: its buckets hold a copy of every trainable parameter's gradient, or, as
+    the gradients' own storage (gradient_as_bucket_view), keep them from being freed."""
+    buckets = sum(q.numel() * q.element_size() for q in params)
+    out = dict(by_kind)
+    if as_view:
+        out["gradients"] = buckets
+    else:
+        out["temporaries"] += buckets
+    return out
+
+
+def micro_batches(items: List[Any], size: int) -> List[Any]:
+    """`size` items from a rank's first ones, repeated as often as needed: a micro-batch of that size."""
+    return (items * math.ceil(size / len(items)))[:size]
