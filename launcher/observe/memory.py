@@ -37,6 +37,9 @@ class Measured(Window):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  sharded: bool, buckets: int = 0):
         super().__init__(2, 1)
+        # DDP builds its buckets anew in the forward of its second step (in the order the gradients came):
+        # that step allocates them where the tracker sees them. The step after it is measured.
+        self.after = 3 if buckets else 2
         self.model, self.optimizer, self.device, self.sharded, self.buckets = model, optimizer, device, sharded, buckets
         self.tracker = None
         self.bytes: Optional[int] = None
@@ -48,7 +51,7 @@ class Measured(Window):
             return False  # nothing to do between steps: the allocator keeps the peak
         if total <= start:
             return False
-        self.first = self.last = start + 2 if total >= start + 2 and start == 0 else start + 1
+        self.first = self.last = min(start + self.after, total) if start == 0 else start + 1
         self.begin_after = self.first - 1
         return True
 
@@ -73,6 +76,7 @@ class Measured(Window):
         self.on = False
         peak = next(iter(self.tracker.get_tracker_snapshot("peak").values()), {})
         self.bytes = int(peak.get("Total", 0)) + self.buckets
+        if os.environ.get("PLAN_DEBUG"): print("MEASURED", {str(k): v for k, v in peak.items()}, self.buckets)
         self.step_measured = done
         self.tracker = None
 

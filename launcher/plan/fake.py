@@ -95,14 +95,25 @@ def peak(recipe, layout: Layout, batch: Any, device_type: str) -> Peak:
     forward on the CPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with _world(layout.world) if layout.strategy == "fsdp" else contextlib.nullcontext():
+    sharded = layout.strategy == "fsdp"
+    with _world(layout.world) if sharded else contextlib.nullcontext():
         strategy = _strategy(recipe, layout)
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            try:
-                return _run(recipe, layout, strategy, mode, batch, device_type)
-            except UserError:
-                raise
-            except Exception as e:  # an operation with no fake (meta) kernel, or one that reads tensor values
+        try:
+            # Sharded, the model is built on the meta device and wrapped outside fake mode (FSDP2 and tensor
+            # parallel make device meshes of real rank numbers), then its shards are allocated as fake tensors.
+            model = _model(recipe, layout, strategy, on_meta=True) if sharded else None
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                if sharded:
+                    from launcher.model import empty
+
+                    empty.materialise(model, torch.device("cpu"))
+                    strategy.after_forward(model)
+                else:
+                    model = _model(recipe, layout, strategy, on_meta=False)
+                return _run(recipe, layout, strategy, model, mode, batch, device_type)
+        except UserError:
+            raise
+        except Exception as e:  # an operation with no fake (meta) kernel, or one that reads tensor values
                 raise NotFake(f"model: {recipe.model.get('_target_')}: its training step cannot run on fake tensors "
                               f"({type(e).__name__}: {first_line(e)}); the plan needs every operation of the step "
                               f"to have a meta kernel and no step to read a tensor's values on the host") from None
@@ -138,23 +149,28 @@ def _strategy(recipe, layout: Layout):
     return strategy
 
 
-def _run(recipe, layout: Layout, strategy, mode, batch: Any, device_type: str) -> Peak:
+def _model(recipe, layout: Layout, strategy, on_meta: bool) -> torch.nn.Module:
+    """The recipe's model as the run builds it (its blocks recomputing under +ac), wrapped by the strategy."""
+    from launcher.model import empty, recompute
+    from launcher.run import build
+
+    with empty.parameters_on_meta() if on_meta else contextlib.nullcontext():
+        model = build.component(recipe.model, "model")
+    setting = recipe.trainer.activation_checkpointing or ("auto" if layout.recompute else None)
+    if setting:
+        recompute.apply(model, recompute.chosen(model, setting))
+    return strategy.wrap(model)
+
+
+def _run(recipe, layout: Layout, strategy, model, mode, batch: Any, device_type: str) -> Peak:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils._pytree import tree_map_only
+    from torch.utils._pytree import tree_flatten, tree_map_only
 
-    from launcher.model import recompute
     from launcher.model.precision import Precision
     from launcher.model.step import result
     from launcher.run import build
 
-    model = build.component(recipe.model, "model")
-    setting = recipe.trainer.activation_checkpointing or ("auto" if layout.recompute else None)
-    if setting:
-        recompute.apply(model, recompute.chosen(model, setting))
-    model = strategy.wrap(model)
-    if layout.strategy == "fsdp":
-        strategy.after_forward(model)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer, _ = build.optimizer(recipe.optimizer, params)
     step = build.step(recipe.step, recipe.loss)
@@ -183,7 +199,7 @@ def _run(recipe, layout: Layout, strategy, mode, batch: Any, device_type: str) -
         tracker.track_inputs((batch,))
     else:
         tracker = MemTracker()
-        tracker.track_external(model, optimizer)
+        tracker.track_external(model, optimizer, *tree_flatten(batch)[0])  # the batch: a run's is made in the step
     with tracker:
         train_step()
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
