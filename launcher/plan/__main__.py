@@ -37,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per layout, one per line")
     parser.add_argument("--as-run", metavar="STRATEGY",
                         help="only the layout a run of this strategy on --devices ranks has (what a run prints)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         if args.devices < 1:
             raise UserError(f"--devices {args.devices}: give a number of devices of 1 or more")

@@ -79,6 +79,7 @@ class Peak:
     """The bytes one rank holds at its peak, by kind."""
 
     by_kind: Dict[str, int]
+    running: int = 0  # the peak while the model runs forward and backward (what grows with the micro-batch)
 
     @property
     def total(self) -> int:
@@ -90,7 +91,11 @@ class NotFake(UserError):
 
 
 def peak(recipe, layout: Layout, batch: Any, device_type: str) -> Peak:
-    """The peak of rank 0 under `layout`, `batch` being one micro-batch of that rank (on the host), on a
+    return peaks(recipe, layout, [batch], device_type)[0]
+
+
+def peaks(recipe, layout: Layout, batches: List[Any], device_type: str) -> List[Peak]:
+    """The peak of rank 0 under `layout` with each of `batches` (micro-batches of that rank, on the host), on a
     device of `device_type` (where the loop frees the gradients: after the step on CUDA, after the next
     forward on the CPU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -110,7 +115,7 @@ def peak(recipe, layout: Layout, batch: Any, device_type: str) -> Peak:
                     strategy.after_forward(model)
                 else:
                     model = _model(recipe, layout, strategy, on_meta=False)
-                return _run(recipe, layout, strategy, model, mode, batch, device_type)
+                return _run(recipe, layout, strategy, model, mode, batches, device_type)
         except UserError:
             raise
         except Exception as e:  # an operation with no fake (meta) kernel, or one that reads tensor values
@@ -162,10 +167,8 @@ def _model(recipe, layout: Layout, strategy, on_meta: bool) -> torch.nn.Module:
     return strategy.wrap(model)
 
 
-def _run(recipe, layout: Layout, strategy, model, mode, batch: Any, device_type: str) -> Peak:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils._pytree import tree_flatten, tree_map_only
+def _run(recipe, layout: Layout, strategy, model, mode, batches: List[Any], device_type: str) -> List[Peak]:
+    from torch.utils._pytree import tree_map_only
 
     from launcher.model.precision import Precision
     from launcher.model.step import result
@@ -175,54 +178,69 @@ def _run(recipe, layout: Layout, strategy, model, mode, batch: Any, device_type:
     optimizer, _ = build.optimizer(recipe.optimizer, params)
     step = build.step(recipe.step, recipe.loss)
     precision = Precision(recipe.precision, torch.device("cpu"))
-    batch = tree_map_only(torch.Tensor, mode.from_tensor, batch)
     free_after_step = device_type == "cuda"
     accum = min(recipe.trainer.grad_accum_steps, 2)
 
-    def train_step() -> None:  # the loop's order (launcher/run/loop.py), one or two micro-batches
+    def train_step(batch) -> None:  # the loop's order (launcher/run/loop.py), one or two micro-batches
         for micro in range(accum):
             with strategy.no_sync(model, skip=micro + 1 < accum), precision.autocast():
-                loss = result(step(model, batch)).loss
+                out = result(step(model, batch))  # held through backward, as the loop holds it for the metrics
             if micro == 0 and not free_after_step:
                 optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            del loss
+            out.loss.backward()
+            del out
         optimizer.step()
         if free_after_step:
             optimizer.zero_grad(set_to_none=True)
 
-    # The first step makes the optimizer's state (and, on fake tensors, caches of its own that a real run does
-    # not have); the second, tracked, holds that state through its forward and backward: the steady peak.
-    train_step()
-    if layout.strategy == "fsdp":
+    # A first step, untracked, makes the optimizer's state (and, on fake tensors, caches of its own that a run
+    # does not have); each step tracked after it holds that state through its forward and backward, as every
+    # step of a run after its first: the steady peak.
+    fakes = [tree_map_only(torch.Tensor, mode.from_tensor, batch) for batch in batches]
+    train_step(fakes[0])
+    found = []
+    for batch in fakes:
+        found.append(_tracked(lambda: train_step(batch), model, optimizer, batch, layout.strategy == "fsdp"))
+    if layout.strategy == "ddp":
+        found = [_with_buckets(p, params, recipe.ddp.gradient_as_bucket_view) for p in found]
+    return found
+
+
+def _tracked(run, model, optimizer, batch, sharded: bool) -> Peak:
+    """The peak of `run()` by kind, as torch's tracker counts it."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils._pytree import tree_flatten
+
+    if sharded:
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((batch,))
     else:
         tracker = MemTracker()
         tracker.track_external(model, optimizer, *tree_flatten(batch)[0])  # the batch: a run's is made in the step
     with tracker:
-        train_step()
+        run()
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    stats = tracker.memory_tracking.get(model)  # the peak while the model ran forward or backward
+    running = max(stats.local_peak.values(), default=0) if stats is not None else snapshot.get("Total", 0)
     by_kind = dict.fromkeys(KINDS, 0)
     for ref, size in snapshot.items():
         kind = _KIND_OF.get(getattr(ref, "name", str(ref)))
         if kind:
             by_kind[kind] += size
-    if layout.strategy == "ddp":
-        by_kind = _with_buckets(by_kind, params, recipe.ddp.gradient_as_bucket_view)
-    return Peak(by_kind)
+    return Peak(by_kind, running)
 
 
-def _with_buckets(by_kind: Dict[str, int], params: List[torch.Tensor], as_view: bool) -> Dict[str, int]:
+def _with_buckets(found: Peak, params: List[torch.Tensor], as_view: bool) -> Peak:
     """DDP's peak from one process's: its buckets hold a copy of every trainable parameter's gradient, or, as
     the gradients' own storage (gradient_as_bucket_view), keep them from being freed."""
     buckets = sum(q.numel() * q.element_size() for q in params)
-    out = dict(by_kind)
+    out = dict(found.by_kind)
     if as_view:
         out["gradients"] = buckets
     else:
         out["temporaries"] += buckets
-    return out
+    return Peak(out, found.running + sum(out.values()) - found.total)
 
 
 def micro_batches(items: List[Any], size: int) -> List[Any]:

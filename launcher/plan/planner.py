@@ -4,6 +4,7 @@ largest micro-batch that does, and the layout to use."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
@@ -11,7 +12,7 @@ import torch
 
 from launcher.errors import UserError
 from launcher.plan import layouts as ways
-from launcher.plan.fake import Layout, NotFake, Peak, micro_batches, peak
+from launcher.plan.fake import Layout, NotFake, Peak, micro_batches, peaks
 
 
 @dataclass
@@ -32,7 +33,9 @@ class Row:
 
 
 class Batches:
-    """Micro-batches of any size, made of this recipe's first training items as a run collates them."""
+    """Micro-batches of any size, made of this recipe's training items as a run collates them: the longest of its
+    first items (where items differ in length, padded to the longest in a batch, the peak is that of the batch
+    of the longest items: so is the plan's)."""
 
     def __init__(self, recipe):
         from launcher.run import build
@@ -41,17 +44,35 @@ class Batches:
         self.items: Optional[List[Any]] = None  # a stream's first items
 
     def of(self, size: int) -> Any:
-        if not self.train.is_stream:
+        if self.train.is_stream:
+            self.items = self.items or list(self.train.first_items())
+            return self.train.collate(micro_batches(_longest(self.items, len(self.items)), size))
+        fetched = self.train.first_items(max(size, LOOKED_AT))
+        if not isinstance(fetched, list):  # a batch fetched whole (a TensorDataset's): its items are alike
             return self.train.collate(self.train.first_items(size))
-        self.items = self.items or list(self.train.first_items())
-        return self.train.collate(micro_batches(self.items, size))
+        return self.train.collate(_longest(fetched, size))
+
+
+LOOKED_AT = 64  # items read for the longest
+
+
+def _longest(items: List[Any], size: int) -> List[Any]:
+    """The `size` items holding the most tensor elements (repeated where there are fewer), in their order."""
+    from torch.utils._pytree import tree_flatten
+
+    def elements(item: Any) -> int:
+        return sum(t.numel() for t in tree_flatten(item)[0] if isinstance(t, torch.Tensor))
+
+    ranked = sorted(range(len(items)), key=lambda i: -elements(items[i]))[:size]
+    return micro_batches([items[i] for i in sorted(ranked)], size)
 
 
 def plan(recipe, layouts: List[Layout], memory: Optional[int], device_type: str, largest: bool = True,
          batches: Optional[Batches] = None) -> List[Row]:
-    """A row per layout, in the order given."""
+    """A row per layout, in the order given. Layouts are planned side by side, in processes of their own, as
+    many at once as there are CPUs."""
     batches = batches or Batches(recipe)
-    rows = []
+    rows, jobs = [], []
     for layout in layouts:
         row = Row(layout)
         rows.append(row)
@@ -61,24 +82,51 @@ def plan(recipe, layouts: List[Layout], memory: Optional[int], device_type: str,
                            f"data-parallel ranks")
             continue
         row.micro_batch = recipe.data.batch_size // replicas
-        try:
-            row.peak = peak(recipe, layout, batches.of(row.micro_batch), device_type)
-            if memory is not None:
-                row.fits = row.peak.total <= memory
-                if largest:
-                    twice = peak(recipe, layout, batches.of(2 * row.micro_batch), device_type)
-                    row.largest = _largest(row.micro_batch, row.peak.total, twice.total, memory)
-        except NotFake:
-            raise
-        except UserError as e:  # a layout this recipe's model cannot take (no tensor-parallel plan, say)
-            row.problem = e.problems[0]
+        sizes = [row.micro_batch] + ([2 * row.micro_batch] if memory is not None and largest else [])
+        jobs.append((row, [batches.of(size) for size in sizes]))
+    for (row, _), (found, problem) in zip(jobs, _side_by_side(recipe, jobs, device_type)):
+        if isinstance(problem, NotFake):
+            raise problem
+        if problem is not None:  # a layout this recipe's model cannot take (no tensor-parallel plan, say)
+            row.problem = problem
+            continue
+        row.peak = found[0]
+        if memory is not None:
+            row.fits = row.peak.total <= memory
+            if len(found) > 1:
+                row.largest = _largest(row.micro_batch, found[0], found[1], memory)
     return rows
 
 
-def _largest(size: int, at_size: int, at_twice: int, memory: int) -> int:
-    """The largest micro-batch whose peak, growing linearly with it as the two measured sizes say, fits."""
-    per_item = (at_twice - at_size) / size
-    fixed = at_size - per_item * size
+def _side_by_side(recipe, jobs: list, device_type: str) -> list:
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers <= 1:
+        return [_planned(recipe, row.layout, sized, device_type) for row, sized in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_planned, [recipe] * len(jobs), [row.layout for row, _ in jobs],
+                             [sized for _, sized in jobs], [device_type] * len(jobs)))
+
+
+def _planned(recipe, layout: Layout, sized: list, device_type: str) -> tuple:
+    """(the peaks, None) or (None, why not): what a worker sends back."""
+    try:
+        return peaks(recipe, layout, sized, device_type), None
+    except NotFake as e:
+        return None, e
+    except UserError as e:
+        return None, e.problems[0]
+
+
+def _largest(size: int, at_size: Peak, at_twice: Peak, memory: int) -> int:
+    """The largest micro-batch that fits: the peak of forward and backward grows linearly with it (as the two
+    sizes planned say); the optimizer's step, where it peaks higher, does not."""
+    if at_size.total > at_size.running and at_size.total > memory:
+        return 0  # the optimizer's step alone does not fit
+    per_item = (at_twice.running - at_size.running) / size
+    fixed = at_size.running - per_item * size
     if fixed > memory:
         return 0
     if per_item <= 0:
