@@ -128,6 +128,6 @@ def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp
                      f"{100 * off:+6.1f}%")
         said = [line for line in result["said"].splitlines() if line.startswith("memory: ")]
         assert said and "planned" in said[-1], (name, result["said"][-2000:])
-        assert abs(off) <= 0.10, "\n".join(table)
     print("\n".join(table))
     assert len(table) == 15
+    assert all(abs(float(row.split()[-1].rstrip("%"))) <= 10 for row in table), "\n".join(table)

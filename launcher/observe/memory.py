@@ -56,14 +56,7 @@ class Measured(Window):
         return True
 
     def begin(self, done: int) -> None:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        if self.sharded:
-            self.tracker = FSDPMemTracker(self.model, self.optimizer)
-        else:
-            self.tracker = MemTracker()
-            self.tracker.track_external(self.model, self.optimizer)
+        self.tracker = tracker(self.model, self.optimizer, self.sharded)
         self.tracker.__enter__()
         self.on = True
 
@@ -76,7 +69,6 @@ class Measured(Window):
         self.on = False
         peak = next(iter(self.tracker.get_tracker_snapshot("peak").values()), {})
         self.bytes = int(peak.get("Total", 0)) + self.buckets
-        if os.environ.get("PLAN_DEBUG"): print("MEASURED", {str(k): v for k, v in peak.items()}, self.buckets)
         self.step_measured = done
         self.tracker = None
 
@@ -89,6 +81,32 @@ class Measured(Window):
         if self.device.type == "cuda":
             return "CUDA's allocator, the whole run"
         return f"torch's memory tracker, step {self.step_measured}" + (" and DDP's buckets" if self.buckets else "")
+
+
+def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool, *tensors: torch.Tensor):
+    """torch's memory tracker for a step of `model` (FSDP's own when sharded), counting what the step allocates:
+    not the memory of a view of a tensor made before (a dataset's item sliced out of its whole text, say), which
+    torch's tracker would count as new when the step first touches it."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    class NewOnly:
+        def _track(self, reftype, t: torch.Tensor) -> None:
+            # An op's new tensor spans its whole storage; one that does not, whose storage the tracker has not
+            # seen, is an alias of memory from before the window (dispatch shows views as plain tensors)
+            part = t.storage_offset() != 0 or t.numel() * t.element_size() < t.untyped_storage().nbytes()
+            if part and all(self._WINFO.get(st) is None for st in get_untyped_storages(t)):
+                return
+            super()._track(reftype, t)
+
+    if sharded:
+        found = type("FSDPStepTracker", (NewOnly, FSDPMemTracker), {})(model, optimizer)
+        found.track_inputs(tensors)
+    else:
+        found = type("StepTracker", (NewOnly, MemTracker), {})()
+        found.track_external(model, optimizer, *tensors)
+    return found
 
 
 def ddp_buckets(model: torch.nn.Module, as_view: bool) -> int:

@@ -107,7 +107,7 @@ def peaks(recipe, layout: Layout, batches: List[Any], device_type: str) -> List[
             # Sharded, the model is built on the meta device and wrapped outside fake mode (FSDP2 and tensor
             # parallel make device meshes of real rank numbers), then its shards are allocated as fake tensors.
             model = _model(recipe, layout, strategy, on_meta=True) if sharded else None
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode, _fused_attention():
                 if sharded:
                     from launcher.model import empty
 
@@ -122,6 +122,33 @@ def peaks(recipe, layout: Layout, batches: List[Any], device_type: str) -> List[
                 raise NotFake(f"model: {recipe.model.get('_target_')}: its training step cannot run on fake tensors "
                               f"({type(e).__name__}: {first_line(e)}); the plan needs every operation of the step "
                               f"to have a meta kernel and no step to read a tensor's values on the host") from None
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    """On fake tensors torch's scaled_dot_product_attention takes its math path, which keeps the attention
+    weights for backward; a run takes a fused kernel (flash, on CUDA and on the CPU), which keeps their
+    log-sum-exp alone. Inside, the fused CPU kernel's fake counterpart runs (where it takes the arguments)."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        try:
+            if enable_gqa and key.shape[-3] != query.shape[-3]:
+                groups = query.shape[-3] // key.shape[-3]
+                key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        except (RuntimeError, TypeError, ValueError):
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
@@ -208,16 +235,12 @@ def _run(recipe, layout: Layout, strategy, model, mode, batches: List[Any], devi
 
 def _tracked(run, model, optimizer, batch, sharded: bool) -> Peak:
     """The peak of `run()` by kind, as torch's tracker counts it."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils._pytree import tree_flatten
 
-    if sharded:
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((batch,))
-    else:
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer, *tree_flatten(batch)[0])  # the batch: a run's is made in the step
+    from launcher.observe import memory
+
+    # the batch counted: a run's is made in its step
+    tracker = memory.tracker(model, optimizer, sharded, *[t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)])
     with tracker:
         run()
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
@@ -232,14 +255,16 @@ def _tracked(run, model, optimizer, batch, sharded: bool) -> Peak:
 
 
 def _with_buckets(found: Peak, params: List[torch.Tensor], as_view: bool) -> Peak:
-    """DDP's peak from one process's: its buckets hold a copy of every trainable parameter's gradient, or, as
-    the gradients' own storage (gradient_as_bucket_view), keep them from being freed."""
+    """DDP's peak from one process's: its buckets hold a copy of every trainable parameter's gradient, and its
+    backward one more while the gradients are reduced (measured: torch's tracker sees a second copy in a real
+    run's backward, tests/test_plan.py); or, as the gradients' own storage (gradient_as_bucket_view), the
+    buckets keep them from being freed."""
     buckets = sum(q.numel() * q.element_size() for q in params)
     out = dict(found.by_kind)
     if as_view:
         out["gradients"] = buckets
     else:
-        out["temporaries"] += buckets
+        out["temporaries"] += 2 * buckets
     return Peak(out, found.running + sum(out.values()) - found.total)
 
 
