@@ -109,7 +109,7 @@ def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp
 
     def cases(layouts):
         return {f"{model} {layout}": [*MODELS[model], *LAYOUTS[layout], f"run_dir={tmp_path / model / layout}",
-                                      "trainer.max_steps=3", "trainer.log_every=3", "checkpoint.every=null",
+                                      "trainer.max_steps=3", "trainer.log_every=3", "checkpoint.every=null", "logging.memory_plan=wait",
                                       "logging.jsonl=true", "logging.tensorboard=false", "logging.progress_bar=false"]
                 for model in MODELS for layout in layouts if not (model == "gpt2" and layout == "tp x2")}
 

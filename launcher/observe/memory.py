@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -73,6 +75,8 @@ class Measured(Window):
         self.tracker = None
 
     def peak(self) -> Optional[int]:
+        if self.on:  # the last step is the one measured: its end is now (its logging is what asks)
+            self.end(self.last)
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return self.bytes
@@ -100,6 +104,21 @@ def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: b
                 return
             super()._track(reftype, t)
 
+        def _pre_fw_hook(self, module, inputs) -> None:
+            # the model's forward again in the window (accumulation's next micro-batch, an evaluation): torch's
+            # tracker wants its modules' own figures cleared first (the peak so far stays)
+            again = module in self.memory_tracking and not self._mod_tracker.is_bw
+            if again and set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # a frozen parameter (a LoRA model's base) gets no gradient, nor a hook (torch refuses one)
+            for q in module.parameters():
+                if not q.requires_grad and self._param_to_grad_hook_handles.get(q) is None:
+                    self._param_to_grad_hook_handles[q] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
     if sharded:
         found = type("FSDPStepTracker", (NewOnly, FSDPMemTracker), {})(model, optimizer)
         found.track_inputs(tensors)
@@ -107,6 +126,11 @@ def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: b
         found = type("StepTracker", (NewOnly, MemTracker), {})()
         found.track_external(model, optimizer, *tensors)
     return found
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
 
 
 def ddp_buckets(model: torch.nn.Module, as_view: bool) -> int:
@@ -118,12 +142,15 @@ def ddp_buckets(model: torch.nn.Module, as_view: bool) -> int:
 
 
 class Planned:
-    """`python -m launcher.plan --as-run` for this run's layout, in a process of its own beside training."""
+    """`python -m launcher.plan --as-run` for this run's layout, in a process of its own beside training (its
+    output in a temporary folder: the run folder holds only what the run writes)."""
 
-    def __init__(self, recipe_path: Path, overrides: List[str], strategy: str, world: int, device_type: str,
-                 run_dir: Path):
-        self.out = run_dir / "memory_plan.json"
-        self.err = run_dir / "memory_plan.err"
+    def __init__(self, recipe_path: Path, overrides: List[str], strategy: str, world: int, device_type: str):
+        self.folder = tempfile.TemporaryDirectory(prefix="launcher-plan-")
+        self.out = Path(self.folder.name) / "plan.json"
+        self.err = Path(self.folder.name) / "plan.err"
+        self.command = " ".join(["python -m launcher.plan", shlex.quote(str(recipe_path)), *map(shlex.quote, overrides),
+                                 f"--as-run {strategy} --devices {world}"])
         env = {k: v for k, v in os.environ.items() if k not in ENV_LEFT_OUT}
         command = [sys.executable, "-m", "launcher.plan", str(recipe_path), *overrides, "--as-run", strategy,
                    "--devices", str(world), "--device", device_type, "--json"]
@@ -147,6 +174,8 @@ class Planned:
         if code != 0:
             lines = [x for x in self.err.read_text(errors="replace").splitlines() if x.strip()]
             why = lines[-1].removeprefix("launcher: ") if lines else f"exit code {code}"
+            if code not in (0, 2):  # a bug: its traceback is the planner's to show
+                why = f"the planner failed ({why}; {self.command} shows it)"
             return None, f"memory: not planned: {why}"
         row = json.loads(self.out.read_text().splitlines()[0])
         if row["peak_bytes"] is None:
@@ -158,3 +187,4 @@ class Planned:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self.folder.cleanup()

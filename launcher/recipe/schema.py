@@ -225,12 +225,14 @@ class LoggingConfig:
     jsonl: bool = False  # <run_dir>/metrics.jsonl, one JSON object per log step; config.json, the recipe with what ran
     progress_bar: bool = True  # a tqdm bar when stderr is a terminal; otherwise one line per log interval
     peak_tflops: Optional[float] = None  # one device's peak, for MFU; default: a known GPU's dense bf16 peak
-    memory_plan: bool = True  # rank 0 plans its layout's peak memory beside training (python -m launcher.plan) and says it with the measured peak
+    memory_plan: Any = True  # true: rank 0 plans its layout's peak memory beside training (python -m launcher.plan), said with the measured peak if ready by the end; wait: waits for it; false: none
 
     def problems(self) -> List[tuple[str, str]]:
         out = []
         if self.peak_tflops is not None and not positive(self.peak_tflops):
             out.append(("logging.peak_tflops", f"must be a positive number of TFLOP/s or null, got {self.peak_tflops}"))
+        if self.memory_plan not in (True, False, "wait"):
+            out.append(("logging.memory_plan", f"must be true, false or wait, got {short(self.memory_plan)}"))
         if self.wandb is not None and self.wandb.mode not in WANDB_MODES:
             out.append(("logging.wandb.mode", f"got {short(self.wandb.mode)}; valid: {', '.join(WANDB_MODES)}"))
         return out

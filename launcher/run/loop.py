@@ -42,6 +42,7 @@ class Parts:
     watch: Watch = field(default_factory=lambda: Watch([]))  # the recipe's profiler and memory windows
     between_steps: bool = True  # False from a step's first batch until it is counted: no checkpoint then
     measured: Optional[Any] = None  # the peak memory of a step, measured (launcher/observe/memory.py)
+    closing: Callable[[], Dict[str, float]] = dict  # at the last step: values to log with it (the memory peaks)
 
 
 def total_steps(cfg: TrainerConfig, steps_per_epoch: int) -> int:
@@ -87,6 +88,8 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
             blocked = time.perf_counter() - began
             p.meter.exclude(blocked)
             values["checkpoint/blocked_s"] = blocked  # what the save cost the step: its staging alone when async
+        if step == total:
+            values.update(p.closing())
         if values:
             p.logger.scalars(values, step)  # one call per step logged: a tracker's step holds train and val
         p.watch.at(step)

@@ -176,7 +176,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                   save=lambda pos, final, wait: checkpoints.save(final, wait), stop=StopFlag(placement.world_size),
                   save_on_stop=recipe.checkpoint.on_signal, idle=lambda: checkpoints.finish_pending(wait=False),
                   watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
-    if strategy.name in PLANNED:
+    if strategy.name in PLANNED and recipe.logging.memory_plan:
         buckets = memory.ddp_buckets(model, recipe.ddp.gradient_as_bucket_view) if strategy.name == "ddp" else 0
         parts.measured = memory.Measured(wrapped, optimizer, device, strategy.sharded, buckets)
         parts.watch.windows.append(parts.measured)
@@ -206,7 +206,7 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
                 console.info(said)
         parts.stop.install()
         started = position.step
-        planned = _planning(loaded, parts, run_dir)
+        planned = _planning(loaded, parts)
         try:
             try:
                 results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
@@ -232,8 +232,6 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
             finally:
                 parts.stop.restore()
                 parts.watch.close(position.step)
-            if planned is not None:
-                _memory(parts, planned, position.step, logger, console)
         except (Stopped, TrainingDiverged, OutOfMemory, Hung, CheckpointsFailed):
             raise  # nothing is saved after a NaN, out of memory, a lost rank or saves failing; a signal saved already
         except Exception:  # a mistake met mid-run, a full disk, a bug in a component
@@ -253,42 +251,45 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
     return results
 
 
-def _planning(loaded: Loaded, parts: Parts, run_dir: Path) -> Optional[memory.Planned]:
+def _planning(loaded: Loaded, parts: Parts) -> Optional[memory.Planned]:
     """The planner for this run's layout, started beside training on rank 0; its figure is said at the first
-    log step after it is ready (and at the end, with the measured peak)."""
-    strategy = parts.strategy
-    if not (loaded.recipe.logging.memory_plan and strategy.placement.is_main and parts.measured is not None):
+    log step after it is ready, and at the last step beside the measured peak (where it is not ready by then,
+    the run does not wait for it unless logging.memory_plan is `wait`)."""
+    strategy, setting = parts.strategy, loaded.recipe.logging.memory_plan
+    if not (setting and strategy.placement.is_main and parts.measured is not None):
         return None
     planned = memory.Planned(loaded.path, loaded.overrides, strategy.name, strategy.placement.world_size,
-                             strategy.device.type, run_dir)
+                             strategy.device.type)
     idle = parts.idle
 
     def said_when_ready() -> None:
         idle()
         if not planned.said and planned.ready():
             planned.said = True
-            figure, line = planned.result(wait=False)
-            parts.console.info(line)
+            parts.console.info(planned.result(wait=False)[1])
 
     parts.idle = said_when_ready
+    parts.closing = lambda: _memory(parts, planned, wait=setting == "wait")
     return planned
 
 
-def _memory(parts: Parts, planned: memory.Planned, step: int, logger, console) -> None:
-    """The measured peak beside the planned one: a line, and both in the loggers at the last step."""
-    figure, line = planned.result(wait=True)
+def _memory(parts: Parts, planned: memory.Planned, wait: bool) -> Dict[str, float]:
+    """At the last step: the measured peak beside the planned one, said, and for the loggers."""
+    figure, line = planned.result(wait=wait or planned.ready())
     measured = parts.measured.peak()
-    if measured is None:
-        console.info(line)
-        return
-    values = {"memory/peak_bytes": float(measured)}
-    if figure is None:
-        console.info(f"{line}; measured {measured / 2**20:.1f} MiB per rank ({parts.measured.how()})")
-    else:
+    values = {} if measured is None else {"memory/peak_bytes": float(measured)}
+    how = f"{measured / 2**20:.1f} MiB per rank at the peak ({parts.measured.how()})" if measured is not None else ""
+    if figure is not None:
         values["memory/predicted_peak_bytes"] = float(figure)
-        console.info(f"memory: {measured / 2**20:.1f} MiB per rank at the peak ({parts.measured.how()}); planned "
-                     f"{figure / 2**20:.1f} MiB (python -m launcher.plan), {100 * (figure - measured) / measured:+.1f}%")
-    logger.scalars(values, step)
+    if figure is not None and measured:
+        parts.console.info(f"memory: {how}; planned {figure / 2**20:.1f} MiB (python -m launcher.plan), "
+                           f"{100 * (figure - measured) / measured:+.1f}%")
+    elif line is None:  # not planned yet
+        parts.console.info(f"memory: {how}; the plan was not ready at the end (logging.memory_plan=wait waits for "
+                           f"it; {planned.command} gives it)" if how else "")
+    else:
+        parts.console.info(line + (f"; measured {how}" if how else ""))
+    return values
 
 
 def _save_before_failing(checkpoints: Checkpoints, parts: Parts, started: int, run_dir: Path, console) -> None:
