@@ -104,6 +104,22 @@ def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: b
                 return
             super()._track(reftype, t)
 
+        running = 0  # the peak while a module runs forward or backward (the model's step, less the optimizer's)
+        backward: dict = {}  # the figures at the peak of backward
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # torch's own walks every module's figures at every operation (the time grows with the square of a
+            # model's depth): only the peak, and the peak inside the model, are kept
+            for dev, snap in self._curr_mem_snap.items():
+                total = snap["Total"]
+                if self._peak_mem.get(dev, 0) < total:
+                    self._peak_mem[dev] = total
+                    self._peak_mem_snap[dev] = dict(snap)
+                if total > self.running and len(self._mod_tracker.parents) > 1:
+                    self.running = total
+                if self._mod_tracker.is_bw and total > self.backward.get("Total", 0):
+                    self.backward = dict(snap)
+
         def _pre_fw_hook(self, module, inputs) -> None:
             # the model's forward again in the window (accumulation's next micro-batch, an evaluation): torch's
             # tracker wants its modules' own figures cleared first (the peak so far stays)
@@ -119,8 +135,24 @@ def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: b
                     self._param_to_grad_hook_handles[q] = (_NoHook(), _NoHook())
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+    class Sharded(NewOnly, FSDPMemTracker):
+        def __enter__(self):
+            # FSDP's tracker refuses its root's forward again as its own hook, which runs before the module
+            # trackers' hooks: this one, put first, clears the modules' figures before it
+            def again(module, args) -> None:
+                if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                    self.reset_mod_stats()
+
+            entered = super().__enter__()  # (which puts FSDP's hooks first again)
+            self.again = model.register_forward_pre_hook(again, prepend=True)
+            return entered
+
+        def __exit__(self, *args) -> None:
+            self.again.remove()
+            super().__exit__(*args)
+
     if sharded:
-        found = type("FSDPStepTracker", (NewOnly, FSDPMemTracker), {})(model, optimizer)
+        found = Sharded(model, optimizer)
         found.track_inputs(tensors)
     else:
         found = type("StepTracker", (NewOnly, MemTracker), {})()

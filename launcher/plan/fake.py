@@ -80,6 +80,7 @@ class Peak:
 
     by_kind: Dict[str, int]
     running: int = 0  # the peak while the model runs forward and backward (what grows with the micro-batch)
+    backward: Optional[Dict[str, int]] = None  # the bytes by kind at the peak of backward
 
     @property
     def total(self) -> int:
@@ -208,8 +209,10 @@ def _run(recipe, layout: Layout, strategy, model, mode, batches: List[Any], devi
     free_after_step = device_type == "cuda"
     accum = min(recipe.trainer.grad_accum_steps, 2)
 
-    def train_step(batch) -> None:  # the loop's order (launcher/run/loop.py), one or two micro-batches
+    def train_step(batch, tracker=None) -> None:  # the loop's order (launcher/run/loop.py), one or two micro-batches
         for micro in range(accum):
+            if tracker is not None:  # the backward that reduces the gradients is the last micro-batch's
+                tracker.backward = {}
             with strategy.no_sync(model, skip=micro + 1 < accum), precision.autocast():
                 out = result(step(model, batch))  # held through backward, as the loop holds it for the metrics
             if micro == 0 and not free_after_step:
@@ -227,7 +230,8 @@ def _run(recipe, layout: Layout, strategy, model, mode, batches: List[Any], devi
     train_step(fakes[0])
     found = []
     for batch in fakes:
-        found.append(_tracked(lambda: train_step(batch), model, optimizer, batch, layout.strategy == "fsdp"))
+        found.append(_tracked(lambda tracker: train_step(batch, tracker), model, optimizer, batch,
+                              layout.strategy == "fsdp"))
     if layout.strategy == "ddp":
         found = [_with_buckets(p, params, recipe.ddp.gradient_as_bucket_view) for p in found]
     return found
@@ -242,30 +246,35 @@ def _tracked(run, model, optimizer, batch, sharded: bool) -> Peak:
     # the batch counted: a run's is made in its step
     tracker = memory.tracker(model, optimizer, sharded, *[t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)])
     with tracker:
-        run()
+        run(tracker)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    stats = tracker.memory_tracking.get(model)  # the peak while the model ran forward or backward
-    running = max(stats.local_peak.values(), default=0) if stats is not None else snapshot.get("Total", 0)
+    running = tracker.running or snapshot.get("Total", 0)  # the peak while the model ran forward or backward
+    return Peak(_kinds(snapshot), running, _kinds(tracker.backward))
+
+
+def _kinds(snapshot: Dict[Any, int]) -> Dict[str, int]:
     by_kind = dict.fromkeys(KINDS, 0)
     for ref, size in snapshot.items():
         kind = _KIND_OF.get(getattr(ref, "name", str(ref)))
         if kind:
             by_kind[kind] += size
-    return Peak(by_kind, running)
+    return by_kind
 
 
 def _with_buckets(found: Peak, params: List[torch.Tensor], as_view: bool) -> Peak:
-    """DDP's peak from one process's: its buckets hold a copy of every trainable parameter's gradient, and its
-    backward one more while the gradients are reduced (measured: torch's tracker sees a second copy in a real
-    run's backward, tests/test_plan.py); or, as the gradients' own storage (gradient_as_bucket_view), the
-    buckets keep them from being freed."""
+    """DDP's peak from one process's. Its buckets hold a copy of every trainable parameter's gradient for good,
+    and its backward one more while it reduces them (torch's tracker sees it in a real run: tests/test_plan.py);
+    with gradient_as_bucket_view the buckets are the gradients' own storage, which then is never freed."""
     buckets = sum(q.numel() * q.element_size() for q in params)
-    out = dict(found.by_kind)
     if as_view:
-        out["gradients"] = buckets
-    else:
-        out["temporaries"] += 2 * buckets
-    return Peak(out, found.running + sum(out.values()) - found.total)
+        out = dict(found.by_kind, gradients=buckets)
+        return Peak(out, found.running + sum(out.values()) - found.total)
+    steady = dict(found.by_kind)
+    steady["temporaries"] += buckets
+    backward = dict(found.backward or found.by_kind)
+    backward["temporaries"] += 2 * buckets
+    out = max(steady, backward, key=lambda kinds: sum(kinds.values()))
+    return Peak(out, max(found.running + buckets, sum(backward.values())))
 
 
 def micro_batches(items: List[Any], size: int) -> List[Any]:
