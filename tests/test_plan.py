@@ -13,7 +13,7 @@ QUICK = ["recipes/quickstart.yaml"]
 
 
 def plan(*args, check=True):
-    done = subprocess.run([sys.executable, "-m", "launcher.plan", *args], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "launcher.plan", "--jobs", "1", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
@@ -131,3 +131,13 @@ def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp
     print("\n".join(table))
     assert len(table) == 15
     assert all(abs(float(row.split()[-1].rstrip("%"))) <= 10 for row in table), "\n".join(table)
+
+
+def test_slurm_renders_the_job_of_the_layout_to_use():
+    done = plan(*QUICK, "--devices", "4", "--gpus-per-node", "2", "--memory", "400KiB", "--device", "cpu", "--slurm")
+    assert "#SBATCH --nodes=2" in done.stdout and "#SBATCH --gpus-per-node=2" in done.stdout
+    assert "--nproc_per_node=2" in done.stdout
+    assert "recipes/quickstart.yaml strategy=fsdp parallel.dp_replicate=2 " in done.stdout  # hsdp 2x2: one shard group a node
+    assert "hsdp 2x2 fits in 400KiB per device" in done.stderr
+    refused = plan(*QUICK, "--devices", "4", "--memory", "1KB", "--slurm", check=False)
+    assert refused.returncode == 2 and "--slurm: no layout fits in 1KB per device on 4 devices" in refused.stderr

@@ -35,10 +35,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="the device type trained on (when the loop frees gradients; default cuda)")
     parser.add_argument("--json", action="store_true", help="one JSON object per layout, one per line")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="devices of one node: tensor parallel and a "
+                                                                  "hsdp shard group stay within one (default 8)")
+    parser.add_argument("--slurm", action="store_true", help="print the sbatch job of the layout to use (python -m "
+                                                               "launcher.slurm render), on --devices over nodes")
+    parser.add_argument("--jobs", type=int, help="layouts planned at once, each in a process of its own (default: "
+                                                 "the CPUs; 1 plans them one after another in this process)")
     parser.add_argument("--as-run", metavar="STRATEGY",
                         help="only the layout a run of this strategy on --devices ranks has (what a run prints)")
     args = parser.parse_intermixed_args(argv)
     try:
+        if args.gpus_per_node < 1 or (args.slurm and args.devices % min(args.gpus_per_node, args.devices)):
+            raise UserError(f"--gpus-per-node {args.gpus_per_node}: give a number of 1 or more that divides "
+                            f"--devices {args.devices}")
+        if args.slurm and args.memory is None:
+            raise UserError("--slurm renders the job of the layout that fits: give --memory too")
         if args.devices < 1:
             raise UserError(f"--devices {args.devices}: give a number of devices of 1 or more")
         memory = _bytes(args.memory) if args.memory else None
@@ -54,17 +65,21 @@ def main(argv: Optional[List[str]] = None) -> int:
             found = [Layout(args.as_run, args.devices, p.tp, p.dp_replicate) if args.as_run == "fsdp"
                      else Layout(args.as_run, args.devices)]
         else:
-            found = layouts.candidates(args.devices)
-        rows = planner.plan(recipe, found, memory, args.device, largest=not args.as_run)
+            found = layouts.candidates(args.devices, min(args.gpus_per_node, args.devices))
+        if args.jobs is not None and args.jobs < 1:
+            raise UserError(f"--jobs {args.jobs}: give 1 or more")
+        rows = planner.plan(recipe, found, memory, args.device, largest=not args.as_run, jobs=args.jobs)
     except UserError as e:
         mistake(e)
         return EXIT_USER
+    best = planner.chosen(rows)
+    if args.slurm:
+        return _slurm(args, best)
     if args.json:
         for row in rows:
             print(json.dumps(row.as_json()))
         return 0
     print(table(rows, memory))
-    best = planner.chosen(rows)
     if memory is not None:
         if best is None:
             print(f"none fits in {_size(memory)} per device: lower data.batch_size, or plan for more devices")
@@ -73,6 +88,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"use: {best.layout.name} (the least communication that fits)")
             print(f"  python -m launcher {args.recipe} {' '.join(args.overrides + [line])}".rstrip())
     return 0
+
+
+def _slurm(args, best) -> int:
+    """The layout to use as an sbatch job: python -m launcher.slurm render with its keys (the processes per node
+    are Slurm's --gpus-per-node)."""
+    import subprocess
+
+    if best is None:
+        mistake(UserError(f"--slurm: no layout fits in {args.memory} per device on {args.devices} devices; plan "
+                          f"without --slurm to see each one's peak"))
+        return EXIT_USER
+    per_node = min(args.gpus_per_node, args.devices)
+    keys = [k for k in best.layout.overrides() if not k.startswith("nproc_per_node=")]
+    print(f"# python -m launcher.plan: {best.layout.name} fits in {args.memory} per device", file=sys.stderr)
+    return subprocess.run([sys.executable, "-m", "launcher.slurm", "render", args.recipe, "--nodes",
+                           str(args.devices // per_node), "--gpus-per-node", str(per_node), *args.overrides,
+                           *keys]).returncode
 
 
 def table(rows, memory: Optional[int]) -> str:

@@ -68,11 +68,11 @@ def _longest(items: List[Any], size: int) -> List[Any]:
 
 
 def plan(recipe, layouts: List[Layout], memory: Optional[int], device_type: str, largest: bool = True,
-         batches: Optional[Batches] = None) -> List[Row]:
-    """A row per layout, in the order given. Layouts are planned side by side, in processes of their own, as
-    many at once as there are CPUs."""
+         batches: Optional[Batches] = None, jobs: Optional[int] = None) -> List[Row]:
+    """A row per layout, in the order given. Layouts are planned side by side, in processes of their own, `jobs`
+    at once (default: as many as there are CPUs; 1: one after another, in this process)."""
     batches = batches or Batches(recipe)
-    rows, jobs = [], []
+    rows, work = [], []
     for layout in layouts:
         row = Row(layout)
         rows.append(row)
@@ -83,8 +83,8 @@ def plan(recipe, layouts: List[Layout], memory: Optional[int], device_type: str,
             continue
         row.micro_batch = recipe.data.batch_size // replicas
         sizes = [row.micro_batch] + ([2 * row.micro_batch] if memory is not None and largest else [])
-        jobs.append((row, [batches.of(size) for size in sizes]))
-    for (row, _), (found, problem) in zip(jobs, _side_by_side(recipe, jobs, device_type)):
+        work.append((row, [batches.of(size) for size in sizes]))
+    for (row, _), (found, problem) in zip(work, _side_by_side(recipe, work, device_type, jobs)):
         if isinstance(problem, NotFake):
             raise problem
         if problem is not None:  # a layout this recipe's model cannot take (no tensor-parallel plan, say)
@@ -98,8 +98,8 @@ def plan(recipe, layouts: List[Layout], memory: Optional[int], device_type: str,
     return rows
 
 
-def _side_by_side(recipe, jobs: list, device_type: str) -> list:
-    workers = min(len(jobs), os.cpu_count() or 1)
+def _side_by_side(recipe, jobs: list, device_type: str, workers: Optional[int]) -> list:
+    workers = min(len(jobs), workers or os.cpu_count() or 1)
     if workers <= 1:
         return [_planned(recipe, row.layout, sized, device_type) for row, sized in jobs]
     import multiprocessing
