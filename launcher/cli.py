@@ -34,6 +34,7 @@ EPILOG = """commands (each takes --help):
   python -m launcher RECIPE [key=value ...]         train (torchrun, accelerate launch and srun start this too)
   python -m launcher.slurm submit|render RECIPE ... an sbatch job of the recipe, requeued after preemption
   python -m launcher.export CHECKPOINT OUT          a checkpoint (any strategy) as one plain model file
+  python -m launcher.plan RECIPE --devices N ...    peak memory per rank under each layout, and the one to use
   python -m launcher.bench                          the launcher against a hand-written loop (CPU)
   python -m launcher.bench.gpu                      the same on a GPU: a 126M GPT, eager and compiled
 
