@@ -141,3 +141,16 @@ def test_slurm_renders_the_job_of_the_layout_to_use():
     assert "hsdp 2x2 fits in 400KiB per device" in done.stderr
     refused = plan(*QUICK, "--devices", "4", "--memory", "1KB", "--slurm", check=False)
     assert refused.returncode == 2 and "--slurm: no layout fits in 1KB per device on 4 devices" in refused.stderr
+
+
+def test_a_sweep_leaves_out_the_runs_that_will_not_fit_before_starting_any(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "launcher.sweep", *QUICK, "data.batch_size=64,65536", "data.train.n=70000",
+                           f"run_dir={tmp_path}", "--memory", "20MB", "--dry-run"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert ("sweep: left out batch_size=65536 (data.batch_size=65536): planned 0.14 GiB per rank under single, more "
+            "than --memory 20MB") in done.stderr
+    assert "sweep: 1 runs" in done.stdout and "data.batch_size=64 " in done.stdout
+    none = subprocess.run([sys.executable, "-m", "launcher.sweep", *QUICK, "data.batch_size=64,128", "--memory", "1KB",
+                           "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert none.returncode == 2 and "--memory 1KB: none of the 2 runs fits on 1 device(s)" in none.stderr

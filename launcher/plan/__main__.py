@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import List, Optional
 
@@ -52,12 +51,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError("--slurm renders the job of the layout that fits: give --memory too")
         if args.devices < 1:
             raise UserError(f"--devices {args.devices}: give a number of devices of 1 or more")
-        memory = _bytes(args.memory) if args.memory else None
-        from launcher.recipe import load
-
-        loaded = load(args.recipe, args.overrides)
         from launcher.plan import layouts, planner
         from launcher.plan.fake import Layout
+        from launcher.recipe import load
+
+        memory = planner.size(args.memory, "--memory") if args.memory else None
+        loaded = load(args.recipe, args.overrides)
 
         recipe = loaded.recipe
         if args.as_run:
@@ -134,15 +133,6 @@ def _size(n: int) -> str:
     if n >= GIB:
         return f"{n / GIB:.2f} GiB"
     return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n / 2**10:.1f} KiB"
-
-
-def _bytes(size: str) -> int:
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-             "GIB": 2**30, "TIB": 2**40}
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size.upper())
-    if not match or float(match.group(1)) <= 0:
-        raise UserError(f"--memory {size}: give one device's memory, such as 80GB, 24GiB or 1000000000 (bytes)")
-    return int(float(match.group(1)) * units[match.group(2) or ""])
 
 
 if __name__ == "__main__":

@@ -138,3 +138,26 @@ def chosen(rows: List[Row]) -> Optional[Row]:
     """The layout to use: of those that fit, the one with the least communication."""
     fitting = [r for r in rows if r.fits]
     return min(fitting, key=lambda r: ways.preference(r.layout)) if fitting else None
+
+
+def size(text: str, key: str) -> int:
+    """Bytes from a size as people write it: 80GB, 24GiB, 500MB, or a number of bytes."""
+    import re
+
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", text.upper())
+    if not match or float(match.group(1)) <= 0:
+        raise UserError(f"{key} {text}: give one device's memory, such as 80GB, 24GiB or 1000000000 (bytes)")
+    return int(float(match.group(1)) * units[match.group(2) or ""])
+
+
+def own_layout(recipe, devices: int) -> Optional[Layout]:
+    """The layout a run of this recipe has on `devices` devices, or None for one the planner does not plan
+    (dp, accelerate)."""
+    strategy = recipe.strategy if recipe.strategy != "auto" else "single" if devices == 1 else "ddp"
+    if strategy == "fsdp":
+        return Layout("fsdp", devices, recipe.parallel.tp, recipe.parallel.dp_replicate)
+    if strategy in ("single", "ddp"):
+        return Layout(strategy, devices if strategy == "ddp" else 1)
+    return None

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-runs", type=int, default=100, help="more combinations than this need --yes (default 100)")
     parser.add_argument("--yes", action="store_true", help="start more than --max-runs runs")
     parser.add_argument("--slurm", action="store_true", help="submit one Slurm job array instead of running here")
+    parser.add_argument("--memory", help="one device's memory (80GB): runs whose planned peak per rank exceeds it "
+                                         "are left out before anything starts (python -m launcher.plan)")
+    parser.add_argument("--devices", type=int, help="with --memory: the devices of one run (default --gpus-per-run)")
     parser.add_argument("--max-parallel", type=int, help="with --slurm: array tasks running at once (sbatch's %%K)")
     return parser
 
@@ -70,6 +73,10 @@ def _sweep(argv: List[str]) -> int:
         raise UserError("--max-parallel: array tasks at once, 1 or more, with --slurm" if args.slurm else
                         "--max-parallel: with --slurm (a job array's tasks at once); on this machine, --parallel N")
     sweep = plan(args.recipe, overrides, args.max_runs, args.yes)
+    if args.memory:
+        from launcher.sweep.fits import fitting
+
+        sweep = fitting(sweep, args.memory, args.devices or args.gpus_per_run, say)
     if args.dry_run:
         _print_runs(sweep)
         if args.slurm:  # and the array's script, as python -m launcher.slurm render prints a job's
