@@ -408,7 +408,15 @@ def test_every_hf_recipe_commands_flags_and_recipe_load():
 
 
 def runnable() -> List[Block]:
-    return [b for b in shell_blocks() if b.marker is None or b.marker[0] == "run with"]
+    """The blocks test_a_pages_commands_run runs: unmarked or shortened; a block the same as an earlier one (the
+    quickstart's command, on three pages) once."""
+    seen, out = set(), []
+    for b in shell_blocks():
+        what = (b.marker, tuple(c.shell() for c in commands(b.body)))
+        if (b.marker is None or b.marker[0] == "run with") and what not in seen:
+            seen.add(what)
+            out.append(b)
+    return out
 
 
 @pytest.mark.slow
