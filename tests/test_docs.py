@@ -386,25 +386,20 @@ def all_commands() -> List[tuple]:
             *((argv, False, True) for _, argv in inline_commands())]
 
 
-def needs_hf(argv: List[str]) -> bool:
-    """The command names a recipe whose components import transformers or peft: seconds of imports."""
-    recipes = [REPO / a for a in argv if a.startswith("recipes/") and a.endswith(".yaml")]
-    return any(re.search(r"_target_: (transformers|peft)\.", r.read_text()) for r in recipes if r.exists())
-
-
-def test_every_commands_flags_are_the_commands_own_and_its_recipe_loads():
-    """In blocks and in backticks: a flag the command lacks, a recipe key that does not exist, a value of the
-    wrong type, an extra pyproject.toml lacks: each fails here, on the CPU, run or not. The HF recipes' commands
-    take seconds of imports: the slow tier checks them (below)."""
-    for argv, whole, loads in all_commands():
-        if not needs_hf(argv):
-            check(argv, whole, loads)
+def test_every_commands_flags_are_the_commands_own():
+    """In blocks and in backticks, run or not: a flag the command lacks (torchrun's and accelerate's too), an
+    extra pyproject.toml lacks, a pip install outside the lock, each fails here. Whether its recipe and
+    overrides load takes a second a recipe: the slow tier checks that (below)."""
+    for argv, whole, _ in all_commands():
+        check(argv, whole, loads=False)
 
 
 @pytest.mark.slow
-def test_every_hf_recipe_commands_flags_and_recipe_load():
-    checked = [check(argv, whole) for argv, whole, _ in all_commands() if needs_hf(argv)]
-    assert len(checked) >= 5  # the fine-tuning, LoRA, SFT and pretraining commands
+def test_every_commands_recipe_and_overrides_load():
+    """A recipe key that does not exist, a value of the wrong type, a `_target_` argument the component does not
+    take: each fails here, for every command that names a recipe, run or not (the sweeps' every combination)."""
+    loaded = [check(argv, whole) for argv, whole, loads in all_commands() if loads]
+    assert len(loaded) > 20
 
 
 def runnable() -> List[Block]:
@@ -412,7 +407,7 @@ def runnable() -> List[Block]:
     quickstart's command, on three pages) once."""
     seen, out = set(), []
     for b in shell_blocks():
-        what = (b.marker, tuple(c.shell() for c in commands(b.body)))
+        what = (b.marker, tuple(c.shell() for c in commands(b.body) if c.argv[:4] != ["python", "-m", "pip", "install"]))
         if (b.marker is None or b.marker[0] == "run with") and what not in seen:
             seen.add(what)
             out.append(b)
@@ -475,8 +470,8 @@ def test_every_recipe_key_has_a_line_of_reference_and_every_line_is_a_key():
 
 
 def test_a_recipe_key_named_in_a_page_is_one_the_schema_has():
-    """`trainer.max_steps`, `data.train.packing=true`: the section's key must exist; below a component (a
-    `_target_`'s arguments) anything goes."""
+    """`trainer.max_steps`, `data.train.packing=true`, and each override of each command: the section's key must
+    exist; below a component (a `_target_`'s arguments) anything goes."""
     from launcher.recipe import schema
 
     def exists(path: List[str]) -> bool:
@@ -497,12 +492,14 @@ def test_a_recipe_key_named_in_a_page_is_one_the_schema_has():
     sections = {f.name for f in dataclasses.fields(schema.Recipe)
                 if dataclasses.is_dataclass(typing.get_type_hints(schema.Recipe, vars(schema))[f.name])
                 or "Optional[launcher" in str(typing.get_type_hints(schema.Recipe, vars(schema))[f.name])}
-    wrong = []
-    for page in PAGES:
-        for span in re.findall(r"`([a-z_]+(?:\.[a-z_0-9]+)+)(?:[=:][^`]*)?`", text(page)):
-            path = span.split(".")
-            if path[0] in sections and not exists(path):
-                wrong.append(f"{page}: {span}")
+    named = [(page, span) for page in PAGES
+             for span in re.findall(r"`([a-z_]+(?:\.[a-z_0-9]+)+)(?:[=:][^`]*)?`", text(page))]
+    named += [(" ".join(argv), arg.split("=", 1)[0]) for argv, _, _ in all_commands() for arg in argv
+              if re.match(r"[a-z_]+(\.[a-z_0-9]+)*=", arg)]  # the commands' key=value overrides
+    wrong = [f"{where}: {key}" for where, key in named if key.split(".")[0] in sections and not exists(key.split("."))]
+    top = {f.name for f in dataclasses.fields(schema.Recipe)}
+    wrong += [f"{where}: {key}" for where, key in named if "." not in key and key not in top
+              and re.fullmatch(r"[a-z_]+", key) and (where.startswith("python -m launcher ") or " -m launcher " in where)]
     assert not wrong, f"keys no recipe has: {wrong}"
 
 
