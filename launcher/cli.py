@@ -33,13 +33,15 @@ class _Parser(argparse.ArgumentParser):
 EPILOG = """commands (each takes --help):
   python -m launcher RECIPE [key=value ...]         train (torchrun, accelerate launch and srun start this too)
   python -m launcher.slurm submit|render RECIPE ... an sbatch job of the recipe, requeued after preemption
+  python -m launcher.sweep RECIPE key=a,b ...       one run per combination, here or as a Slurm job array
   python -m launcher.export CHECKPOINT OUT          a checkpoint (any strategy) as one plain model file
   python -m launcher.plan RECIPE --devices N ...    peak memory per rank under each layout, and the one to use
   python -m launcher.bench                          the launcher against a hand-written loop (CPU)
   python -m launcher.bench.gpu                      the same on a GPU: a 126M GPT, eager and compiled
 
-Every recipe key with its type, default and meaning: docs/recipe.md (README.md, section Recipes, shows
-them as one recipe).
+Docs (docs/ in the source tree): launching it (one process, torchrun, accelerate launch): docs/launching.md;
+every recipe key with its type, default and meaning: docs/recipe.md; exit codes and every kind of
+one-line mistake: docs/troubleshooting.md.
 Exit codes: 0 done, 1 a bug (traceback), 2 a mistake (one line), 3 NaN loss, 4 requeue refused,
 5 out of memory, 6 a collective timed out, 7 saves kept failing, 128+N stopped by signal N (checkpoint saved)."""
 

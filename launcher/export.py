@@ -19,6 +19,8 @@ the adapter config the run keeps in <run_dir>/adapter_config.json.
 
 --format peft writes a LoRA run's adapters alone as a folder PeftModel.from_pretrained loads
 (adapter_config.json, adapter_model.safetensors).
+
+Docs: docs/checkpoints.md#exporting-a-checkpoint (in the source tree).
 """
 
 from __future__ import annotations

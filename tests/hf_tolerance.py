@@ -1,5 +1,5 @@
 """How far apart a model's weights end under two processes and under one, per parameter: the measurement
-behind the README's tolerance claims (tests/test_hf_tolerance.py tests them).
+behind docs/launching.md's tolerance claims (tests/test_hf_tolerance.py tests them).
 
     python -m tests.hf_tolerance bert,gpt2,t5,vit sgd,adamw,adamw-eps1e-5 --steps 30
     python -m tests.hf_tolerance t5 sgd,adamw --steps 30 model.feed_forward_proj=gated-gelu

@@ -1,5 +1,5 @@
 """Small HuggingFace models built from their configs in Python, and an image dataset for ViT: the models
-the tolerance claims of the README are measured and tested on (tests/test_hf_tolerance.py). Built here,
+the tolerance claims of docs/launching.md are measured and tested on (tests/test_hf_tolerance.py). Built here,
 not in YAML, so that these tests do not depend on which config keys a recipe may name."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The benchmark runs every configuration and prints its table (the figures themselves are for the
-README, not asserted: machines here are shared and noisy)."""
+"""The benchmark runs every configuration and prints its table (the figures themselves are for
+docs/performance.md, not asserted: machines here are shared and noisy)."""
 
 import importlib.util
 import re

@@ -135,7 +135,7 @@ def test_a_loss_on_dict_batches_says_what_to_change(tmp_path):
 
 
 def test_the_readmes_own_step_trains_the_hf_recipe(tmp_path):
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "your-model.md").read_text()  # the page's own step and its recipe lines
     code = readme.split("```python\n# my/steps.py\n", 1)[1].split("```", 1)[0]
     recipe = readme.split("```yaml\nstep: {_target_: my.steps.masked_lm", 1)[1].split("```", 1)[0]
     (tmp_path / "my").mkdir()

@@ -1,4 +1,4 @@
-"""The README's claim of how close two processes end to one, tested as stated on real HF models built
+"""docs/launching.md's claim of how close two processes end to one, tested as stated on real HF models built
 from their configs (tests/hf_zoo.py): with SGD every model is within rtol 1e-5, atol 1e-6; with AdamW
 a model whose every parameter has a gradient (T5) is too, and so are models with an attention key bias
 (BERT, GPT-2, ViT) once eps is 1e-5. At AdamW's default eps those are not: `python -m tests.hf_tolerance`

@@ -1,4 +1,5 @@
-"""The README is the front door: its commands are the ones CI runs, and its snippets work."""
+"""The README is the front door: its commands are the ones CI runs, and its snippets work; so do the pages of
+docs/ it sends a reader to (tests/test_docs.py checks the rest of them)."""
 
 import dataclasses
 import importlib.util
@@ -17,6 +18,11 @@ from omegaconf import OmegaConf
 from tests.conftest import QUICKSTART, REPO, train
 
 README = (REPO / "README.md").read_text()
+
+
+def page(name: str) -> str:
+    """A page of docs/, e.g. page("fine-tuning.md")."""
+    return (REPO / "docs" / name).read_text()
 SETUP = 'python -m pip install -c constraints.txt -e'
 
 
@@ -29,16 +35,17 @@ def test_the_two_commands():
 
 
 def test_loading_snippet_runs(tmp_path):
+    """docs/checkpoints.md's snippet that loads model.pt into the plain model."""
     train(tmp_path / "runs" / "quickstart")
-    snippet = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    snippet = re.search(r"```python\n(.*?)```", page("checkpoints.md"), re.S).group(1)
     done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n{snippet}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
 
-def readme_recipe() -> str:
-    """The README's recipe block: the ```yaml block that starts with a comment naming recipes/quickstart.yaml."""
-    return re.search(r"```yaml\n(# recipes/quickstart\.yaml.*?)```", README, re.S).group(1)
+def quickstart_block(text: str) -> str:
+    """A page's recipe block: the ```yaml block that starts with a comment naming recipes/quickstart.yaml."""
+    return re.search(r"```yaml\n(# recipes/quickstart\.yaml.*?)```", text, re.S).group(1)
 
 
 def settings(text: str) -> list[str]:
@@ -72,27 +79,43 @@ def leaves(mapping: dict, prefix: str = "") -> dict:
     return out
 
 
+def resolved(path) -> dict:
+    from launcher.recipe import load
+
+    return leaves(OmegaConf.to_container(load(path).config))
+
+
+def test_the_readmes_recipe_is_the_shipped_quickstart_in_about_twenty_lines(tmp_path):
+    """The README's recipe leaves out the keys at their defaults: it resolves to exactly what the shipped recipe
+    resolves to."""
+    block = quickstart_block(README)
+    assert len(settings(block)) <= 22
+    (tmp_path / "readme.yaml").write_text(block)
+    assert resolved(tmp_path / "readme.yaml") == resolved(QUICKSTART)
+
+
 def test_the_recipe_block_is_the_shipped_quickstart_with_every_default(tmp_path):
-    """The rule: (1) the shipped recipe's own lines appear in the block, in order, as written (comments and
-    the spacing after a key aside); (2) the block, loaded as a recipe, resolves to exactly what the shipped
-    recipe resolves to, so each added line shows the schema's default; (3) it names every key of the schema."""
+    """docs/writing-recipes.md's every-key recipe. The rule: (1) the shipped recipe's own lines appear in the
+    block, in order, as written (comments and the spacing after a key aside); (2) the block, loaded as a recipe,
+    resolves to exactly what the shipped recipe resolves to, so each added line shows the schema's default; (3)
+    it names every key of the schema."""
     from launcher.recipe import Recipe, load
 
-    block = readme_recipe()
+    block = quickstart_block(page("writing-recipes.md"))
     shipped = settings(QUICKSTART.read_text())
     shown = settings(block)
     at = 0
     for line in shipped:
-        assert line in shown[at:], f"recipes/quickstart.yaml's line {line!r} is not in the README's block (in order)"
+        assert line in shown[at:], f"recipes/quickstart.yaml's line {line!r} is not in the block (in order)"
         at = shown.index(line, at) + 1
     (tmp_path / "readme.yaml").write_text(block)
     as_shown = leaves(OmegaConf.to_container(load(tmp_path / "readme.yaml").config))
     expected = leaves(OmegaConf.to_container(load(QUICKSTART).config))
-    differ = [f"{k}: README {as_shown.get(k)!r}, shipped or default {expected.get(k)!r}"
+    differ = [f"{k}: the page {as_shown.get(k)!r}, shipped or default {expected.get(k)!r}"
               for k in sorted(as_shown.keys() | expected.keys()) if as_shown.get(k, ...) != expected.get(k, ...)]
-    assert not differ, "the README's recipe block differs from recipes/quickstart.yaml: " + "; ".join(differ)
+    assert not differ, "the every-key recipe block differs from recipes/quickstart.yaml: " + "; ".join(differ)
     missing = [key for key in schema_keys(Recipe) if key not in dotted_keys(yaml.safe_load(block))]
-    assert not missing, f"the README's recipe block lacks {missing}"
+    assert not missing, f"docs/writing-recipes.md's recipe block lacks {missing}"
 
 
 def test_the_recipe_reference_is_current_and_says_what_each_key_does():
@@ -105,11 +128,6 @@ def test_the_recipe_reference_is_current_and_says_what_each_key_does():
     assert set(schema_keys(Recipe)) <= set(rows)
     assert not [key for key, (_, _, meaning) in rows.items() if len(meaning) < 8], "keys without a meaning"
     assert "docs/recipe.md" in README
-
-
-def section(title: str) -> str:
-    """The README's text under `## title`, up to the next section of that level."""
-    return re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", README, re.S | re.M).group(1)
 
 
 def commands(text: str) -> list[list[str]]:
@@ -126,14 +144,14 @@ def _option(argv: list[str], key: str, default: str | None = None) -> str | None
 
 @pytest.mark.slow
 def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
-    """A newcomer types the section's commands in order on a CPU: each does what its text says. Before, the
-    fsdp command resumed the finished single run and trained nothing, and the export folder was not the one
+    """A newcomer types docs/fine-tuning.md's commands in order on a CPU: each does what its text says. Before,
+    the fsdp command resumed the finished single run and trained nothing, and the export folder was not the one
     the recipe named. Run as written, in a folder standing for a fresh clone (the repo's recipes, no runs/)."""
     import safetensors
     import torch
     import transformers
 
-    text = section("Fine-tuning a pretrained model")
+    text = page("fine-tuning.md")
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}  # this checkout's launcher; a CPU
     trained: list[str] = []
@@ -181,7 +199,7 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
                 if key in trained_weights:
                     torch.testing.assert_close(value, trained_weights[key].to(value.dtype), rtol=0, atol=0)
         else:
-            pytest.fail(f"{shown}: a command of the section this test does not check; say here what it does")
+            pytest.fail(f"{shown}: a command of the page this test does not check; say here what it does")
     assert [a[:4] for a in walked[:4]] == [["python", "-m", "recipes.components.hf_folder", "runs/tiny-llama"],
                                             ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
                                             ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
@@ -190,13 +208,13 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
 
 
 def test_the_text_data_sections_lines_at_start_are_those_its_command_gives(tmp_path, monkeypatch):
-    """The section's commands are the tiny folder and recipes/hf_sft.yaml on it; the lines it shows are what
+    """docs/text-data.md's commands are the tiny folder and recipes/hf_sft.yaml on it; the lines it shows are what
     that recipe's data.train says, built in a folder standing for a fresh clone (only its tokenizer written)."""
     from launcher.data.text import cache as token_cache
     from launcher.recipe import instantiate, load
     from recipes.components.tiny_tokenizer import bpe
 
-    text = section("Text data: chat, prompt/completion and plain text")
+    text = page("text-data.md")
     assert commands(text) == [["python", "-m", "recipes.components.hf_folder", "runs/tiny-llama"],
                               ["python", "-m", "launcher", "recipes/hf_sft.yaml",
                                "model.config.pretrained_model_name_or_path=runs/tiny-llama"]]

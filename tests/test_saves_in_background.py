@@ -119,7 +119,7 @@ def test_a_store_gone_for_three_saves_stops_the_run_with_exit_7_and_the_sealed_o
 @pytest.mark.slow  # four processes, about 25 s
 def test_the_benchmarks_checkpoint_row():
     """`python -m launcher.bench --saves` at its smallest: one save a run besides the final one (the figures are
-    the README's, from the default sizes; here only that every side ran and said what it measured)."""
+    docs/performance.md's, from the default sizes; here only that every side ran and said what it measured)."""
     import re
     import subprocess
     import sys

@@ -58,6 +58,8 @@ and in the background (checkpoint.async_save), to a local folder and to an S3 AP
 for a 12.7M-parameter MLP with AdamW; only `--saves` runs it, alone.
 
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
+
+Docs: docs/performance.md (in the source tree).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ writes them, then fsync) against the same save through a plain file (fsync too).
 launcher reads every file once more to check its CRC-32 before torch.load; that pass against the load
 itself. Medians of --reps, alternating; the file system's page cache is warm, as it is for a resume
 right after a save, so the check's time is the CRC-32's, not the disk's.
+
+Docs: docs/performance.md#checksums (in the source tree).
 """
 
 from __future__ import annotations

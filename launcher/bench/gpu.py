@@ -42,6 +42,8 @@ row's tiny size, a smoke test). Each repetition runs three sides of --steps step
 
 Where one command may run only 10 minutes, `--no-compile` and `--compiled-only` split the GPU benchmark
 into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to pass 10 minutes).
+
+Docs: docs/performance.md#on-a-gpu (in the source tree).
 """
 
 from __future__ import annotations

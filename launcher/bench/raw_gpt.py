@@ -20,6 +20,8 @@ measure a loop that never overlaps host and device, which neither side runs.
 
 The BENCH line's `loss` is the mean training loss of the last read interval, as the launcher's
 last logged train/loss.
+
+Docs: docs/performance.md#on-a-gpu (in the source tree).
 """
 
 from __future__ import annotations

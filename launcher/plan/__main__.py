@@ -1,7 +1,7 @@
 """`python -m launcher.plan RECIPE [key=value ...] --devices N --memory 80GB [--json]`: the bytes one rank holds
 at the peak of the recipe's training step under each layout on N devices, which fit, the largest micro-batch
 that fits each, and the one to use. Nothing is allocated: the step runs on fake tensors (launcher/plan/fake.py).
-Docs: docs/recipe.md and README.md, section "Planning memory"."""
+Docs: docs/planning.md."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from launcher.recipe.schema import Recipe
 HEADER = """# Recipe reference
 
 Every key of a recipe: its type, its default, and what it does. Generated from `launcher/recipe/schema.py`
-by `python -m launcher.recipe.reference > docs/recipe.md`; `README.md` (section Recipes) shows them as one
-recipe. A component (`model`, `loss`, `optimizer`, `data.train`, ...) is a mapping with `_target_` (the
+by `python -m launcher.recipe.reference > docs/recipe.md`; [Writing recipes](writing-recipes.md#every-key-as-one-recipe)
+shows them as one recipe. A component (`model`, `loss`, `optimizer`, `data.train`, ...) is a mapping with `_target_` (the
 dotted path of a callable) and its keyword arguments.
 
 | key | type | default | meaning |

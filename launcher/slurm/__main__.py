@@ -67,7 +67,8 @@ def help_text(command: Optional[str] = None) -> str:
         shown = f" [default: {default}]" if default not in (None, []) else ""  # unset ones say theirs in words
         lines.append(f"  --{f.name.replace('_', '-'):16} {MEANING[f.name]}{shown}")
     lines += ["", "Example: python -m launcher.slurm submit recipes/quickstart.yaml --nodes 2 --gpus-per-node 4 \\",
-              "           --time 12:00:00 --setup 'source .venv/bin/activate' trainer.max_steps=20000"]
+              "           --time 12:00:00 --setup 'source .venv/bin/activate' trainer.max_steps=20000",
+              "", "Docs: docs/slurm-and-sweeps.md (in the source tree)."]
     return "\n".join(lines)
 
 

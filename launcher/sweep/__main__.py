@@ -6,7 +6,9 @@ python -m launcher.sweep report SWEEP_FOLDER [--best KEY [--max]] [--csv | --mar
 Every combination of the swept values is one run of the recipe, in its own folder under the recipe's run_dir
 (the sweep's folder, which sweep.json describes). Locally the runs go one after another (or --parallel N at
 once); with --slurm, one sbatch job array whose task i runs combination i. Started again, a sweep skips the
-runs that are done and resumes the others. At the end, or any time with `report`, one table of the runs."""
+runs that are done and resumes the others. At the end, or any time with `report`, one table of the runs.
+
+Docs: docs/slurm-and-sweeps.md#sweeps (in the source tree)."""
 
 from __future__ import annotations
 

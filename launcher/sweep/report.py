@@ -116,7 +116,7 @@ def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m launcher.sweep report",
         description="One line per run of a sweep: its swept values, status, step, final losses and val/ metrics, "
-                    "wall time.")
+                    "wall time. Docs: docs/slurm-and-sweeps.md#sweeps (in the source tree).")
     parser.add_argument("folder", type=Path, help="the sweep's folder (the one holding sweep.json)")
     parser.add_argument("--best", metavar="KEY", help="add a column with the lowest value of KEY (e.g. val/loss) "
                                                       "over each run's whole history, and mark the best run with *")

@@ -3,6 +3,8 @@ turns, some with a system message, as chat SFT data is laid out (a `messages` co
 Made by a seeded generator, so that the file is the same each time it is written:
 
     python -m recipes.components.chat_data recipes/data/chat.jsonl [--n 400]
+
+Docs: docs/text-data.md (in the source tree).
 """
 
 from __future__ import annotations

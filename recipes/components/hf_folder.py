@@ -3,6 +3,8 @@ downloaded): what recipes/hf_finetune.yaml and recipes/hf_sft.yaml read where a 
 would be. Its tokenizer is a small BPE with a ChatML chat template (tiny_tokenizer.py), trained here.
 
     python -m recipes.components.hf_folder runs/tiny-llama [--dtype bf16] [--shard-size 200KB] [--layers 2 --width 64]
+
+Docs: docs/fine-tuning.md (in the source tree).
 """
 
 from __future__ import annotations
