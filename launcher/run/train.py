@@ -176,7 +176,10 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                   save=lambda pos, final, wait: checkpoints.save(final, wait), stop=StopFlag(placement.world_size),
                   save_on_stop=recipe.checkpoint.on_signal, idle=lambda: checkpoints.finish_pending(wait=False),
                   watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
-    if strategy.name in PLANNED and recipe.logging.memory_plan:
+    # torch's tracker on the CPU sees the operations of eager code: a compiled step's kernels pass it by, so a
+    # compiled run on the CPU is not checked (on CUDA the allocator counts every kernel's memory)
+    compiled_on_cpu = recipe.trainer.compile and device.type != "cuda"
+    if strategy.name in PLANNED and recipe.logging.memory_plan and not compiled_on_cpu:
         buckets = memory.ddp_buckets(model, recipe.ddp.gradient_as_bucket_view) if strategy.name == "ddp" else 0
         parts.measured = memory.Measured(wrapped, optimizer, device, strategy.sharded, buckets)
         parts.watch.windows.append(parts.measured)
