@@ -4,8 +4,9 @@
     checkpoints/step_<N>/__<rank>_0.distcp   each rank's shards: model, optimizer, and rank 0's run state
     checkpoints/step_<N>/model.pt            the gathered model too, where checkpoint.consolidate asks
 
-In an object store (checkpoint.dir=s3://...) DCP writes and reads through fsspec (FsspecWriter; dcp_safe's
-reader), and the manifest rank 0 writes last seals the step, as for the full format.
+In an object store (checkpoint.dir=s3://...) DCP writes and reads through s3torchconnector's DCP storage
+(s3_connector.py), or fsspec's (FsspecWriter, FsspecReader: other URLs, or s3:// without s3torchconnector),
+and the manifest rank 0 writes last seals the step, as for the full format.
 
 The state saved is {"model": ..., "optimizer": ..., "run": RunState}, keyed by the plain model's
 parameter names, so DCP reshards it on load: any world size, any strategy, reads it. DCP is imported
@@ -22,7 +23,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint import adapters, dcp_io, files, layout, manifest, run_state, storage
+from launcher.checkpoint import adapters, dcp_io, files, layout, manifest, run_state, s3_connector, storage
 from launcher.errors import UserError
 
 NAME = "sharded"
@@ -119,10 +120,13 @@ def start(folder: Path, state: Dict[str, Any], group: Any):
 
 
 def _writer(folder: Path) -> Any:
-    """DCP's writer of a local folder (each file fsynced), or of an object store's prefix (fsspec's: an
-    object is stored whole once its upload completes; DCP's sync_files would sync the whole machine)."""
+    """DCP's writer of a local folder (each file fsynced), or of an object store's prefix (s3torchconnector's
+    or fsspec's: an object is stored whole once its upload completes; DCP's sync_files would sync the whole
+    machine)."""
     import torch.distributed.checkpoint as dcp
 
+    if storage.is_remote(folder) and s3_connector.carries(folder):
+        return dcp_io.recording(s3_connector.dcp_writer(folder))
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not in dcp's namespace (torch 2.13)
 
