@@ -81,15 +81,18 @@ def dcp_writer(remote: Any) -> Any:
 
 @functools.lru_cache(maxsize=1)
 def dcp_reader() -> type:
-    """s3torchconnector's DCP reader, made from a folder's Remote (each item fetched by a ranged GET of its
-    bytes, neighbours coalesced), on this module's client."""
+    """s3torchconnector's DCP reader, made from a folder's Remote, on this module's client: the items a load
+    asks for fetched by ranged GETs, adjacent ones in one, no byte between them (its default fills gaps of up
+    to 32 MB: a rank resharding a checkpoint would fetch other ranks' parts, the run state read at resume
+    fetched again with the model)."""
+    from s3torchconnector import S3ReaderConstructor
     from s3torchconnector.dcp import S3StorageReader
     from s3torchconnector.dcp.s3_file_system import S3FileSystem
 
     class Reader(S3StorageReader):
         def __init__(self, folder: Any):
             made = client(folder)
-            super().__init__(made.region, str(folder))
+            super().__init__(made.region, str(folder), reader_constructor=S3ReaderConstructor.dcp_optimized(max_gap_size=0))
             self.fs = S3FileSystem(made.region, s3_client=made, reader_constructor=self._reader_constructor)
 
     return Reader
