@@ -120,8 +120,9 @@ def test_a_store_gone_for_three_saves_stops_the_run_with_exit_7_and_the_sealed_o
 
 @pytest.mark.slow  # four processes, about 25 s
 def test_the_benchmarks_checkpoint_row():
-    """`python -m launcher.bench --saves` at its smallest: one save a run besides the final one (the figures are
-    the README's, from the default sizes; here only that every side ran and said what it measured)."""
+    """`python -m launcher.bench --saves` at its smallest: one save a run besides the final one, and the S3 clients
+    row (the figures are the README's, from the default sizes; here only that every side ran and said what it
+    measured)."""
     import re
     import subprocess
     import sys
@@ -135,4 +136,9 @@ def test_the_benchmarks_checkpoint_row():
     for store in ("local disk", r"S3 \(moto, loopback\)"):
         row = re.search(rf"^{store} +(\d+)ms +(\d+)ms +(\d\.\d{{3}})$", done.stdout, re.M)
         assert row and int(row.group(1)) > 0, done.stdout
+    if carried():  # the S3 clients row: each format through each client, and their ratios
+        for fmt in ("sharded", "full"):
+            for client in ("s3fs", "s3torchconnector"):
+                assert re.search(rf"^{fmt} / {client} +(\d+\.\d\ds *){{4}} *\d+ MiB$", done.stdout, re.M), done.stdout
+            assert re.search(rf"^{fmt} / s3fs over s3tc +(\d+\.\d\dx *){{5}}$", done.stdout, re.M), done.stdout
 
