@@ -148,6 +148,7 @@ def _made(settings: Tuple[Any, ...], remote: Any) -> Any:
     from s3torchconnector import S3ClientConfig
     from s3torchconnector._s3client import S3Client
 
+    _quiet_at_fork()
     endpoint, region, path_style, attempts = settings
     config = S3ClientConfig(force_path_style=path_style, **({"max_attempts": attempts} if attempts else {}))
     made = S3Client(region, endpoint=endpoint, s3client_config=config)
@@ -159,6 +160,25 @@ def _made(settings: Tuple[Any, ...], remote: Any) -> Any:
         if not (isinstance(cause, FileNotFoundError) and cause.strerror == "no such object"):
             raise cause from None
     return made
+
+
+@functools.lru_cache(maxsize=1)
+def _quiet_at_fork() -> None:
+    """At every fork of this process (a data loader's workers starting), s3torchconnector drops its clients and
+    waits up to 0.5 s for its threads; where an upload is running then (a background save), it prints a traceback
+    and a warning that the child may hang if it uses S3. The launcher's children never do: the wait stays, the
+    traceback and warning go (s3torchconnector 1.5.0's module global, looked up at each fork)."""
+    from s3torchconnector._s3client import _s3client as module
+
+    join = module.join_all_managed_threads
+
+    def joined(timeout: float) -> None:
+        try:
+            join(timeout)
+        except RuntimeError:  # "Failed to join managed threads": the upload goes on, in this process alone
+            pass
+
+    module.join_all_managed_threads = joined
 
 
 def as_os_error(e: BaseException, where: Optional[str] = None) -> OSError:
