@@ -29,10 +29,10 @@ REPLACED = "replaced"
 
 
 class RunFolder:
-    def __init__(self, path: Path, checkpoints: Optional[str] = None, s3_client: str = "auto"):
+    def __init__(self, path: Path, checkpoints: Optional[str] = None):
         self.path = Path(path)
         self.own = self.path / "checkpoints"
-        self.checkpoints = checkpoint.folder_of(self.path, checkpoints, s3_client)
+        self.checkpoints = checkpoint.folder_of(self.path, checkpoints)
         self._lock: Optional[int] = None
 
     def open(self, recipe_yaml: str, resume: str, init_from: Optional[str] = None) -> tuple:
@@ -138,7 +138,7 @@ def _reachable(named: dict) -> list:
     said = []
     for key, where in named.items():
         if where and storage.is_url(where):
-            note = storage.reachable(storage.location(where, storage.client_of(named["checkpoint.dir"])), key)
+            note = storage.reachable(storage.location(where), key)
             said += [note] if note and note not in said else []
     return said[:1]
 

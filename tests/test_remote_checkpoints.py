@@ -241,9 +241,9 @@ def test_a_local_checkpoint_dir_outside_the_run_folder(tmp_path, whole):
         train(tmp_path / "c", "checkpoint.resume=never", f"checkpoint.dir={elsewhere}")
 
 
-def test_either_client_reads_what_the_other_wrote_and_without_s3torchconnector_a_run_says_it_uses_s3fs(
+def test_either_client_reads_what_the_other_wrote_and_a_run_without_s3torchconnector_says_it_uses_s3fs(
         s3, tmp_path, monkeypatch, capsys, one_rank):
-    """s3torchconnector (the default where installed) and s3fs write the same objects: DCP's shards written by
+    """s3torchconnector (where installed) and s3fs (without it) write the same objects: DCP's shards written by
     one resume bitwise through the other, and full checkpoints too. Where s3torchconnector is missing, s3://
     goes through s3fs and the run says so once."""
     pytest.importorskip("s3torchconnector")
@@ -251,24 +251,27 @@ def test_either_client_reads_what_the_other_wrote_and_without_s3torchconnector_a
 
     fsdp = ["strategy=fsdp", "devices=cpu", "logging.memory_plan=false"]
     train(tmp_path / "whole", *fsdp, "trainer.max_steps=20")
-    for first, then in (("s3fs", "auto"), ("s3torchconnector", "s3fs")):
+    fallback = "s3:// checkpoints go through s3fs: s3torchconnector, the faster client, is not installed " \
+               "(pip install 'launcher[s3]' installs both)"
+    for first, then in (("s3fs", "s3torchconnector"), ("s3torchconnector", "s3fs")):
         url = f"s3://{BUCKET}/{first}-then-{then}"
-        train(tmp_path / first, *fsdp, "trainer.max_steps=10", "checkpoint.every=10", f"checkpoint.dir={url}",
-              f"checkpoint.s3_client={first}")
-        train(tmp_path / then, *fsdp, "trainer.max_steps=20", f"checkpoint.dir={url}", f"checkpoint.s3_client={then}")
-        assert f"resumed from {url}/step_10 (step 10" in capsys.readouterr().out
+        for run, client, steps in ((first, first, ["trainer.max_steps=10", "checkpoint.every=10"]),
+                                   (then, then, ["trainer.max_steps=20"])):
+            with monkeypatch.context() as where:
+                where.setattr(s3_connector, "installed", lambda: client == "s3torchconnector")
+                train(tmp_path / run, *fsdp, *steps, f"checkpoint.dir={url}")
+            out = capsys.readouterr().out
+            assert out.count(fallback) == (client == "s3fs"), out  # said once, where s3fs moves them
+        assert f"resumed from {url}/step_10 (step 10" in out
         assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / then / "model.pt")
-    url = f"s3://{BUCKET}/without"
-    with monkeypatch.context() as without:
-        without.setattr(s3_connector, "installed", lambda: False)
-        train(tmp_path / "without", "trainer.max_steps=10", "checkpoint.every=10", f"checkpoint.dir={url}")
-        out = capsys.readouterr().out
-        assert out.count("s3:// checkpoints go through s3fs: s3torchconnector, the faster client, is not installed "
-                         "(pip install 'launcher[s3]' installs both)") == 1, out
-        with pytest.raises(UserError, match=r"^checkpoint.s3_client: s3torchconnector is not installed; pip install"):
-            train(tmp_path / "asked", f"checkpoint.dir={url}", "checkpoint.s3_client=s3torchconnector")
-    train(tmp_path / "with", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
-    assert f"resumed from {url}/step_10 (step 10" in capsys.readouterr().out
+    url = f"s3://{BUCKET}/full"  # full checkpoints (model.pt, state.pt), each way
+    for steps, client in ((10, "s3fs"), (20, "s3torchconnector"), (30, "s3fs")):
+        with monkeypatch.context() as where:
+            where.setattr(s3_connector, "installed", lambda: client == "s3torchconnector")
+            train(tmp_path / f"full_{steps}", f"trainer.max_steps={steps}", "checkpoint.every=10", f"checkpoint.dir={url}")
+        assert steps == 10 or f"resumed from {url}/step_{steps - 10} " in capsys.readouterr().out
+    train(tmp_path / "straight", "trainer.max_steps=30")
+    assert_same_weights(tmp_path / "straight" / "model.pt", tmp_path / "full_30" / "model.pt")
 
 
 # What s3torchconnector 1.5.0 said in each case (moto's server, tests/flaky_store.py), and the line it becomes.

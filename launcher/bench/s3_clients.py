@@ -6,7 +6,7 @@ them). Each measurement is a fresh process (`python -m launcher.bench.s3_clients
 the clients alternating; a ratio is s3fs's time over s3torchconnector's in runs made next to each other.
 
 A process builds the checkpoint row's MLP (32-WIDTH x4-10) and AdamW's state after one step, then through the
-checkpoint package's own functions (checkpoint.s3_client's choice of client):
+checkpoint package's own functions, on a Remote whose `client` is the one measured:
     save    a synchronous save, manifest included: what the step waits for without checkpoint.async_save
     blocked the background save's staging: what the step waits for with it
     written that save's wall time, staging to sealed manifest

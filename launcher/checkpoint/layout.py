@@ -26,10 +26,9 @@ from launcher.errors import UserError, first_line
 _STEP = re.compile(r"step_(\d+)")
 
 
-def folder_of(run_dir: Path, configured: Optional[str], client: str = "auto") -> Path:
-    """The checkpoints folder: checkpoint.dir (a folder or a URL, its s3:// transfers through `client`),
-    else <run_dir>/checkpoints."""
-    return storage.location(configured, client) if configured else Path(run_dir) / "checkpoints"
+def folder_of(run_dir: Path, configured: Optional[str]) -> Path:
+    """The checkpoints folder: checkpoint.dir (a folder or a URL), else <run_dir>/checkpoints."""
+    return storage.location(configured) if configured else Path(run_dir) / "checkpoints"
 
 
 def of_run(run_dir: Path) -> Path:
@@ -74,7 +73,7 @@ def choose(folder: Path, resume: str) -> tuple[Optional[Path], List[str]]:
                 return candidate, notes
             notes.append(f"{candidate} is damaged ({problem}); resuming from the checkpoint before it")
         return None, notes
-    path = storage.location(resume, storage.client_of(folder))
+    path = storage.location(resume)
     if not path.is_dir():
         raise UserError(f"checkpoint.resume: {path} is not a checkpoint folder; use auto, never, "
                         f"or a folder such as {folder}/step_<N>")

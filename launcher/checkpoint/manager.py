@@ -36,7 +36,7 @@ class Checkpoints:
     def __init__(self, strategy: Any, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunState,
                  run_dir: Path, section: Any, say: Callable[[str], None] = lambda line: None):
         self.strategy, self.model, self.optimizer, self.run = strategy, model, optimizer, run
-        self.run_dir, self.folder = Path(run_dir), layout.folder_of(run_dir, section.dir, section.s3_client)
+        self.run_dir, self.folder = Path(run_dir), layout.folder_of(run_dir, section.dir)
         self.writer = strategy.placement.is_main
         self.keep, self.consolidate, self.export_hf = section.keep, section.consolidate, section.export_hf
         self.async_save, self.say = section.async_save, say

@@ -11,7 +11,8 @@ them. A process makes one client for each such setting and checks once that it s
 without credentials the client's first upload fails with a misleading message (and a panic at exit).
 
 Where s3torchconnector is not installed, s3:// goes through s3fs alone (slower, equally safe): a run
-says so once (storage.reachable). checkpoint.s3_client=s3fs asks for that on purpose.
+says so once (storage.reachable). `pip uninstall s3torchconnector` asks for that on purpose (a store that
+its client cannot talk to); the two clients read each other's checkpoints.
 
 Imported only where an s3:// URL is used; s3torchconnector itself only where it carries one."""
 
@@ -38,8 +39,8 @@ def installed() -> bool:
 
 
 def carries(remote: Any) -> bool:
-    """Whether s3torchconnector moves this Remote's objects (an s3:// URL, the client installed and not
-    declined by checkpoint.s3_client=s3fs)."""
+    """Whether s3torchconnector moves this Remote's objects (an s3:// URL, the client installed, and the
+    Remote's `client` not s3fs)."""
     return remote.protocol in PROTOCOLS and remote.client != "s3fs" and installed()
 
 

@@ -30,15 +30,10 @@ def is_url(where: Any) -> bool:
 
 
 def location(where: Any, client: str = "auto") -> Union[Path, "Remote"]:
-    """A Path, or a Remote for a URL (its s3:// transfers through `client`: checkpoint.s3_client)."""
+    """A Path, or a Remote for a URL (its s3:// objects moved through `client`: Remote's)."""
     if isinstance(where, (Path, Remote)):
         return where
     return Remote(str(where), client=client) if is_url(where) else Path(where)
-
-
-def client_of(where: Any) -> str:
-    """The client a location's s3:// transfers go through, for locations named beside it."""
-    return where.client if isinstance(where, Remote) else "auto"
 
 
 def is_remote(where: Any) -> bool:
@@ -58,7 +53,8 @@ def same(a: Union[Path, "Remote"], b: Union[Path, "Remote"]) -> bool:
 
 class Remote:
     """A file or folder of an object store, by URL. Its children share its file system object and its
-    `client`: auto (s3torchconnector for s3:// where installed, else s3fs), s3torchconnector or s3fs."""
+    `client` for s3://'s large objects: auto (s3torchconnector where installed, else s3fs), or s3fs (the
+    benchmark compares them: launcher/bench/s3_clients.py)."""
 
     def __init__(self, url: str, fs: Any = None, client: str = "auto"):
         self.url = url.rstrip("/")
@@ -195,9 +191,6 @@ def reachable(folder: Remote, key: str = "checkpoint.dir") -> Optional[str]:
     """One line naming `key`, before anything trains, where the store cannot be reached: no such bucket, no
     credentials, no endpoint answering. Returns a line to say, or None: that s3:// goes through s3fs alone."""
     bucket = folder.key.split("/")[0]
-    if folder.protocol in s3_connector.PROTOCOLS and folder.client == "s3torchconnector" and not s3_connector.installed():
-        raise UserError(f"checkpoint.s3_client: s3torchconnector is not installed; {s3_connector.INSTALL}, or "
-                        f"checkpoint.s3_client=auto")
     try:
         if folder.protocol in s3_connector.PROTOCOLS:
             folder.fs.info(bucket)  # the bucket itself (HEAD): absent, or refused, says so

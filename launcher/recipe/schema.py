@@ -21,7 +21,6 @@ STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp", "accelerate")
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise", "split_sequence",
              "sequence_parallel", "gather_sequence", "rowwise_seq")
 CONSOLIDATE = ("final", "every", "never")
-S3_CLIENTS = ("auto", "s3torchconnector", "s3fs")
 WANDB_MODES = ("online", "offline")
 REDUCE_DTYPES = ("fp32", "bf16")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -168,14 +167,11 @@ class CheckpointConfig:
     async_save: bool = False  # stage a checkpoint in host memory and write it while training goes on
     export_hf: bool = False  # an HF model: also write <run_dir>/hf/ at the end, a folder from_pretrained loads
     dir: Optional[str] = None  # where checkpoints go: null (<run_dir>/checkpoints), a folder, or s3://bucket/prefix
-    s3_client: str = "auto"  # s3:// shards and large files: auto (s3torchconnector where installed, else s3fs) | s3torchconnector | s3fs
 
     def problems(self) -> List[tuple[str, str]]:
         out = at_least("checkpoint.every", self.every, 1) + at_least("checkpoint.keep", self.keep, 1)
         if self.consolidate not in CONSOLIDATE:
             out.append(("checkpoint.consolidate", f"got {short(self.consolidate)}; valid: {', '.join(CONSOLIDATE)}"))
-        if self.s3_client not in S3_CLIENTS:
-            out.append(("checkpoint.s3_client", f"got {short(self.s3_client)}; valid: {', '.join(S3_CLIENTS)}"))
         return out
 
 

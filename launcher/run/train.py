@@ -61,7 +61,7 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     strategy = strategies.create(loaded.recipe.strategy, placement, loaded.recipe.ddp, loaded.recipe.fsdp,
                                  loaded.recipe.dist_timeout, loaded.recipe.run_dir, loaded.recipe.parallel)
     strategy.setup()
-    folder = RunFolder(Path(loaded.recipe.run_dir), loaded.recipe.checkpoint.dir, loaded.recipe.checkpoint.s3_client)
+    folder = RunFolder(Path(loaded.recipe.run_dir), loaded.recipe.checkpoint.dir)
     try:
         with strategy.mistakes_shared():
             recipe = loaded.recipe
