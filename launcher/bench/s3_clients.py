@@ -12,12 +12,11 @@ checkpoint package's own functions, on a Remote whose `client` is the one measur
     written that save's wall time, staging to sealed manifest
     load    reading the newest checkpoint back into the model's and optimizer's tensors (checksums checked
             by ETag, as a resume does)
-    memory  the process's peak resident memory over its size before the first save (the synchronous save's)"""
+    memory  the process's peak resident memory during the synchronous save over its size before it"""
 
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import sys
 import tempfile
@@ -77,7 +76,7 @@ def run(client: str, fmt: str, url: str, width: int) -> dict:
     if fmt == "sharded":  # DCP's collectives on a world of one, as fsdp's on each rank
         dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='launcher-bench-gloo-')}", rank=0,
                                 world_size=1)
-    before = _resident()
+    before = _resident(reset=True)
 
     began = time.perf_counter()
     if fmt == "sharded":
@@ -121,12 +120,14 @@ def run(client: str, fmt: str, url: str, width: int) -> dict:
     return {"save": saved, "blocked": blocked, "written": written, "load": loaded, "memory": memory, "bytes": size}
 
 
-def _resident(peak: bool = False) -> int:
-    """Bytes resident now (or at the peak so far) in this process."""
-    if peak:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def _resident(peak: bool = False, reset: bool = False) -> int:
+    """Bytes resident in this process now (with `reset`, the peak starts again from here), or at the peak since."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: the peak resident size (VmHWM) is reset to the current one
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(fields["VmHWM" if peak else "VmRSS"].split()[0]) * 1024
 
 
 if __name__ == "__main__":
