@@ -1,7 +1,9 @@
 """The heavy traffic of s3:// checkpoints through s3torchconnector (the `s3` extra: AWS's S3 connector for
 PyTorch, a client on the AWS Common Runtime): DCP's shards written and read by its DCP storage, model.pt and
 state.pt streamed up and down by its client. Measured against s3fs (`python -m launcher.bench --saves`,
-launcher/bench/s3_clients.py), it saves and loads faster with less memory. Listings, deletions, manifests
+launcher/bench/s3_clients.py) it saves both formats and loads shards faster, with less memory; it loads a
+whole file slower from moto's loopback server only, whose every ranged GET reads the whole object (this
+client fetches a large object as parallel 8 MiB ranges, as S3 serves best). Listings, deletions, manifests
 and every other fsspec URL stay with fsspec and s3fs (storage.py).
 
 It talks to the store s3fs found: the endpoint s3fs resolved (AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3, the
@@ -18,12 +20,13 @@ Imported only where an s3:// URL is used; s3torchconnector itself only where it 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import importlib.util
 import re
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from launcher.errors import first_line
 
@@ -56,17 +59,28 @@ def upload(remote: Any) -> Any:
     """A stream that writes the object whole once closed (a multipart upload, its parts sent as it fills;
     left incomplete, and so absent, where the block it is used in raises)."""
     bucket, key = _bucket_key(remote)
-    return _Upload(client(remote).put_object(bucket, key))
+    made = client(remote)
+    with _as_os_errors(str(remote)):
+        return _Upload(made.put_object(bucket, key))
 
 
 def download(remote: Any) -> bytes:
     """The object's bytes, its parts fetched side by side."""
     bucket, key = _bucket_key(remote)
+    made = client(remote)
+    with _as_os_errors(str(remote)), made.get_object(bucket, key) as reader:
+        return reader.read()
+
+
+@contextlib.contextmanager
+def _as_os_errors(where: Optional[str] = None) -> Iterator[None]:
+    """s3torchconnector's S3Exception raised as as_os_error's OSError."""
     try:
-        with client(remote).get_object(bucket, key) as reader:
-            return reader.read()
-    except Exception as e:  # noqa: BLE001 - S3Exception, told by name (its module is imported only here)
-        raise as_os_error(e, str(remote)) from None
+        yield
+    except Exception as e:
+        if type(e).__name__ != "S3Exception":  # its module is imported only where it is used: told by name
+            raise
+        raise as_os_error(e, where) from None
 
 
 def dcp_writer(remote: Any) -> Any:
@@ -155,11 +169,11 @@ def _made(settings: Tuple[Any, ...], remote: Any) -> Any:
     made = S3Client(region, endpoint=endpoint, s3client_config=config)
     bucket, key = _bucket_key(remote)
     try:  # a HEAD of a key that need not exist: answered, the client signs and reaches the bucket
-        made.head_object(bucket, f"{key}/.launcher-probe".lstrip("/"))
-    except Exception as e:  # noqa: BLE001 - S3Exception, told by name
-        cause = as_os_error(e, f"{remote.protocol}://{bucket}")
-        if not (isinstance(cause, FileNotFoundError) and cause.strerror == "no such object"):
-            raise cause from None
+        with _as_os_errors(f"{remote.protocol}://{bucket}"):
+            made.head_object(bucket, f"{key}/.launcher-probe".lstrip("/"))
+    except FileNotFoundError as e:
+        if e.strerror != "no such object":
+            raise
     return made
 
 
@@ -213,19 +227,15 @@ class _Upload:
         self.writer = writer
 
     def write(self, data: Any) -> int:
-        try:
+        with _as_os_errors():
             return self.writer.write(data)
-        except Exception as e:  # noqa: BLE001 - S3Exception
-            raise as_os_error(e) from None
 
     def tell(self) -> int:
         return self.writer.tell()
 
     def close(self) -> None:
-        try:
+        with _as_os_errors():  # the upload did not complete: nothing stored
             self.writer.close()
-        except Exception as e:  # noqa: BLE001 - S3Exception: the upload did not complete
-            raise as_os_error(e) from None
 
     def __enter__(self) -> "_Upload":
         return self
