@@ -44,11 +44,12 @@ class RunFolder:
         except OSError as e:
             raise _unwritable(self.path, e) from None
         self.lock()
-        _reachable({"checkpoint.dir": self.checkpoints, "checkpoint.resume": resume, "checkpoint.init_from": init_from})
+        said = _reachable({"checkpoint.dir": self.checkpoints, "checkpoint.resume": resume, "checkpoint.init_from": init_from})
         if not storage.is_remote(self.checkpoints) and self.checkpoints.exists() and not self.checkpoints.is_dir():
             raise UserError(f"run_dir: {self.checkpoints} is a file, where the run keeps its checkpoints folder; "
                             f"move it away, or point run_dir=... at another folder")
         found, notes = checkpoint.choose(self.checkpoints, resume)
+        notes = said + notes
         moved = self._set_aside(found)
         if moved:
             notes.append(moved[0])
@@ -131,11 +132,15 @@ class RunFolder:
         return target
 
 
-def _reachable(named: dict) -> None:
-    """The object stores named (by URL) answer: a missing bucket or no credentials is one line, now."""
+def _reachable(named: dict) -> list:
+    """The object stores named (by URL) answer: a missing bucket or no credentials is one line, now. Returns
+    the lines to say (s3:// through s3fs alone, once)."""
+    said = []
     for key, where in named.items():
         if where and storage.is_url(where):
-            storage.reachable(storage.location(where), key)
+            note = storage.reachable(storage.location(where), key)
+            said += [note] if note and note not in said else []
+    return said[:1]
 
 
 def _one_history(folder, found, continued: bool) -> None:

@@ -119,6 +119,21 @@ def test_fsdp_nccl_charlm_bf16(tmp_path):
          "strategy=ddp", f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_20'}"], timeout=600)
 
 
+def test_fsdp_background_saves_on_gpu_stage_pinned_and_resume_bitwise(tmp_path):
+    """fsdp's async saves on a GPU stage through DCP's page-locked stager: the checkpoint a background save
+    wrote at step 10 resumes to the same model.pt, bitwise, as the run that went on from it."""
+    from tests.test_strategies import TORCHRUN, run
+
+    small = ["recipes/charlm.yaml", "devices=cuda", "model.n_layer=2", "model.n_embd=128", "model.n_head=4",
+             "model.dropout=0.0", "data.val=null", "trainer.max_steps=20", "checkpoint.every=10",
+             "checkpoint.async_save=true", "logging.tensorboard=false", "strategy=fsdp"]
+    for name, extra in (("a", []), ("b", [f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_10'}"])):
+        run([*TORCHRUN, "--standalone", "--nproc_per_node=1", "-m", "launcher", *small, *extra,
+             f"run_dir={tmp_path / name}"], timeout=600)
+    a, b = state_dict(tmp_path / "a" / "model.pt"), state_dict(tmp_path / "b" / "model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="fp8 matmuls need compute capability 8.9 or newer (H100, L4, RTX 4090)")
 def test_fp8_trains_charlm_under_fsdp_and_its_model_loads_plain(tmp_path):

@@ -239,3 +239,62 @@ def test_a_local_checkpoint_dir_outside_the_run_folder(tmp_path, whole):
     assert_same_weights(whole, tmp_path / "b" / "model.pt")
     with pytest.raises(UserError, match="holds another run's checkpoints .step_40. and this run starts over"):
         train(tmp_path / "c", "checkpoint.resume=never", f"checkpoint.dir={elsewhere}")
+
+
+def test_either_client_reads_what_the_other_wrote_and_a_run_without_s3torchconnector_says_it_uses_s3fs(
+        s3, tmp_path, monkeypatch, capsys, one_rank):
+    """s3torchconnector (where installed) and s3fs (without it) write the same objects: DCP's shards written by
+    one resume bitwise through the other, and full checkpoints too. Where s3torchconnector is missing, s3://
+    goes through s3fs and the run says so once."""
+    pytest.importorskip("s3torchconnector")
+    from launcher.checkpoint import s3_connector
+
+    fsdp = ["strategy=fsdp", "devices=cpu", "logging.memory_plan=false"]
+    train(tmp_path / "whole", *fsdp, "trainer.max_steps=20")
+    fallback = "s3:// checkpoints go through s3fs: s3torchconnector, the faster client, is not installed " \
+               "(pip install 'launcher[s3]' installs both)"
+    for first, then in (("s3fs", "s3torchconnector"), ("s3torchconnector", "s3fs")):
+        url = f"s3://{BUCKET}/{first}-then-{then}"
+        for run, client, steps in ((first, first, ["trainer.max_steps=10", "checkpoint.every=10"]),
+                                   (then, then, ["trainer.max_steps=20"])):
+            with monkeypatch.context() as where:
+                where.setattr(s3_connector, "installed", lambda: client == "s3torchconnector")
+                train(tmp_path / run, *fsdp, *steps, f"checkpoint.dir={url}")
+            out = capsys.readouterr().out
+            assert out.count(fallback) == (client == "s3fs"), out  # said once, where s3fs moves them
+        assert f"resumed from {url}/step_10 (step 10" in out
+        assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / then / "model.pt")
+    url = f"s3://{BUCKET}/full"  # full checkpoints (model.pt, state.pt), each way
+    for steps, client in ((10, "s3fs"), (20, "s3torchconnector"), (30, "s3fs")):
+        with monkeypatch.context() as where:
+            where.setattr(s3_connector, "installed", lambda: client == "s3torchconnector")
+            train(tmp_path / f"full_{steps}", f"trainer.max_steps={steps}", "checkpoint.every=10", f"checkpoint.dir={url}")
+        assert steps == 10 or f"resumed from {url}/step_{steps - 10} " in capsys.readouterr().out
+    train(tmp_path / "straight", "trainer.max_steps=30")
+    assert_same_weights(tmp_path / "straight" / "model.pt", tmp_path / "full_30" / "model.pt")
+
+
+# What s3torchconnector 1.5.0 said in each case (moto's server, tests/flaky_store.py), and the line it becomes.
+S3_EXCEPTIONS = [
+    ("Client error: No signing credentials available, see CRT debug logs", PermissionError,
+     "no credentials for the object store; set AWS_ACCESS_KEY_ID"),
+    ("Service error: The bucket does not exist", FileNotFoundError, "no such bucket"),
+    ('Client error: Unknown response error: MetaRequestResult { response_status: 404, crt_error: Error(14343, '
+     '"aws-c-s3: AWS_ERROR_S3_INVALID_RESPONSE_STATUS, Invalid response status from request"), error_response_body: '
+     'Some("<?xml version=\\"1.0\\"?>\\n<Error><Code>NoSuchBucket</Code><Message>The specified bucket does not exist'
+     '</Message></Error>") }', FileNotFoundError, "no such bucket"),
+    ("Service error: The object was not found", FileNotFoundError, "no such object"),
+    ("Client error: Forbidden: Access Denied", PermissionError, "Access Denied"),
+    ("Client error: Unknown CRT error: CRT error 1051: aws-c-io: AWS_IO_SOCKET_CLOSED, socket is closed.", OSError,
+     "S3Exception: socket is closed (AWS_IO_SOCKET_CLOSED)"),
+    ('Client error: Unknown response error: MetaRequestResult { response_status: 503, error_response_body: Some("<Error>'
+     '<Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>") }', OSError,
+     "S3Exception: Please reduce your request rate. (SlowDown)"),
+]
+
+
+@pytest.mark.parametrize("text, kind, line", S3_EXCEPTIONS, ids=[c[2][:24] for c in S3_EXCEPTIONS])
+def test_s3torchconnectors_errors_are_one_line_oserrors(text, kind, line):
+    S3Exception = type("S3Exception", (Exception,), {"__module__": "s3torchconnectorclient._mountpoint_s3_client"})
+    mapped = storage.store_error(S3Exception(text))
+    assert type(mapped) is kind and mapped.strerror.startswith(line) and "\n" not in str(mapped)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from launcher.checkpoint import manifest
+from launcher.checkpoint.s3_connector import installed as carried  # s3torchconnector moves s3://'s objects
 from launcher.checkpoint.staging import Staging
 from launcher.cli import main
 from tests.conftest import QUICKSTART, SMALL, assert_same_weights, train
@@ -105,7 +106,8 @@ def test_a_store_gone_for_three_saves_stops_the_run_with_exit_7_and_the_sealed_o
     assert main(args) == 7
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
-    assert (f"checkpoint: 3 saves in a row failed, the last at step 40 (cannot write {url}: ConnectionClosedError: "
+    closed = "S3Exception: socket is closed (AWS_IO_SOCKET_CLOSED)" if carried() else "ConnectionClosedError: "
+    assert (f"checkpoint: 3 saves in a row failed, the last at step 40 (cannot write {url}: {closed}"
             in err and f"the run stops. The newest sealed checkpoint: {url}/step_10 (step 10); the same command "
                        f"resumes from it" in err), err
     assert out.count("was not saved") == 2 and not (tmp_path / "run" / "model.pt").exists()
@@ -118,8 +120,9 @@ def test_a_store_gone_for_three_saves_stops_the_run_with_exit_7_and_the_sealed_o
 
 @pytest.mark.slow  # four processes, about 25 s
 def test_the_benchmarks_checkpoint_row():
-    """`python -m launcher.bench --saves` at its smallest: one save a run besides the final one (the figures are
-    docs/performance.md's, from the default sizes; here only that every side ran and said what it measured)."""
+    """`python -m launcher.bench --saves` at its smallest: one save a run besides the final one, and the S3 clients
+    row (the figures are docs/performance.md's, from the default sizes; here only that every side ran and said
+    what it measured)."""
     import re
     import subprocess
     import sys
@@ -133,4 +136,9 @@ def test_the_benchmarks_checkpoint_row():
     for store in ("local disk", r"S3 \(moto, loopback\)"):
         row = re.search(rf"^{store} +(\d+)ms +(\d+)ms +(\d\.\d{{3}})$", done.stdout, re.M)
         assert row and int(row.group(1)) > 0, done.stdout
+    if carried():  # the S3 clients row: each format through each client, and their ratios
+        for fmt in ("sharded", "full"):
+            for client in ("s3fs", "s3torchconnector"):
+                assert re.search(rf"^{fmt} / {client} +(\d+\.\d\ds *){{4}} *\d+ MiB$", done.stdout, re.M), done.stdout
+            assert re.search(rf"^{fmt} / s3fs over s3tc +(\d+\.\d\dx *){{5}}$", done.stdout, re.M), done.stdout
 

@@ -55,7 +55,9 @@ seconds on a CPU, and the row takes about 15 minutes at --reps 3.
 
 The checkpoint row (launcher/bench/saves.py): the time a save holds the training step, written synchronously
 and in the background (checkpoint.async_save), to a local folder and to an S3 API server on loopback (moto's),
-for a 12.7M-parameter MLP with AdamW; only `--saves` runs it, alone.
+for a 12.7M-parameter MLP with AdamW; then the S3 clients row (launcher/bench/s3_clients.py): the same
+checkpoint saved (blocked, written) and loaded through s3fs and through s3torchconnector, sharded and full;
+only `--saves` runs them, alone.
 
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 
@@ -232,7 +234,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sft-size", choices=("small", "tiny"), default="small",
                         help="the SFT row's data and model: small (1024 samples, max_len 512) or tiny (a smoke test)")
     parser.add_argument("--saves", dest="saves_only", action="store_true",
-                        help="the checkpoint row alone: the step blocked by a save, sync and async, local and S3")
+                        help="the checkpoint rows alone: the step blocked by a save, sync and async, local and S3; "
+                        "the S3 clients compared")
     parser.add_argument("--saves-width", type=int, default=2048, help="the checkpoint row's MLP width (default 2048)")
     parser.add_argument("--saves-every", type=int, default=40, help="its steps between saves (default 40: more "
                         "than an upload to the loopback store takes on 2 cores)")

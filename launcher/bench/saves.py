@@ -7,7 +7,10 @@ The model is the quickstart's MLP made wide (`--saves-width`, 4 layers: 12.7M pa
 AdamW, so a checkpoint holds the weights and twice as many optimizer values. The object store is an S3 API
 server that this process starts on loopback (moto's, in the `dev` extra): its figures are the client's and the
 protocol's cost on one machine, not a cloud store's bandwidth. The final save of each run is synchronous in
-both modes and is left out; sides alternate, each run a fresh process."""
+both modes and is left out; sides alternate, each run a fresh process.
+
+Then, on the same server, the S3 clients row (launcher/bench/s3_clients.py): the checkpoint saved and loaded
+through s3fs and through s3torchconnector, each format, where s3torchconnector is installed."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from launcher.bench import s3_clients
 from launcher.bench.runs import PY, REPO
 
 BUCKET = "launcher-bench"
@@ -40,6 +44,7 @@ def saves(args) -> list[str]:
                 run = Path(args.run_dir) / f"saves-{store.split()[0].lower()}-{mode}-{rep}"
                 figures, size = _run(run, where(run), mode == "async", width, every, steps, env)
                 blocked[(store, mode)].append(statistics.median(figures))
+        clients = _clients(server, width, args.reps, env)
     finally:
         if server is not None:
             server.stop()
@@ -53,6 +58,7 @@ def saves(args) -> list[str]:
         lines.append(f"{store:24}{sync * 1e3:8.0f}ms{background * 1e3:8.0f}ms  {background / sync:.3f}")
     if note:
         lines.append(note)
+    lines += clients
     lines.append(f"command: python -m launcher.bench --saves --reps {args.reps} --saves-width {width} "
                  f"--saves-every {every} --saves-count {args.saves_count}")
     return lines
@@ -73,6 +79,15 @@ def _run(run: Path, where: str, background: bool, width: int, every: int, steps:
     figures = [row["checkpoint/blocked_s"] for row in rows if "checkpoint/blocked_s" in row and row["step"] < steps]
     manifest = _manifest(where, steps, env)
     return figures, sum(entry["size"] for entry in manifest["files"].values())
+
+
+def _clients(server, width: int, reps: int, env: dict) -> list[str]:
+    """The S3 clients row on the server, or a line saying why not."""
+    if server is None:
+        return []
+    if importlib.util.find_spec("s3torchconnector") is None:
+        return ["S3 clients row skipped: s3torchconnector is not installed (pip install -c constraints.txt 'launcher[dev]')"]
+    return s3_clients.compare(f"s3://{BUCKET}/clients", width, reps, env)
 
 
 def _manifest(where: str, step: int, env: dict) -> dict:

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from launcher.checkpoint import dcp_io, files, storage
+from launcher.checkpoint import dcp_io, files, s3_connector, storage
 from launcher.errors import UserError, first_line
 
 METADATA = ".metadata"
@@ -39,8 +39,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def reader(folder: Path) -> FileSystemReader:
-    """DCP's reader of a local folder, or of an object store's prefix (fsspec's, each item fetched by a ranged
-    GET of its bytes alone: dcp_io.py), reading `.metadata` safely."""
+    """DCP's reader of a local folder, or of an object store's prefix (s3torchconnector's, or fsspec's: each
+    item fetched by a ranged GET of its bytes, dcp_io.py), reading `.metadata` safely."""
+    if storage.is_remote(folder) and s3_connector.carries(folder):
+        return _safe(s3_connector.dcp_reader())(folder)
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # not in dcp's namespace (torch 2.13)
 

@@ -41,7 +41,7 @@ def write(path: Path, fill: Callable[[Any], Any], atomic: bool = False) -> Dict[
 
 
 def _write_remote(path: "storage.Remote", fill: Callable[[Any], Any]) -> Dict[str, Any]:
-    with path.open("wb") as f:  # uploaded as it fills (in parts), complete when closed
+    with path.upload() as f:  # uploaded as it fills (in parts), complete when closed
         recorder = _filled(f, fill)
         size = f.tell()
     return {"size": size, "crc32": f"{recorder.crc:08x}"}
@@ -183,7 +183,7 @@ def load(path: Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
     file_or_folder(path)
     try:
         if storage.is_remote(path):  # read whole into memory: torch.load seeks back and forth
-            return _weights_only(io.BytesIO(path.read_bytes()), map_location)
+            return _weights_only(io.BytesIO(path.download()), map_location)
         return _weights_only(path, map_location, mmap=mmap and zipfile.is_zipfile(path))
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None

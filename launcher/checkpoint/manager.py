@@ -44,6 +44,7 @@ class Checkpoints:
         self.saved_step: Optional[int] = None  # the newest checkpoint of this line of training: saved or resumed
         self.pending: Optional[Any] = None  # a save being written in the background: step, began, ready(), seal()
         self.staging = Staging()  # host copies of the state that a background save writes
+        self.stager: Optional[Any] = None  # fsdp's on a GPU: DCP's stager into page-locked memory (sharded.py)
         self.failures = 0  # saves failed in a row
         self.waited = False  # a save has waited for the one before it (said once)
 

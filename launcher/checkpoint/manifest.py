@@ -21,7 +21,11 @@ def write(folder: Path, step: int, listed: Dict[str, Any], **about: Any) -> None
     if storage.is_remote(folder):
         listed = _with_etags(folder, listed)
     manifest = {"format": 3 if about.get("sharded") else 2, "step": step, **about, "files": listed, "time": time.time()}
-    files.write(folder / NAME, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    data = json.dumps(manifest, indent=1).encode()
+    if storage.is_remote(folder):
+        (folder / NAME).write_bytes(data)  # one request: an object is stored whole or not at all
+    else:
+        files.write(folder / NAME, lambda f: f.write(data))
 
 
 def read(folder: Path) -> Optional[Dict[str, Any]]:

@@ -4,8 +4,9 @@
     checkpoints/step_<N>/__<rank>_0.distcp   each rank's shards: model, optimizer, and rank 0's run state
     checkpoints/step_<N>/model.pt            the gathered model too, where checkpoint.consolidate asks
 
-In an object store (checkpoint.dir=s3://...) DCP writes and reads through fsspec (FsspecWriter; dcp_safe's
-reader), and the manifest rank 0 writes last seals the step, as for the full format.
+In an object store (checkpoint.dir=s3://...) DCP writes and reads through s3torchconnector's DCP storage
+(s3_connector.py), or fsspec's (FsspecWriter, FsspecReader: other URLs, or s3:// without s3torchconnector),
+and the manifest rank 0 writes last seals the step, as for the full format.
 
 The state saved is {"model": ..., "optimizer": ..., "run": RunState}, keyed by the plain model's
 parameter names, so DCP reshards it on load: any world size, any strategy, reads it. DCP is imported
@@ -22,7 +23,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint import adapters, dcp_io, files, layout, manifest, run_state, storage
+from launcher.checkpoint import adapters, dcp_io, files, layout, manifest, run_state, s3_connector, storage
 from launcher.errors import UserError
 
 NAME = "sharded"
@@ -44,7 +45,8 @@ def save(checkpoints, step: int, final: bool, background: bool = False) -> None:
     state = {"model": model_state, "optimizer": optimizer_state, "run": checkpoints.run}
     if background:  # the state is copied to host memory before start() returns
         group = strategy.checkpoint_group()
-        future = agree(lambda: _guarded(folder, step, lambda: start(partial, state, group)))
+        stager = _stager(checkpoints)
+        future = agree(lambda: _guarded(folder, step, lambda: start(partial, state, group, stager)))
     else:
         agree(lambda: _guarded(folder, step, lambda: write(partial, state)))
     # model.pt of this step's weights, gathered now (a collective), before training changes them
@@ -110,19 +112,36 @@ def write(folder: Path, state: Dict[str, Any], group: Optional[Any] = None) -> N
         dcp.save(state, storage_writer=_writer(folder), process_group=group, no_dist=not dist.is_initialized())
 
 
-def start(folder: Path, state: Dict[str, Any], group: Any):
+def start(folder: Path, state: Dict[str, Any], group: Any, stager: Optional[Any] = None):
     """The same, in the background: returns a future. The tensors are copied to host memory before it
-    returns, so training may change them; the files are written on a thread, its collectives on `group`."""
+    returns (by `stager`: DCP's own plain copy without one), so training may change them; the files are
+    written on a thread, its collectives on `group`."""
     import torch.distributed.checkpoint as dcp
 
-    return dcp.async_save(state, storage_writer=_writer(folder), process_group=group)
+    return dcp.async_save(state, storage_writer=_writer(folder), process_group=group, async_stager=stager)
+
+
+def _stager(checkpoints) -> Optional[Any]:
+    """For shards on a GPU: DCP's stager into page-locked host memory, kept by the run from one save to the
+    next (its copies are cached by the tensors' storages, which FSDP keeps), as torchtitan's
+    `async_with_pinned_mem`. The copy ends before the save returns (no staging beside the next step: the
+    optimizer would change what is being copied). On the CPU: none (DCP's plain copy)."""
+    if checkpoints.stager is None and any(q.is_cuda for q in checkpoints.model.parameters()):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        checkpoints.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                          use_async_staging=False, use_non_blocking_copy=False))
+    return checkpoints.stager
 
 
 def _writer(folder: Path) -> Any:
-    """DCP's writer of a local folder (each file fsynced), or of an object store's prefix (fsspec's: an
-    object is stored whole once its upload completes; DCP's sync_files would sync the whole machine)."""
+    """DCP's writer of a local folder (each file fsynced), or of an object store's prefix (s3torchconnector's
+    or fsspec's: an object is stored whole once its upload completes; DCP's sync_files would sync the whole
+    machine)."""
     import torch.distributed.checkpoint as dcp
 
+    if storage.is_remote(folder) and s3_connector.carries(folder):
+        return dcp_io.recording(s3_connector.dcp_writer(folder))
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not in dcp's namespace (torch 2.13)
 

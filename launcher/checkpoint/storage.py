@@ -2,11 +2,12 @@
 (s3://bucket/prefix, or any fsspec URL: memory:// in tests), a Remote.
 
 A Remote offers the few Path methods that checkpoints use (/, name, parent, suffix, exists, is_file, is_dir,
-iterdir, glob, open, read_text, read_bytes), plus size(), listing() (sizes and ETags) and remove(), so
-that the code that reads a manifest or lists step folders reads both. What differs is said where it differs
-(layout.py): a local checkpoint is made complete by a rename, a remote one by its manifest, written last,
-since an object store has no rename. fsspec and its S3 client (s3fs, the `s3` extra) are imported only
-when a URL is used.
+iterdir, glob, open, read_text, read_bytes, write_bytes), plus size(), listing() (sizes and ETags) and remove(),
+so that the code that reads a manifest or lists step folders reads both; and upload() and download() for the
+large objects (model.pt, state.pt). What differs is said where it differs (layout.py): a local checkpoint is
+made complete by a rename, a remote one by its manifest, written last, since an object store has no rename.
+fsspec and its S3 file system (s3fs, the `s3` extra) are imported only when a URL is used; on s3:// the large
+objects and DCP's shards go through s3torchconnector (s3_connector.py, in the same extra) where it is installed.
 
 Credentials and endpoints come from where the AWS SDK reads them (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_ENDPOINT_URL for S3-compatible stores, AWS_PROFILE and its files, an instance role): nothing here
@@ -20,6 +21,7 @@ import posixpath
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+from launcher.checkpoint import s3_connector
 from launcher.errors import UserError, first_line
 
 
@@ -27,11 +29,11 @@ def is_url(where: Any) -> bool:
     return isinstance(where, Remote) or "://" in str(where)
 
 
-def location(where: Any) -> Union[Path, "Remote"]:
-    """A Path, or a Remote for a URL."""
+def location(where: Any, client: str = "auto") -> Union[Path, "Remote"]:
+    """A Path, or a Remote for a URL (its s3:// objects moved through `client`: Remote's)."""
     if isinstance(where, (Path, Remote)):
         return where
-    return Remote(str(where)) if is_url(where) else Path(where)
+    return Remote(str(where), client=client) if is_url(where) else Path(where)
 
 
 def is_remote(where: Any) -> bool:
@@ -50,12 +52,14 @@ def same(a: Union[Path, "Remote"], b: Union[Path, "Remote"]) -> bool:
 
 
 class Remote:
-    """A file or folder of an object store, by URL. Its children share its file system object."""
+    """A file or folder of an object store, by URL. Its children share its file system object and its
+    `client` for s3://'s large objects: auto (s3torchconnector where installed, else s3fs), or s3fs (the
+    benchmark compares them: launcher/bench/s3_clients.py)."""
 
-    def __init__(self, url: str, fs: Any = None):
+    def __init__(self, url: str, fs: Any = None, client: str = "auto"):
         self.url = url.rstrip("/")
         self.protocol, _, self.key = self.url.partition("://")
-        self._fs = fs
+        self._fs, self.client = fs, client
 
     @property
     def fs(self) -> Any:
@@ -64,7 +68,7 @@ class Remote:
         return self._fs
 
     def __truediv__(self, name: str) -> "Remote":
-        return Remote(f"{self.url}/{name}", self._fs)
+        return Remote(f"{self.url}/{name}", self._fs, self.client)
 
     def __str__(self) -> str:
         return self.url
@@ -88,7 +92,7 @@ class Remote:
 
     @property
     def parent(self) -> "Remote":
-        return Remote(f"{self.protocol}://{posixpath.dirname(self.key)}", self._fs)
+        return Remote(f"{self.protocol}://{posixpath.dirname(self.key)}", self._fs, self.client)
 
     def exists(self) -> bool:
         return self.fs.exists(self.key)
@@ -134,6 +138,19 @@ class Remote:
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
+    def write_bytes(self, data: bytes) -> None:
+        """A small object (a manifest) in one request."""
+        self.fs.pipe_file(self.key, data)
+
+    def upload(self) -> Any:
+        """A stream that writes a large object, stored whole once closed (s3torchconnector's multipart upload
+        where it carries this URL, else fsspec's)."""
+        return s3_connector.upload(self) if s3_connector.carries(self) else self.open("wb")
+
+    def download(self) -> bytes:
+        """A large object's bytes (s3torchconnector's parts fetched side by side where it carries this URL)."""
+        return s3_connector.download(self) if s3_connector.carries(self) else self.read_bytes()
+
     def size(self) -> int:
         try:
             return self.fs.size(self.key)
@@ -170,27 +187,29 @@ def _filesystem(protocol: str, url: str) -> Any:
                         f"another fsspec URL") from None
 
 
-def reachable(folder: Remote, key: str = "checkpoint.dir") -> None:
+def reachable(folder: Remote, key: str = "checkpoint.dir") -> Optional[str]:
     """One line naming `key`, before anything trains, where the store cannot be reached: no such bucket, no
-    credentials, no endpoint answering."""
+    credentials, no endpoint answering. Returns a line to say, or None: that s3:// goes through s3fs alone."""
     bucket = folder.key.split("/")[0]
     try:
-        if folder.protocol in ("s3", "s3a"):
+        if folder.protocol in s3_connector.PROTOCOLS:
             folder.fs.info(bucket)  # the bucket itself (HEAD): absent, or refused, says so
+            if s3_connector.carries(folder):
+                s3_connector.client(folder)  # and the client of the large objects signs its requests
         else:
             folder.fs.exists(folder.key)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - boto's and fsspec's errors, told apart by name
         raise UserError(f"{key}: {folder}: {_why(e, bucket)}") from None
+    return s3_connector.declined_note(folder)
 
 
 def _why(e: BaseException, bucket: str) -> str:
     kind = type(e).__name__
     text = first_line(e)
-    if kind == "NoCredentialsError" or "Unable to locate credentials" in text:
-        return ("no credentials for the object store; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
-                "AWS_PROFILE, or run where an instance role gives them)")
+    if kind == "NoCredentialsError" or "Unable to locate credentials" in text or s3_connector.NO_CREDENTIALS in text:
+        return s3_connector.NO_CREDENTIALS
     if isinstance(e, FileNotFoundError) or "NoSuchBucket" in text:
         return f"no bucket {bucket!r} there; create it, or name an existing one (AWS_ENDPOINT_URL names the store)"
     if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
@@ -198,15 +217,18 @@ def _why(e: BaseException, bucket: str) -> str:
     return f"cannot reach the object store ({kind}: {text[:160]}); check AWS_ENDPOINT_URL and the network"
 
 
-STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "urllib3", "gcsfs", "google")
+STORE_CLIENTS = ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "urllib3", "gcsfs", "google",
+                 "s3torchconnector", "s3torchconnectorclient")
 
 
 def store_error(e: BaseException) -> Optional[OSError]:
     """An object store's failure as the OSError a disk's would be (the store gone, a connection closed mid-upload,
-    a request refused), or None for anything else. boto's and aiohttp's errors are told by their module: their
-    packages are imported only where a URL is used."""
+    a request refused), or None for anything else. boto's, aiohttp's and s3torchconnector's errors are told by
+    their module: their packages are imported only where a URL is used."""
     if isinstance(e, OSError):
         return e
+    if type(e).__name__ == "S3Exception":  # s3torchconnector's, for every failure: its text says which
+        return s3_connector.as_os_error(e)
     if any(getattr(kind, "__module__", "").split(".")[0] in STORE_CLIENTS for kind in type(e).__mro__[:-2]):
         return OSError(errno.EIO, f"{type(e).__name__}: {first_line(e)[:200]}")
     return None
