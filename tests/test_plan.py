@@ -154,3 +154,25 @@ def test_a_sweep_leaves_out_the_runs_that_will_not_fit_before_starting_any(tmp_p
     none = subprocess.run([sys.executable, "-m", "launcher.sweep", *QUICK, "data.batch_size=64,128", "--memory", "1KB",
                            "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert none.returncode == 2 and "--memory 1KB: none of the 2 runs fits on 1 device(s)" in none.stderr
+
+
+def test_a_deep_stack_planned_from_two_shallow_depths_is_the_stack_planned_whole():
+    """A model of more than SHALLOW[1] + 2 identical blocks is planned with its stack cut to the SHALLOW depths,
+    each kind of bytes extrapolated to its depth: for an HF Llama of 9 layers, the same peak as planned whole."""
+    from launcher.plan import fake, planner
+    from launcher.plan.fake import Layout
+    from launcher.recipe import load
+
+    tiny = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_attention_heads=4",
+            "model.config.num_key_value_heads=2", "model.config.num_hidden_layers=9", "model.config.vocab_size=256",
+            "data.train.min_len=64", "data.train.max_len=64", "data.batch_size=4", "precision=fp32",
+            "trainer.grad_accum_steps=2"]
+    recipe = load(REPO / "recipes" / "llama8b.yaml", tiny).recipe
+    batches = planner.Batches(recipe)
+    assert fake._depth(recipe) == 9 > fake.SHALLOW[1] + 2
+    for layout in (Layout("ddp", 2), Layout("fsdp", 4, tp=2, recompute=True)):  # fsdp x2 tp x2 +ac
+        batch = [batches.of(4 // layout.replicas)]
+        whole = fake.peaks(recipe, layout, batch, "cpu", shallow=None)[0]
+        cut = fake.peaks(recipe, layout, batch, "cpu")[0]
+        assert abs(cut.total - whole.total) <= 0.01 * whole.total, (layout.name, cut.by_kind, whole.by_kind)
+        assert abs(cut.running - whole.running) <= 0.01 * whole.running, layout.name

@@ -105,7 +105,9 @@ def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: b
             super()._track(reftype, t)
 
         running = 0  # the peak while a module runs forward or backward (the model's step, less the optimizer's)
+        forward: dict = {}  # the figures at the peak of forward
         backward: dict = {}  # the figures at the peak of backward
+        outside: dict = {}  # the figures at the peak outside both (the optimizer's step)
 
         def _update_peak_stats(self, peak_state) -> None:
             # torch's own walks every module's figures at every operation (the time grows with the square of a
@@ -115,10 +117,12 @@ def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: b
                 if self._peak_mem.get(dev, 0) < total:
                     self._peak_mem[dev] = total
                     self._peak_mem_snap[dev] = dict(snap)
-                if total > self.running and len(self._mod_tracker.parents) > 1:
+                inside = len(self._mod_tracker.parents) > 1
+                if total > self.running and inside:
                     self.running = total
-                if self._mod_tracker.is_bw and total > self.backward.get("Total", 0):
-                    self.backward = dict(snap)
+                phase = "backward" if self._mod_tracker.is_bw else "forward" if inside else "outside"
+                if total > getattr(self, phase).get("Total", 0):
+                    setattr(self, phase, dict(snap))
 
         def _pre_fw_hook(self, module, inputs) -> None:
             # the model's forward again in the window (accumulation's next micro-batch, an evaluation): torch's

@@ -81,6 +81,8 @@ class Peak:
     by_kind: Dict[str, int]
     running: int = 0  # the peak while the model runs forward and backward (what grows with the micro-batch)
     backward: Optional[Dict[str, int]] = None  # the bytes by kind at the peak of backward
+    forward: Optional[Dict[str, int]] = None  # ... at the peak of forward
+    outside: Optional[Dict[str, int]] = None  # ... at the peak outside forward and backward (the optimizer's step)
 
     @property
     def total(self) -> int:
@@ -95,10 +97,37 @@ def peak(recipe, layout: Layout, batch: Any, device_type: str) -> Peak:
     return peaks(recipe, layout, [batch], device_type)[0]
 
 
-def peaks(recipe, layout: Layout, batches: List[Any], device_type: str) -> List[Peak]:
+SHALLOW = (3, 6)  # the depths a model of more repeated blocks is planned at, then extrapolated to its own
+
+
+def peaks(recipe, layout: Layout, batches: List[Any], device_type: str, shallow: Optional[tuple] = SHALLOW) -> List[Peak]:
     """The peak of rank 0 under `layout` with each of `batches` (micro-batches of that rank, on the host), on a
     device of `device_type` (where the loop frees the gradients: after the step on CUDA, after the next
-    forward on the CPU)."""
+    forward on the CPU).
+
+    A model whose largest part is a stack of identical blocks (a transformer's layers) deeper than the
+    `shallow` depths + 2 is planned with its stack cut to each of those depths, and each kind's bytes, inside
+    the model and outside it, extrapolated in a line to its own depth: every block adds the same parameters,
+    gradients, optimizer state and activations, and the time of fake tensors grows with the operations run."""
+    depth = _depth(recipe) if shallow else None
+    if depth is None or depth <= shallow[1] + 2:
+        found, trainable = _peaks(recipe, layout, batches, device_type, None)
+    else:
+        (low, low_bytes), (high, high_bytes) = (_peaks(recipe, layout, batches, device_type, keep) for keep in shallow)
+
+        def line(a: float, b: float) -> int:
+            return max(0, round(a + (b - a) * (depth - shallow[0]) / (shallow[1] - shallow[0])))
+
+        found = [_deeper(a, b, line) for a, b in zip(low, high)]
+        trainable = line(low_bytes, high_bytes)
+    if layout.strategy == "ddp":
+        found = [_with_buckets(p, trainable, recipe.ddp.gradient_as_bucket_view) for p in found]
+    return found
+
+
+def _peaks(recipe, layout: Layout, batches: List[Any], device_type: str, keep: Optional[int]) -> tuple:
+    """The peaks (no DDP buckets), and the bytes of the trainable parameters, with the model's stack cut to
+    `keep` blocks (None: whole)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     sharded = layout.strategy == "fsdp"
@@ -107,7 +136,7 @@ def peaks(recipe, layout: Layout, batches: List[Any], device_type: str) -> List[
         try:
             # Sharded, the model is built on the meta device and wrapped outside fake mode (FSDP2 and tensor
             # parallel make device meshes of real rank numbers), then its shards are allocated as fake tensors.
-            model = _model(recipe, layout, strategy, on_meta=True) if sharded else None
+            model = _model(recipe, layout, strategy, on_meta=True, keep=keep) if sharded else None
             with FakeTensorMode(allow_non_fake_inputs=True) as mode, _fused_attention():
                 if sharded:
                     from launcher.model import empty
@@ -115,7 +144,7 @@ def peaks(recipe, layout: Layout, batches: List[Any], device_type: str) -> List[
                     empty.materialise(model, torch.device("cpu"))
                     strategy.after_forward(model)
                 else:
-                    model = _model(recipe, layout, strategy, on_meta=False)
+                    model = _model(recipe, layout, strategy, on_meta=False, keep=keep)
                 return _run(recipe, layout, strategy, model, mode, batches, device_type)
         except UserError:
             raise
@@ -123,6 +152,48 @@ def peaks(recipe, layout: Layout, batches: List[Any], device_type: str) -> List[
                 raise NotFake(f"model: {recipe.model.get('_target_')}: its training step cannot run on fake tensors "
                               f"({type(e).__name__}: {first_line(e)}); the plan needs every operation of the step "
                               f"to have a meta kernel and no step to read a tensor's values on the host") from None
+
+
+def _deeper(low: Peak, high: Peak, line) -> Peak:
+    """The peak of the whole depth from those of two shallower ones: the peaks of forward, of backward and of
+    the optimizer's step, each kind on its line; the highest of the three is the peak."""
+    def kinds(a: Optional[Dict[str, int]], b: Optional[Dict[str, int]]) -> Dict[str, int]:
+        a, b = a or {}, b or {}
+        return {k: line(a.get(k, 0), b.get(k, 0)) for k in KINDS}
+
+    forward, backward, outside = (kinds(getattr(low, n), getattr(high, n)) for n in ("forward", "backward", "outside"))
+    by_kind = max(forward, backward, outside, key=lambda found: sum(found.values()))
+    running = max(sum(forward.values()), sum(backward.values()))
+    return Peak(by_kind, running, backward, forward, outside)
+
+
+def _depth(recipe) -> Optional[int]:
+    """The number of blocks in the model's stack (None: it has none), from the model built on meta."""
+    from launcher.model import empty
+    from launcher.run import build
+
+    try:
+        with empty.parameters_on_meta():
+            found = _stack(build.component(recipe.model, "model"))
+    except UserError:
+        raise
+    except Exception:  # planned whole, where the error is said
+        return None
+    return len(getattr(*found)) if found else None
+
+
+def _stack(model: torch.nn.Module) -> Optional[tuple]:
+    """(parent, name) of the model's largest ModuleList of two or more blocks of one class and one shape."""
+    best, most = None, 0
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if not isinstance(child, torch.nn.ModuleList) or len(child) < 2:
+                continue
+            shapes = {(type(b), tuple((n, tuple(q.shape)) for n, q in b.named_parameters())) for b in child}
+            elements = sum(q.numel() for q in child.parameters())
+            if len(shapes) == 1 and elements > most:
+                best, most = (parent, name), elements
+    return best
 
 
 @contextlib.contextmanager
@@ -182,13 +253,17 @@ def _strategy(recipe, layout: Layout):
     return strategy
 
 
-def _model(recipe, layout: Layout, strategy, on_meta: bool) -> torch.nn.Module:
-    """The recipe's model as the run builds it (its blocks recomputing under +ac), wrapped by the strategy."""
+def _model(recipe, layout: Layout, strategy, on_meta: bool, keep: Optional[int] = None) -> torch.nn.Module:
+    """The recipe's model as the run builds it (its blocks recomputing under +ac), its stack cut to `keep`
+    blocks where given, wrapped by the strategy."""
     from launcher.model import empty, recompute
     from launcher.run import build
 
     with empty.parameters_on_meta() if on_meta else contextlib.nullcontext():
         model = build.component(recipe.model, "model")
+    if keep:
+        parent, name = _stack(model)
+        setattr(parent, name, torch.nn.ModuleList(list(getattr(parent, name))[:keep]))
     setting = recipe.trainer.activation_checkpointing or ("auto" if layout.recompute else None)
     if setting:
         recompute.apply(model, recompute.chosen(model, setting))
@@ -232,9 +307,7 @@ def _run(recipe, layout: Layout, strategy, model, mode, batches: List[Any], devi
     for batch in fakes:
         found.append(_tracked(lambda tracker: train_step(batch, tracker), model, optimizer, batch,
                               layout.strategy == "fsdp"))
-    if layout.strategy == "ddp":
-        found = [_with_buckets(p, params, recipe.ddp.gradient_as_bucket_view) for p in found]
-    return found
+    return found, sum(q.numel() * q.element_size() for q in params)
 
 
 def _tracked(run, model, optimizer, batch, sharded: bool) -> Peak:
@@ -249,7 +322,7 @@ def _tracked(run, model, optimizer, batch, sharded: bool) -> Peak:
         run(tracker)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     running = tracker.running or snapshot.get("Total", 0)  # the peak while the model ran forward or backward
-    return Peak(_kinds(snapshot), running, _kinds(tracker.backward))
+    return Peak(_kinds(snapshot), running, _kinds(tracker.backward), _kinds(tracker.forward), _kinds(tracker.outside))
 
 
 def _kinds(snapshot: Dict[Any, int]) -> Dict[str, int]:
@@ -261,11 +334,10 @@ def _kinds(snapshot: Dict[Any, int]) -> Dict[str, int]:
     return by_kind
 
 
-def _with_buckets(found: Peak, params: List[torch.Tensor], as_view: bool) -> Peak:
+def _with_buckets(found: Peak, buckets: int, as_view: bool) -> Peak:
     """DDP's peak from one process's. Its buckets hold a copy of every trainable parameter's gradient for good,
     and its backward one more while it reduces them (torch's tracker sees it in a real run: tests/test_plan.py);
     with gradient_as_bucket_view the buckets are the gradients' own storage, which then is never freed."""
-    buckets = sum(q.numel() * q.element_size() for q in params)
     if as_view:
         out = dict(found.by_kind, gradients=buckets)
         return Peak(out, found.running + sum(out.values()) - found.total)
