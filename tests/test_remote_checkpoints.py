@@ -298,3 +298,20 @@ def test_s3torchconnectors_errors_are_one_line_oserrors(text, kind, line):
     S3Exception = type("S3Exception", (Exception,), {"__module__": "s3torchconnectorclient._mountpoint_s3_client"})
     mapped = storage.store_error(S3Exception(text))
     assert type(mapped) is kind and mapped.strerror.startswith(line) and "\n" not in str(mapped)
+
+
+def test_dcp_through_s3fs_goes_to_the_endpoint_of_now_not_to_an_earlier_file_systems(s3, monkeypatch):
+    """fsspec shares a file system made with the same arguments, whatever endpoint the environment named when it
+    was made: DCP's s3fs writer and reader make their own (a store gone since would take every upload)."""
+    import fsspec
+
+    from launcher.checkpoint import sharded
+
+    with monkeypatch.context() as m:
+        m.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # a store gone (an earlier job's, say)
+        fsspec.filesystem("s3").connect()  # fsspec's shared instance, its client made now
+    folder = storage.location(f"s3://{BUCKET}/fresh", client="s3fs")
+    sharded.write(folder, {"w": torch.arange(4.0)})
+    state = {"w": torch.zeros(4)}
+    sharded.read(folder, state)
+    assert torch.equal(state["w"], torch.arange(4.0))

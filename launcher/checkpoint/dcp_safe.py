@@ -46,7 +46,7 @@ def reader(folder: Path) -> FileSystemReader:
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # not in dcp's namespace (torch 2.13)
 
-        return _safe(dcp_io.ExactSlices, FsspecReader)(str(folder))
+        return _safe(dcp_io.ExactSlices, FsspecReader)(str(folder), **storage.fresh(str(folder).split(":")[0]))
     return _safe(FileSystemReader)(folder)
 
 
@@ -59,8 +59,8 @@ class _SafeMetadata:
     """A DCP reader's `.metadata` unpickled by the restricted unpickler above, at once: DCP itself would log
     a refusal as a warning and go on to look for other files."""
 
-    def __init__(self, folder: Any):
-        super().__init__(folder)
+    def __init__(self, folder: Any, **options: Any):
+        super().__init__(folder, **options)
         path = storage.location(folder) / METADATA
         try:
             with path.open("rb") as f:

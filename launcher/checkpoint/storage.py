@@ -169,6 +169,12 @@ def _missing(where: Remote) -> FileNotFoundError:
     return FileNotFoundError(errno.ENOENT, "no such object", str(where))
 
 
+def fresh(protocol: str) -> Dict[str, Any]:
+    """fsspec's options for a file system of its own, listing afresh: fsspec's shared instances are keyed by
+    their arguments, not by the environment they read credentials and the endpoint from when made."""
+    return {"skip_instance_cache": True, **({"use_listings_cache": False} if protocol in ("s3", "s3a") else {})}
+
+
 def _filesystem(protocol: str, url: str) -> Any:
     """A file system object of its own (not fsspec's shared instance: credentials are read when it is made),
     listing afresh each time (another process may have written since)."""
@@ -176,9 +182,8 @@ def _filesystem(protocol: str, url: str) -> Any:
         import fsspec
     except ImportError:
         raise UserError(f"checkpoint.dir: {url} needs fsspec; pip install 'launcher[s3]'") from None
-    options = {"use_listings_cache": False} if protocol in ("s3", "s3a") else {}
     try:
-        return fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+        return fsspec.filesystem(protocol, **fresh(protocol))
     except ImportError as e:
         package = "s3fs; pip install 'launcher[s3]'" if protocol in ("s3", "s3a") else f"its package ({first_line(e)})"
         raise UserError(f"checkpoint.dir: {url} needs {package}") from None
