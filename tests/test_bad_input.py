@@ -466,6 +466,7 @@ def test_an_occupied_master_port_names_it(tmp_path):
 
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_device_or_a_fifo_named_as_a_checkpoint_is_one_line(tmp_path):
     """/dev/zero read as a checkpoint would fill the memory, a FIFO would block: refused before a read. Each
     process is held to 4 GiB of address space and 60 s, so a regression fails instead of taking the machine."""

@@ -61,6 +61,7 @@ def test_chartext_finds_its_file_from_any_directory(tmp_path, monkeypatch):
 LINE = re.compile(r"^step (\d+)/(\d+) \| epoch \d+ \| loss ([\d.]+) \|", re.MULTILINE)
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_tiny_charlm_run_learns(tmp_path):
     cmd = [sys.executable, "-m", "launcher", "recipes/charlm.yaml", "devices=cpu", "precision=fp32",
            "model.n_layer=1", "model.n_head=4", "model.n_embd=64", "model.block_size=32",

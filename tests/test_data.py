@@ -109,6 +109,7 @@ def test_a_batch_that_does_not_share_out_names_the_data_parallel_ranks():
         data.check_batch(3, 2, 2)
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_in_a_process_group_workers_start_where_a_fork_cannot_hang(tmp_path):
     """In a process group on CPython before 3.12, loader workers are forked from a fork server, not from the
     rank beside gloo's threads (CPython gh-112275); they make the batches forked workers make, and a dataset

@@ -55,6 +55,7 @@ def test_a_sharded_bf16_folder_with_tied_weights_loads_into_fp32_shards_as_into_
     assert torch.equal(a["lm_head.weight"], a["model.embed_tokens.weight"])  # still one parameter after training
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_every_source_init_from_reads_fills_the_shards_alike(tmp_path, one_rank):
     """A .safetensors file, a torch file (memory-mapped), a run folder whose newest checkpoint is sharded
     (DCP reads each rank's part), and the built-whole path (fsdp.empty_init=false)."""

@@ -25,6 +25,7 @@ OVERRIDES = st.lists(st.one_of(st.tuples(st.sampled_from(KEYS), VALUES).map("=".
                                st.text(alphabet=string.printable, max_size=25)), max_size=4)
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(overrides=OVERRIDES)
 def test_overrides_load_or_say_why(overrides):
@@ -38,6 +39,7 @@ def test_overrides_load_or_say_why(overrides):
 @given(text=st.one_of(st.text(max_size=200),
                       st.lists(st.tuples(st.sampled_from(KEYS), VALUES), max_size=6).map(
                           lambda pairs: "\n".join(f"{k.split('.')[0]}: {v}" for k, v in pairs))))
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_recipe_files_load_or_say_why(tmp_path_factory, text):
     path = tmp_path_factory.mktemp("fuzz") / "recipe.yaml"
     path.write_text(text)
@@ -61,6 +63,7 @@ TRAINING_VALUES = {
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(choice=st.dictionaries(st.sampled_from(sorted(TRAINING_VALUES)), st.none(), min_size=1, max_size=3).flatmap(
     lambda keys: st.fixed_dictionaries({k: TRAINING_VALUES[k] for k in keys})))
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_training_with_generated_values_exits_0_or_2(tmp_path_factory, choice):
     """Through the command line and two training steps: a run or one line, never a traceback."""
     import contextlib

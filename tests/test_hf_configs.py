@@ -49,12 +49,14 @@ def test_a_config_key_that_pretrainedconfig_takes_trains(name, tmp_path):
     assert values["train/loss"] > 0 and (tmp_path / name / "model.pt").exists()
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_t5_with_its_decoder_start_token_trains_from_the_command_line(tmp_path):
     done = launch(recipe(tmp_path, "t5"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "done: step 2" in done.stdout
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_keyword_the_call_refuses_is_one_line(tmp_path):
     done = launch(recipe(tmp_path, "t5"), "data.train={_target_: tests.hf_zoo.blobs, n: 64, clases: 4}")
     assert done.returncode == 2, done.stderr[-2000:]

@@ -198,6 +198,7 @@ def test_export_mistakes_are_one_line(tmp_path):
     assert done.returncode == 0, done.stderr  # a plain file, with the config named
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_folder_of_another_model_names_the_key(tmp_path):
     other = tmp_path / "other"
     from recipes.components.hf_folder import write

@@ -137,6 +137,7 @@ def test_resuming_with_a_changed_recipe_says_what_changed(tmp_path, capsys):
     assert "the recipe differs from the checkpoint's in trainer.max_steps (20 -> 40)" in out
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_compile_trains_the_same_model_and_saves_plain_keys(tmp_path):
     import torch._dynamo
 

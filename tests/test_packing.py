@@ -83,6 +83,7 @@ def test_best_fit_decreasing_fills_rows_and_the_seed_only_breaks_ties():
     assert len(plan(many, 128, seed=0)) <= -(-sum(many) // 128) + 1  # within a row of the least possible
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_the_rows_do_not_depend_on_the_process_hash_seed_or_the_rank():
     """What each rank of a run computes in its own process: the same rows (no set or hash order inside)."""
     code = ("import json, random; from launcher.data.text.packing import plan; d = random.Random(1); "

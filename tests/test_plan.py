@@ -24,6 +24,7 @@ def rows(*args):
     return {r["layout"]: r for r in map(json.loads, plan(*args, "--json").stdout.splitlines())}
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_the_table_says_what_fits_the_largest_micro_batch_and_the_layout_to_use():
     found = rows(*QUICK, "--devices", "4", "--memory", "400KiB", "--device", "cpu")
     assert list(found) == ["ddp x4", "fsdp x4", "fsdp x4 +ac", "hsdp 2x2", "fsdp x2 tp x2", "tp x4"]
@@ -49,18 +50,20 @@ def test_the_table_says_what_fits_the_largest_micro_batch_and_the_layout_to_use(
     assert "cannot: trainer.activation_checkpointing: auto finds no repeated blocks" in shown
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_activation_checkpointing_and_more_devices_lower_the_peak():
-    found = rows("recipes/charlm.yaml", "--devices", "4", "--memory", "1GB", "--device", "cpu",
-                 "trainer.max_steps=2")
+    small = ["model.n_layer=2"]
+    found = rows("recipes/charlm.yaml", "--devices", "4", "--memory", "1GB", "--device", "cpu", *small)
     plain, recomputed = found["fsdp x4"]["by_kind"], found["fsdp x4 +ac"]["by_kind"]
     assert recomputed["activations"] < plain["activations"] / 4
-    two = rows("recipes/charlm.yaml", "--devices", "2", "--device", "cpu")["fsdp x2"]
+    two = rows("recipes/charlm.yaml", "--devices", "2", "--device", "cpu", *small)["fsdp x2"]
     assert found["fsdp x4"]["peak_bytes"] < two["peak_bytes"]
     assert found["fsdp x2 tp x2"]["problem"] is None and found["tp x4"]["problem"] is None  # charlm's recipe gives a plan
-    none = plan("recipes/charlm.yaml", "--devices", "2", "--memory", "1MB").stdout
+    none = plan("recipes/charlm.yaml", "--devices", "2", "--memory", "1MB", *small).stdout
     assert "none fits in 976.6 KiB per device" in none
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_mistakes_are_one_line():
     for args, said in ((["--memory", "lots"], "--memory lots: give one device's memory, such as 80GB"),
                        (["--devices", "0"], "--devices 0: give a number of devices of 1 or more"),
@@ -72,6 +75,7 @@ def test_mistakes_are_one_line():
     assert "does not divide among its 3 data-parallel ranks" in json.loads(done.stdout.splitlines()[0])["problem"]
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_step_fake_tensors_cannot_run_is_one_line_naming_the_operation(tmp_path):
     (tmp_path / "reads.py").write_text(
         "import torch\n"
@@ -133,6 +137,7 @@ def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp
     assert all(abs(float(row.split()[-1].rstrip("%"))) <= 10 for row in table), "\n".join(table)
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_slurm_renders_the_job_of_the_layout_to_use():
     done = plan(*QUICK, "--devices", "4", "--gpus-per-node", "2", "--memory", "400KiB", "--device", "cpu", "--slurm")
     assert "#SBATCH --nodes=2" in done.stdout and "#SBATCH --gpus-per-node=2" in done.stdout
@@ -143,6 +148,7 @@ def test_slurm_renders_the_job_of_the_layout_to_use():
     assert refused.returncode == 2 and "--slurm: no layout fits in 1KB per device on 4 devices" in refused.stderr
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_sweep_leaves_out_the_runs_that_will_not_fit_before_starting_any(tmp_path):
     done = subprocess.run([sys.executable, "-m", "launcher.sweep", *QUICK, "data.batch_size=64,65536", "data.train.n=70000",
                            f"run_dir={tmp_path}", "--memory", "20MB", "--dry-run"], cwd=REPO, capture_output=True,
@@ -156,6 +162,7 @@ def test_a_sweep_leaves_out_the_runs_that_will_not_fit_before_starting_any(tmp_p
     assert none.returncode == 2 and "--memory 1KB: none of the 2 runs fits on 1 device(s)" in none.stderr
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_deep_stack_planned_from_two_shallow_depths_is_the_stack_planned_whole():
     """A model of more than SHALLOW[1] + 2 identical blocks is planned with its stack cut to the SHALLOW depths,
     each kind of bytes extrapolated to its depth: for an HF Llama of 9 layers, the same peak as planned whole."""

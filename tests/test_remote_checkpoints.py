@@ -36,6 +36,7 @@ def whole(tmp_path_factory):
     return run / "model.pt"
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_run_saves_to_s3_and_a_run_on_another_machine_resumes_bitwise(s3, tmp_path, whole):
     url = f"s3://{BUCKET}/resumed"
     train(tmp_path / "first", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
@@ -56,6 +57,7 @@ def _fetched(store, key, folder):
     return path
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_keep_deletes_old_checkpoints_only_after_the_new_manifest(s3, tmp_path, monkeypatch):
     events = []
     write, remove = manifest.write, layout._remove
@@ -70,6 +72,7 @@ def test_keep_deletes_old_checkpoints_only_after_the_new_manifest(s3, tmp_path, 
         assert last > events.index(("sealed", deleted + 20))
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_partial_checkpoint_is_ignored_by_resume_and_deleted_by_the_next_save(s3, tmp_path, whole):
     url = f"s3://{BUCKET}/partial"
     train(tmp_path / "a", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
@@ -83,6 +86,7 @@ def test_a_partial_checkpoint_is_ignored_by_resume_and_deleted_by_the_next_save(
     assert "step_25/model.pt" not in objects(s3, "partial")  # deleted once step 30 was sealed again
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_damaged_or_missing_object_is_refused_naming_it(s3, tmp_path):
     url = f"s3://{BUCKET}/damaged"
     train(tmp_path, "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={url}")
@@ -131,6 +135,7 @@ def test_starting_over_onto_another_runs_checkpoints_is_refused(s3, tmp_path):
         train(tmp_path / "b", "trainer.max_steps=10", "checkpoint.resume=never", f"checkpoint.dir={url}")
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_init_from_and_export_read_an_s3_checkpoint(s3, tmp_path):
     url = f"s3://{BUCKET}/exported"
     train(tmp_path / "a", "trainer.max_steps=10", "checkpoint.every=10", f"checkpoint.dir={url}")
@@ -146,6 +151,7 @@ def test_init_from_and_export_read_an_s3_checkpoint(s3, tmp_path):
     assert all(torch.equal(v, state_dict(tmp_path / "out.pt")[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_path):
     args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path}"]
     missing = launch(*args, "checkpoint.dir=s3://no-such-bucket/run")

@@ -19,6 +19,7 @@ pytest.importorskip("moto.server")
 from tests.s3 import BUCKET, s3  # noqa: E402,F401 - the S3 server, shared
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_background_save_writes_what_a_synchronous_one_does_and_resumes_exactly(tmp_path, capsys):
     common = ["trainer.max_steps=40", "checkpoint.every=10", "checkpoint.keep=4", "logging.jsonl=true"]
     train(tmp_path / "sync", *common)
@@ -73,6 +74,7 @@ def flaky(s3, monkeypatch):
     store.close()
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, flaky, tmp_path, capsys, one_rank):
     """fsdp (a torchrun world of one: DCP's shards, written by its async_save). Step 10's upload slow (each
     request held a second): step 20's save waits for it, and says so once. The uploads of steps 20 and 30
@@ -95,6 +97,7 @@ def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, fl
     assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_store_gone_for_three_saves_stops_the_run_with_exit_7_and_the_sealed_one_resumes(s3, flaky, tmp_path, capsys):
     """From step 20 on, every write's connection closed without an answer (the store gone mid-upload): the
     saves of steps 20 and 30 fail, the final one of step 40 fails and tries again at once, and the run stops

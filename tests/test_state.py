@@ -67,6 +67,7 @@ def test_a_sharded_checkpoint_of_another_model_is_one_line(tmp_path, one_rank):
               f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_40'}")
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 @pytest.mark.parametrize("damaged", [".metadata", "__0_0.distcp"])
 def test_a_truncated_sharded_file_is_named_by_resume_auto_explicit_resume_and_export(tmp_path, one_rank, capsys, damaged):
     """A sharded checkpoint whose .metadata or shard lost its end (the manifest intact): explicit resume and

@@ -29,6 +29,7 @@ def corpus(tmp_path, monkeypatch):
             f"cache_dir: '{tmp_path}/hf-cache'}}")
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_hf_stream_of_local_files_trains_and_resumes_exactly(tmp_path, corpus, capsys, workers):
     # 30 steps of 16 rows x 2 micro-batches: 960 rows, past the first epoch of 800 (the second starts at step 25)

@@ -41,6 +41,7 @@ def test_the_grid_in_hydra_s_syntax():
             grid.split(args)
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_every_mistake_of_every_combination_at_once_and_nothing_starts(tmp_path, capsys):
     code = main([str(QUICKSTART), "trainer.max_steps=10,abc", "trainer.max_stepz=5", f"run_dir={tmp_path / 's'}",
                  "optimizer.lr=0.1,abc", "seed=range(0,30)"])

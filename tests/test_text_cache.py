@@ -237,6 +237,7 @@ def _build_in_a_process(folder, data, where, start, out):
     out.put((built.samples, built.notes[-1]))
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_two_processes_building_at_once_both_end_with_the_right_samples(made):
     folder, data, where = made
     spawn = multiprocessing.get_context("spawn")

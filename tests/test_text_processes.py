@@ -38,6 +38,7 @@ def build(folder, data, **settings):
     return TextDataset(folder, data, max_len=48, cache=None, bad_rows="skip", **settings)
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_two_processes_give_one_process_samples_counts_and_lines(made, monkeypatch):
     folder, data = made
     one = build(folder, data)

@@ -203,6 +203,7 @@ def test_a_resumed_run_continues_one_tracker_run_each_step_once(tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [10, 20, 30, 40, 50, 60, 70, 80]
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_run_killed_with_values_in_flight_loses_none_on_resume(tmp_path):
     """kill -9 after step 45 was logged, with step 40 the newest checkpoint. What the trackers hold is what
     their own stores say, not what was handed to them: the rerun sends 45 again (W&B, whose process had
@@ -263,6 +264,7 @@ def test_wandb_mode_is_checked(tmp_path):
     assert "logging.wandb.mode: got 'onlin'; valid: online, offline" in done.stderr
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_tracking_server_that_cannot_be_reached_is_one_line_at_the_start(tmp_path):
     """MLflow retries for about four minutes; at the start the launcher asks it for two retries."""
     done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path / 'run'}", "logging.mlflow.tracking_uri=http://127.0.0.1:1",

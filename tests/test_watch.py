@@ -3,6 +3,7 @@
 import json
 import re
 
+import pytest
 import torch
 
 from launcher.errors import EXIT_OOM
@@ -65,6 +66,7 @@ def test_a_memory_snapshot_on_the_cpu_says_it_records_nothing(tmp_path, capsys):
     assert not (tmp_path / "memory").exists()
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_bad_windows_are_one_line_each(tmp_path):
     done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path}", "profile.at_step=0", "profile.ranks=[]",
                   "memory_snapshot.steps=0")
@@ -80,6 +82,7 @@ def test_bad_windows_are_one_line_each(tmp_path):
     assert done.stderr.strip() == "launcher: profile.ranks: [1] not below the world size 1; valid: 0..0"
 
 
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_out_of_memory_is_one_line_exit_5_and_the_checkpoint_stays(tmp_path):
     """A real allocator failure (16 TiB asked of the CPU) in step 25; checkpoints every 10 steps."""
     run_dir = tmp_path / "run"
