@@ -42,7 +42,9 @@ def test_the_loggers_defaults_and_start_up_rows():
         logged = re.search(rf"^{re.escape(name)} +\d+us (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\) +\d+us +\d\.\d{{3}}$",
                            out, re.M)
         assert logged and 0.2 < float(logged.group(1)) < 5, out  # a sanity bound on what was measured, not a target
-    out = bench("--defaults", "--hf-steps", "10", "--steps", "150")  # 150 steps: the workers cross an epoch
+    # 150 steps: the workers cross an epoch. Two repetitions: the reference workload's 150 steps are 0.1 s, and
+    # one hiccup of the other pytest worker's processes made a single ratio 0.158 (its figure is about 0.8)
+    out = bench("--defaults", "--hf-steps", "10", "--steps", "150", "--reps", "2")
     for name in ("optimizer fused, HF recipe", "optimizer fused, reference", "persistent workers (2)",
                  "prefetch_factor 2 (torch's)"):
         measured = re.search(rf"^{re.escape(name)} +\d+us +\d+us +(\d\.\d{{3}}) \(\S+\) ", out, re.M)
