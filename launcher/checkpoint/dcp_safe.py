@@ -46,7 +46,7 @@ def reader(folder: Path) -> FileSystemReader:
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # not in dcp's namespace (torch 2.13)
 
-        return _safe(dcp_io.ExactSlices, FsspecReader)(str(folder), **storage.fresh(str(folder).split(":")[0]))
+        return _safe(dcp_io.ExactSlices, FsspecReader)(str(folder), **storage.fresh(folder.protocol))
     return _safe(FileSystemReader)(folder)
 
 

@@ -145,7 +145,7 @@ def _writer(folder: Path) -> Any:
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not in dcp's namespace (torch 2.13)
 
-        return dcp_io.recording(FsspecWriter(str(folder), sync_files=False, **storage.fresh(str(folder).split(":")[0])))
+        return dcp_io.recording(FsspecWriter(str(folder), sync_files=False, **storage.fresh(folder.protocol)))
     return dcp_io.recording(dcp.FileSystemWriter(folder, sync_files=True))
 
 
