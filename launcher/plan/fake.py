@@ -105,10 +105,11 @@ def peaks(recipe, layout: Layout, batches: List[Any], device_type: str, shallow:
     device of `device_type` (where the loop frees the gradients: after the step on CUDA, after the next
     forward on the CPU).
 
-    A model whose largest part is a stack of identical blocks (a transformer's layers) deeper than the
-    `shallow` depths + 2 is planned with its stack cut to each of those depths, and each kind's bytes, inside
-    the model and outside it, extrapolated in a line to its own depth: every block adds the same parameters,
-    gradients, optimizer state and activations, and the time of fake tensors grows with the operations run."""
+    A model whose largest part is a stack of identical blocks (a transformer's layers) more than
+    `shallow[1] + 2` deep is planned with its stack cut to each of the `shallow` depths, and each kind's bytes
+    at the peaks of forward, of backward and of the optimizer's step extrapolated in a line to its own depth
+    (_deeper): every block adds the same parameters, gradients, optimizer state and activations, and the time
+    of fake tensors grows with the operations run."""
     depth = _depth(recipe) if shallow else None
     if depth is None or depth <= shallow[1] + 2:
         found, trainable = _peaks(recipe, layout, batches, device_type, None)
