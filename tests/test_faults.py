@@ -5,42 +5,70 @@ import subprocess
 import time
 
 import pytest
+import torch
 
-from tests.conftest import REPO, assert_same_weights
+from tests.conftest import REPO, assert_same_weights, state_dict
 from tests.test_strategies import RECIPE, TORCHRUN, run
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
 
 COMMON = [*RECIPE, "checkpoint.every=10"]
+# The node-loss runs: slow enough (0.05 s a step) that the nodes are lost well before the end (3 s of sleep and
+# 60 steps after step_20), few enough steps that a rerun costs little.
+SLOW = ["model={_target_: tests.components.Slow, seconds: 0.05}", "trainer.max_steps=80"]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """The runs no fault stops, what each killed and resumed run must end as bitwise: ddp x2 and fsdp x2 of
+    COMMON, and ddp x2 of the node-loss recipe. Their training is not what these tests check, so they share
+    one torchrun launch (tests/several_runs.py); the node-loss reference runs as two processes of one node,
+    which are ranks 0 and 1 of a world of two as the two nodes' are (the same shards, the same all-reduces)."""
+    from tests.several_runs import several
+
     folder = tmp_path_factory.mktemp("whole")
-    run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *COMMON, f"run_dir={folder}"])
-    return folder / "model.pt"
+    cases = {"ddp": [*COMMON, f"run_dir={folder / 'ddp'}"],
+             "fsdp": [*COMMON, "strategy=fsdp", f"run_dir={folder / 'fsdp'}"],
+             "two-nodes": [*COMMON, *SLOW, f"run_dir={folder / 'two-nodes'}"]}
+    for rank, results in enumerate(several(cases, folder)):
+        for name, result in results.items():
+            assert result["error"] is None, f"rank {rank}, {name}: {result}"
+    return {name: folder / name / "model.pt" for name in cases}
 
 
-@pytest.mark.parametrize("at", random.Random(5).sample(range(2, 40), 3))
-def test_sigkilled_worker_restarts_and_finishes_exactly(tmp_path, uninterrupted, at):
-    """SIGKILL one worker at a random step (seeded: the steps are in the test id); torchrun restarts both."""
-    dies = f"model={{_target_: tests.components.DiesOnce, at: {at}, rank: 1, how: kill}}"
-    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m", "launcher", *COMMON,
-                dies, f"run_dir={tmp_path}"])
-    if at > 10:
-        assert f"resumed from {tmp_path / 'checkpoints' / f'step_{(at - 1) // 10 * 10}'}" in done.stdout
-    assert_same_weights(uninterrupted, tmp_path / "model.pt")
+def _killed_at(steps):
+    """Where the worker dies in each attempt: at the step, counted from the checkpoint the attempt resumes."""
+    at, resumed = [], 0
+    for step in steps:
+        at.append(step - resumed)
+        resumed = (step - 1) // 10 * 10  # the newest checkpoint before the step (one every 10)
+    return at
 
 
-def test_a_sigkilled_fsdp_worker_restarts_and_resumes_its_shards_exactly(tmp_path):
+@pytest.mark.parametrize("steps", [sorted(random.Random(5).sample(range(2, 40), 3))],
+                         ids=lambda steps: "-".join(map(str, steps)))
+def test_sigkilled_worker_restarts_and_finishes_exactly(tmp_path, uninterrupted, steps):
+    """SIGKILL one worker at random steps (seeded: the steps are in the test id), once in each of torchrun's
+    attempts: torchrun restarts both each time, each attempt resumes from the newest checkpoint before its
+    kill, and the last one ends bitwise as the run no kill stopped."""
+    dies = f"model={{_target_: tests.dies_in_attempts.DiesInAttempts, at: {_killed_at(steps)}, rank: 1, how: kill}}"
+    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={len(steps)}", "-m", "launcher",
+                *COMMON, dies, f"run_dir={tmp_path}"], timeout=180 + 120 * len(steps))  # each restart's start
+    for step in steps:
+        if step > 10:
+            assert f"resumed from {tmp_path / 'checkpoints' / f'step_{(step - 1) // 10 * 10}'}" in done.stdout
+    assert done.stdout.count("resumed from") == sum(step > 10 for step in steps), done.stdout  # one per kill
+    assert_same_weights(uninterrupted["ddp"], tmp_path / "model.pt")
+
+
+def test_a_sigkilled_fsdp_worker_restarts_and_resumes_its_shards_exactly(tmp_path, uninterrupted):
     """fsdp x2: the restarted ranks read their shards of the newest checkpoint (one seeded instant)."""
     fsdp = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *COMMON, "strategy=fsdp"]
-    run([*fsdp, f"run_dir={tmp_path / 'whole'}"])
     at = random.Random(7).randrange(12, 40)
     dies = f"model={{_target_: tests.components.DiesOnce, at: {at}, rank: 1, how: kill}}"
     done = run([*fsdp[:3], "--max-restarts=1", *fsdp[3:], dies, f"run_dir={tmp_path / 'killed'}"])
     assert f"resumed from {tmp_path / 'killed' / 'checkpoints' / f'step_{(at - 1) // 10 * 10}'}" in done.stdout
-    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "killed" / "model.pt")
+    assert_same_weights(uninterrupted["fsdp"], tmp_path / "killed" / "model.pt")
 
 
 def test_a_rank_that_raises_takes_the_others_down_quickly(tmp_path):
@@ -69,30 +97,72 @@ def test_the_rank_that_raised_first_is_the_last_error_on_the_screen(tmp_path):
     assert "rank      : 1 (local_rank: 1)" in root, done.stderr[-3000:]
 
 
-def test_a_crash_inside_a_save_never_loses_the_newest_complete_checkpoint(tmp_path):
+# The save-crash runs: 20 steps of tests.save_crash's recipe, a save every 5 steps, 2 kept: four saves, the
+# last two deleting the oldest, so that a kill lands in any kind of event (a chunk, an fsync, a rename, a deletion).
+SAVES = ["trainer.max_steps=20"]
+
+
+def _killed_inside_a_save(folder, kill_at, extra, kill_rank=0):
+    """tests/save_crash.py's trial up to its resume: kill rank `kill_rank` (a real process SIGKILLing itself) at
+    its event `kill_at`, and check that every step_* left is complete. Returns the run folder and the newest
+    checkpoint, which the resume must name."""
+    import signal
+
+    from launcher.checkpoint import choose, is_complete
+    from tests.save_crash import run as save_crash_run
+
+    run_dir = folder / f"kill_{kill_rank}_{kill_at}"
+    killed = save_crash_run(run_dir, kill_at, extra, kill_rank)
+    expected = -signal.SIGKILL if "strategy=fsdp" not in extra else 1  # torchrun's own code when a worker dies
+    assert killed.returncode == expected and "save_crash: killed" in killed.stderr, \
+        f"expected a kill at event {kill_at}: {killed.stderr[-2000:]}"
+    steps = sorted((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
+    assert all(is_complete(s) for s in steps), f"a step_* folder is incomplete after a kill at event {kill_at}"
+    return run_dir, choose(run_dir / "checkpoints", "auto")[0]
+
+
+def _resumed_exactly(said, run_dir, newest, reference, kill_at):
+    if newest is not None:
+        assert f"resumed from {newest}" in said, said[-2000:]
+    final, expected = state_dict(run_dir / "model.pt"), state_dict(reference)
+    assert all(torch.equal(final[k], expected[k]) for k in expected), f"resume after a kill at {kill_at} is not exact"
+
+
+def test_a_crash_inside_a_save_never_loses_the_newest_complete_checkpoint(tmp_path, capsys):
     """Three seeded instants, the last inside a save written in the background (checkpoint.async_save: the
     same files, so the same events, on rank 0's writer thread). python -m tests.save_crash --trials 20
-    [--async] are the stress runs."""
-    from tests.save_crash import ASYNC, reference, trial
+    [--async] are the stress runs. Each killed run is a real process; its resume (what is checked is the
+    folder it reads, not the process) runs in this one, where torch is imported already."""
+    from launcher.cli import main
+    from tests.save_crash import ASYNC, RECIPE, reference
 
-    total = reference(tmp_path)[0]
+    total = reference(tmp_path, SAVES)[0]
     for i, kill_at in enumerate(random.Random(0).sample(range(1, total + 1), 3)):
-        assert trial(tmp_path, kill_at, tmp_path / "reference" / "model.pt", ASYNC if i == 2 else []).endswith("exact")
+        extra = SAVES + (ASYNC if i == 2 else [])
+        run_dir, newest = _killed_inside_a_save(tmp_path, kill_at, extra)
+        capsys.readouterr()
+        assert main([*RECIPE, *extra, f"run_dir={run_dir}"]) == 0
+        _resumed_exactly(capsys.readouterr().out, run_dir, newest, tmp_path / "reference" / "model.pt", kill_at)
 
 
 def test_a_crash_inside_a_sharded_save_never_loses_the_newest_complete_checkpoint(tmp_path):
     """fsdp x2, one seeded instant per rank: rank 1 killed inside a synchronous save, rank 0 inside one written
     in the background (python -m tests.save_crash --trials 20 --fsdp [--async] are the stress runs). The
-    background save writes the same files and weights, so one reference and one count serve both."""
-    from tests.save_crash import ASYNC, SHARDED, reference, trial
+    background save writes the same files and weights, so one reference and one count serve both. Each kill is
+    a real torchrun launch; the two resumes share one (tests/several_runs.py)."""
+    from tests.save_crash import ASYNC, RECIPE, SHARDED, reference
+    from tests.several_runs import several
 
-    totals = reference(tmp_path, SHARDED)
-    for rank, extra in ((1, SHARDED), (0, SHARDED + ASYNC)):
+    totals = reference(tmp_path, SHARDED + SAVES)
+    killed = {}
+    for rank, extra in ((1, SHARDED + SAVES), (0, SHARDED + SAVES + ASYNC)):
         kill_at = random.Random(rank).randrange(1, totals[rank] + 1)
-        assert trial(tmp_path, kill_at, tmp_path / "reference" / "model.pt", extra, rank).endswith("exact")
-
-
-SLOW = ["model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_steps=150"]
+        killed[f"rank {rank} at {kill_at}"] = (kill_at, extra, *_killed_inside_a_save(tmp_path, kill_at, extra, rank))
+    resumed = several({name: [*RECIPE, *extra, f"run_dir={run_dir}"] for name, (_, extra, run_dir, _) in killed.items()},
+                      tmp_path)
+    for name, (kill_at, _, run_dir, newest) in killed.items():
+        assert [r[name]["error"] for r in resumed] == [None, None], resumed
+        _resumed_exactly(resumed[0][name]["said"], run_dir, newest, tmp_path / "reference" / "model.pt", kill_at)
 
 
 def nodes(run_dir, extra):
@@ -121,18 +191,8 @@ def nodes(run_dir, extra):
     return started
 
 
-@pytest.fixture(scope="module")
-def two_nodes_whole(tmp_path_factory):
-    """The two-node run that loses no node."""
-    folder = tmp_path_factory.mktemp("two-nodes-whole")
-    whole = nodes(folder, SLOW)
-    outputs = [n.communicate(timeout=180)[0] for n in whole]
-    assert [n.returncode for n in whole] == [0, 0], "\n".join(o[-2000:] for o in outputs)
-    return folder / "model.pt"
-
-
 @pytest.mark.parametrize("lost", [0, 1], ids=["the-rendezvous-host", "the-other-node"])
-def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path, two_nodes_whole, lost):
+def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path, uninterrupted, lost):
     """Two torchrun agents stand for two nodes; one node is lost whole (agent and worker SIGKILLed)."""
     import os
     import signal
@@ -156,4 +216,4 @@ def test_node_loss_the_survivor_exits_and_a_rerun_resumes_exactly(tmp_path, two_
     outputs = [n.communicate(timeout=180)[0] for n in again]
     assert [n.returncode for n in again] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     assert any("resumed from" in o for o in outputs)
-    assert_same_weights(two_nodes_whole, tmp_path / "model.pt")
+    assert_same_weights(uninterrupted["two-nodes"], tmp_path / "model.pt")

@@ -12,10 +12,12 @@ import torch
 import torch.distributed as dist
 
 from launcher.observe import hang
-from tests.conftest import REPO, assert_same_weights, launch
-from tests.test_strategies import RECIPE, run
+from tests.conftest import REPO, assert_same_weights
+from tests.several_runs import several
+from tests.test_strategies import RECIPE
 
-SLOW = [*RECIPE, "checkpoint.every=10", "trainer.max_steps=150", "model={_target_: tests.components.Slow, seconds: 0.02}"]
+# Slow enough (0.05 s a step) that rank 1 is stopped well before the end (60 steps, 3 s of sleep, after step_20).
+SLOW = [*RECIPE, "checkpoint.every=10", "trainer.max_steps=80", "model={_target_: tests.components.Slow, seconds: 0.05}"]
 
 
 def descendants(pid: int) -> list:
@@ -74,10 +76,13 @@ def test_a_stopped_rank_ends_the_others_with_one_line_and_a_rerun_resumes_exactl
     assert "Traceback" not in err
     assert not (tmp_path / "run" / "model.pt").exists()
 
-    again = run(command)  # the same command, dist_timeout back to its default: resumes, ends exactly
-    assert "resumed from" in again.stdout
-    run([*command[:-1], f"run_dir={tmp_path / 'whole'}"])
-    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")
+    # The same recipe, dist_timeout back to its default: the rerun resumes and ends exactly as the run no rank
+    # stopped. Neither is about the launch: they share one (tests/several_runs.py), DDP x2 as the launcher starts.
+    rerun, whole = [*SLOW, "strategy=ddp", "nproc_per_node=2"], tmp_path / "whole"
+    again = several({"rerun": [*rerun, f"run_dir={tmp_path / 'run'}"], "whole": [*rerun, f"run_dir={whole}"]}, tmp_path)
+    assert [rank[name]["error"] for rank in again for name in ("rerun", "whole")] == [None] * 4, again
+    assert "resumed from" in again[0]["rerun"]["said"]
+    assert_same_weights(whole / "model.pt", tmp_path / "run" / "model.pt")
 
 
 def test_the_collective_is_named_from_where_the_wait_was(tmp_path):
@@ -107,6 +112,9 @@ def test_the_collective_is_named_from_where_the_wait_was(tmp_path):
         "before the first step: a collective did not finish within dist_timeout=600s")
 
 
-def test_dist_timeout_must_be_positive(tmp_path):
-    done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path}", "dist_timeout=0")
-    assert done.returncode == 2 and "dist_timeout" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+def test_dist_timeout_must_be_positive(tmp_path, capsys):
+    """The command line's own path (launcher.cli.main), in this process: a mistake, exit 2, one line."""
+    from launcher.cli import main
+
+    code, said = main(["recipes/quickstart.yaml", f"run_dir={tmp_path}", "dist_timeout=0"]), capsys.readouterr().err
+    assert code == 2 and "dist_timeout" in said and len(said.strip().splitlines()) == 1

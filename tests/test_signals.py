@@ -6,12 +6,15 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, SMALL, assert_same_weights, launch
+from tests.conftest import REPO, SMALL, assert_same_weights
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
 
-SLOW = ["model={_target_: tests.components.Slow, seconds: 0.01}", "trainer.max_steps=300", "trainer.log_every=10",
-        "checkpoint.every=null"]
+# Slow enough (0.04 s a step) that a signal sent at step 10 finds the run going (70 steps, 2.8 s of sleep, still to
+# run), few enough steps that the runs resumed to the end cost little.
+MAX_STEPS = 80
+SLOW = ["model={_target_: tests.components.Slow, seconds: 0.04}", f"trainer.max_steps={MAX_STEPS}",
+        "trainer.log_every=10", "checkpoint.every=null"]
 
 
 def start(run_dir, *extra, env=None):
@@ -35,36 +38,76 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
             "recipes/quickstart.yaml", *SMALL, *SLOW]
 
 
+def in_this_process(*args: str) -> None:
+    """`python -m launcher ARGS` in this process, where torch is imported already: for the runs that are not what
+    a test checks about signals (a reference, a resume)."""
+    from launcher.cli import main
+
+    assert main(["recipes/quickstart.yaml", *SMALL, *SLOW, *args]) == 0
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     """The run no signal stops, in one process: what every stopped and resumed one-process run ends as."""
     folder = tmp_path_factory.mktemp("whole")
-    done = launch("recipes/quickstart.yaml", *SMALL, *SLOW, f"run_dir={folder}")
-    assert done.returncode == 0, done.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        in_this_process(f"run_dir={folder}")
     return folder / "model.pt"
+
+
+SPAWN = ["strategy=ddp", "nproc_per_node=2"]  # `python -m launcher` starts torchrun itself
+TP = ["strategy=fsdp", "parallel.tp=2", "parallel.tp_plan={'0': colwise, '2': rowwise}"]
+# The two-process runs that a signal stops: the command that starts them, the overrides, the signal.
+STOPPED = {"torchrun SIGTERM": ("torchrun", [], signal.SIGTERM), "tp SIGTERM": ("torchrun", TP, signal.SIGTERM),
+           "launcher SIGTERM": ("launcher", SPAWN, signal.SIGTERM), "launcher SIGINT": ("launcher", SPAWN, signal.SIGINT)}
 
 
 @pytest.fixture(scope="module")
-def whole_ddp(tmp_path_factory):
-    """The same under DDP x2 (torchrun): what every stopped and resumed two-process run ends as, bitwise."""
-    folder = tmp_path_factory.mktemp("whole-ddp")
-    done = subprocess.run([*TORCHRUN, f"run_dir={folder}"], cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return folder / "model.pt"
+def ddp_runs(tmp_path_factory):
+    """Each two-process run of STOPPED, started as its test says (torchrun, or the launcher that starts torchrun)
+    and signalled after step 10, a real process each; then one torchrun launch (tests/several_runs.py) resumes
+    them all and runs `whole`, the run no signal stops under DDP x2: what every stopped and resumed two-process
+    run ends as, bitwise. Each run's outcome is checked by its own test."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("ddp")
+    stopped = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        for name, (how, extra, sig) in STOPPED.items():
+            run_dir = root / name.replace(" ", "-")
+            if how == "torchrun":
+                proc = subprocess.Popen([*TORCHRUN, *extra, f"run_dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+            else:
+                proc = start(run_dir, *extra)
+            output = signal_after_first_log(proc, sig)
+            stopped[name] = {"run_dir": run_dir, "returncode": proc.returncode, "output": output,
+                             "saved": sorted((run_dir / "checkpoints").glob("step_*"))}
+        cases = {"whole": ["recipes/quickstart.yaml", *SMALL, *SLOW, f"run_dir={root / 'whole'}"]}
+        for name, (_, extra, _) in STOPPED.items():
+            cases[name] = ["recipes/quickstart.yaml", *SMALL, *SLOW, *extra, f"run_dir={stopped[name]['run_dir']}"]
+        resumed = several(cases, root, timeout=300)
+    assert [rank["whole"]["error"] for rank in resumed] == [None, None], resumed
+    for name in STOPPED:
+        stopped[name]["resumed"] = [rank[name] for rank in resumed]
+    return root / "whole" / "model.pt", stopped
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, whole, sig, code):
+def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, capsys, whole, sig, code):
     proc = start(tmp_path / "stopped")
     output = signal_after_first_log(proc, sig)
     assert proc.returncode == code, output
     saved = sorted((tmp_path / "stopped" / "checkpoints").glob("step_*"))
-    assert len(saved) == 1 and 10 <= int(saved[0].name[5:]) < 300, output
+    assert len(saved) == 1 and 10 <= int(saved[0].name[5:]) < MAX_STEPS, output
     assert f"stopped by {sig.name} after step {saved[0].name[5:]}: saved" in output
     assert not (tmp_path / "stopped" / "model.pt").exists()
 
-    resumed = launch("recipes/quickstart.yaml", *SMALL, *SLOW, f"run_dir={tmp_path / 'stopped'}")
-    assert resumed.returncode == 0 and f"resumed from {saved[0]}" in resumed.stdout
+    capsys.readouterr()
+    in_this_process(f"run_dir={tmp_path / 'stopped'}")  # the resume: what it reads is checked, not the process
+    assert f"resumed from {saved[0]}" in capsys.readouterr().out
     assert_same_weights(whole, tmp_path / "stopped" / "model.pt")
 
 
@@ -76,56 +119,50 @@ def test_the_recipe_can_turn_the_save_off(tmp_path):
     assert "not saved" in output
 
 
-def test_sigterm_under_torchrun_two_ranks_agree_save_and_resume_exactly(tmp_path, whole_ddp):
+def test_sigterm_under_torchrun_two_ranks_agree_save_and_resume_exactly(ddp_runs):
     """torchrun forwards SIGTERM to both workers; they agree on one step (a host collective every 10
     steps), save once, and stop; resuming under torchrun finishes bitwise equal."""
-    proc = subprocess.Popen([*TORCHRUN, f"run_dir={tmp_path / 'stopped'}"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    output = signal_after_first_log(proc, signal.SIGTERM)
-    assert proc.returncode != 0, output
-    saved = sorted((tmp_path / "stopped" / "checkpoints").glob("step_*"))
+    whole_ddp, stopped = ddp_runs
+    run = stopped["torchrun SIGTERM"]
+    output, saved = run["output"], run["saved"]
+    assert run["returncode"] != 0, output
     assert len(saved) == 1 and int(saved[0].name[5:]) % 10 == 0, output
     assert f"stopped by SIGTERM after step {saved[0].name[5:]}: saved" in output
-    done = subprocess.run([*TORCHRUN, f"run_dir={tmp_path / 'stopped'}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert_same_weights(whole_ddp, tmp_path / "stopped" / "model.pt")
+    assert [rank["error"] for rank in run["resumed"]] == [None, None], run["resumed"]
+    assert_same_weights(whole_ddp, run["run_dir"] / "model.pt")
 
 
-def test_sigterm_under_tensor_parallel_saves_and_resumes_as_the_run_no_signal_stopped(tmp_path, whole_ddp):
+def test_sigterm_under_tensor_parallel_saves_and_resumes_as_the_run_no_signal_stopped(ddp_runs):
     """The MLP's layers split over the two ranks (tp 2): they agree on a step, save its shards, and the resumed
     run ends as ddp x2's uninterrupted one, within float rounding (a split matmul sums in another order)."""
     import torch
 
     from tests.conftest import state_dict
 
-    tp = ["strategy=fsdp", "parallel.tp=2", "parallel.tp_plan={'0': colwise, '2': rowwise}", f"run_dir={tmp_path}"]
-    proc = subprocess.Popen([*TORCHRUN, *tp], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    output = signal_after_first_log(proc, signal.SIGTERM)
-    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
-    assert proc.returncode != 0 and len(saved) == 1, output
+    whole_ddp, stopped = ddp_runs
+    run = stopped["tp SIGTERM"]
+    output, saved = run["output"], run["saved"]
+    assert run["returncode"] != 0 and len(saved) == 1, output
     assert f"stopped by SIGTERM after step {saved[0].name[5:]}: saved" in output
-    done = subprocess.run([*TORCHRUN, *tp], cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-2000:]
-    a, b = state_dict(whole_ddp), state_dict(tmp_path / "model.pt")
+    assert [rank["error"] for rank in run["resumed"]] == [None, None], run["resumed"]
+    a, b = state_dict(whole_ddp), state_dict(run["run_dir"] / "model.pt")
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_to_the_launcher_that_started_torchrun_exits_as_the_plain_path(tmp_path, whole_ddp, sig, code):
+def test_signal_to_the_launcher_that_started_torchrun_exits_as_the_plain_path(ddp_runs, sig, code):
     """`python -m launcher ... strategy=ddp` runs torchrun in its own process: torchrun passes the signal on,
     the workers save once and stop, and the launcher exits 128+N without torchrun's SignalException."""
-    spawn = ["strategy=ddp", "nproc_per_node=2"]
-    proc = start(tmp_path / "stopped", *spawn)
-    output = signal_after_first_log(proc, sig)
-    assert proc.returncode == code and "Traceback" not in output, output
-    saved = sorted((tmp_path / "stopped" / "checkpoints").glob("step_*"))
-    assert len(saved) == 1 and 10 <= int(saved[0].name[5:]) < 300, output
+    whole_ddp, stopped = ddp_runs
+    run = stopped[f"launcher {sig.name}"]
+    output, saved = run["output"], run["saved"]
+    assert run["returncode"] == code and "Traceback" not in output, output
+    assert len(saved) == 1 and 10 <= int(saved[0].name[5:]) < MAX_STEPS, output
     assert f"stopped by {sig.name} after step {saved[0].name[5:]}: saved" in output
-    resumed = launch("recipes/quickstart.yaml", *SMALL, *SLOW, *spawn, f"run_dir={tmp_path / 'stopped'}", timeout=180)
-    assert resumed.returncode == 0 and f"resumed from {saved[0]}" in resumed.stdout, resumed.stderr[-2000:]
-    assert_same_weights(whole_ddp, tmp_path / "stopped" / "model.pt")  # torchrun's own run: the same weights
+    resumed = run["resumed"]
+    assert [rank["error"] for rank in resumed] == [None, None] and f"resumed from {saved[0]}" in resumed[0]["said"], resumed
+    assert_same_weights(whole_ddp, run["run_dir"] / "model.pt")  # torchrun's own run: the same weights
 
 
 @pytest.mark.parametrize("env, job", [

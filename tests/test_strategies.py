@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import QUICKSTART, REPO, assert_same_weights, launch, state_dict
+from tests.conftest import QUICKSTART, REPO, assert_same_weights, state_dict
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
 
@@ -30,10 +30,27 @@ def run(command: list, timeout: float = 180) -> subprocess.CompletedProcess:
     return done
 
 
+def in_this_process(*args: str) -> str:
+    """`python -m launcher ARGS` in this process, where torch is imported already (for a run whose process is not
+    what its test checks); what it printed."""
+    import contextlib
+    import io
+
+    from launcher.cli import main
+
+    said = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(said):
+        patch.chdir(REPO)
+        code = main(list(args))
+    assert code == 0, said.getvalue()[-3000:]
+    return said.getvalue()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The single-process run every strategy's must give: trained in this process."""
     folder = tmp_path_factory.mktemp("single")
-    run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={folder}", "strategy=single"])
+    in_this_process(*RECIPE, f"run_dir={folder}", "strategy=single")
     return folder / "model.pt"
 
 
@@ -45,15 +62,25 @@ def assert_equivalent(reference, other) -> None:
 
 
 def test_dp_without_gpus_runs_as_single(reference, tmp_path):
-    done = run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", "strategy=dp"])
-    assert "strategy: dp found no GPU; running as a single process on the CPU" in done.stdout
+    said = in_this_process(*RECIPE, f"run_dir={tmp_path}", "strategy=dp")  # a plain process, as this one
+    assert "strategy: dp found no GPU; running as a single process on the CPU" in said
     assert_equivalent(reference, tmp_path / "model.pt")
 
 
-def test_ddp_under_torchrun(reference, tmp_path):
-    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *RECIPE, f"run_dir={tmp_path}"])
+@pytest.fixture(scope="module")
+def ddp_torchrun(tmp_path_factory):
+    """DDP x2 under torchrun, saving every 10 steps: test_ddp_under_torchrun's run, and the run no kill stopped
+    that test_elastic_restart_resumes_and_finishes compares with (the saves change no weight)."""
+    folder = tmp_path_factory.mktemp("ddp-torchrun")
+    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *RECIPE, "checkpoint.every=10",
+                f"run_dir={folder}"])
+    return done, folder / "model.pt"
+
+
+def test_ddp_under_torchrun(reference, ddp_torchrun):
+    done, model = ddp_torchrun
     assert "(ddp)" in done.stdout and done.stdout.count("training quickstart") == 1  # rank 0 alone prints
-    assert_equivalent(reference, tmp_path / "model.pt")
+    assert_equivalent(reference, model)
 
 
 def test_ddp_started_by_the_launcher(reference, tmp_path):
@@ -91,14 +118,13 @@ def test_two_nodes_one_process_each(reference, tmp_path):
     assert_equivalent(reference, tmp_path / "model.pt")
 
 
-def test_elastic_restart_resumes_and_finishes(tmp_path):
+def test_elastic_restart_resumes_and_finishes(tmp_path, ddp_torchrun):
     common = [*RECIPE, "checkpoint.every=10"]
-    run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *common, f"run_dir={tmp_path / 'whole'}"])
     dies = "model={_target_: tests.components.DiesOnce, at: 25, rank: 1}"
     done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m", "launcher", *common,
                 dies, f"run_dir={tmp_path / 'killed'}"])
     assert "resumed from" in done.stdout and "step_20" in done.stdout
-    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "killed" / "model.pt")
+    assert_same_weights(ddp_torchrun[1], tmp_path / "killed" / "model.pt")
 
 
 def test_a_mistake_under_torchrun_exits_2_on_every_rank_with_one_line(tmp_path):
@@ -136,6 +162,5 @@ def test_accelerate_settles_precision_and_accumulation(monkeypatch, env, recipe,
 
 
 def test_nproc_per_node_without_a_strategy_that_starts_processes_says_so(tmp_path):
-    done = launch(str(QUICKSTART), f"run_dir={tmp_path}", "nproc_per_node=2", "trainer.max_steps=2")
-    assert done.returncode == 0, done.stderr
-    assert "nproc_per_node: 2 starts processes for strategy ddp or fsdp; strategy auto runs this one process" in done.stdout
+    said = in_this_process(str(QUICKSTART), f"run_dir={tmp_path}", "nproc_per_node=2", "trainer.max_steps=2")
+    assert "nproc_per_node: 2 starts processes for strategy ddp or fsdp; strategy auto runs this one process" in said
