@@ -31,27 +31,13 @@ def here(base, run_dir, *extra):
     return train(load(RECIPE, overrides(base, run_dir, *extra)))
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A LoRA run of 6 steps from a base folder, saved every 3 steps and exported as an HF folder at its end, shared
-    by the tests below: (the base folder, the run folder, what it printed)."""
-    import contextlib
-    import io
-
-    root = tmp_path_factory.mktemp("lora_run")
-    base = folder(root)
-    said = io.StringIO()
-    with contextlib.redirect_stdout(said):
-        here(base, root / "run", "checkpoint.export_hf=true", "checkpoint.every=3")
-    return base, root / "run", said.getvalue()
-
-
-def test_the_base_stays_as_loaded_and_the_adapters_learn(trained):
+def test_the_base_stays_as_loaded_and_the_adapters_learn(tmp_path, capsys):
     from safetensors.torch import load_file
 
-    base, run, said = trained
-    assert "(the base model's weights; its 8 adapter tensors as built)" in said
-    got, loaded = state_dict(run / "model.pt"), load_file(str(base / "model.safetensors"))
+    base = folder(tmp_path)
+    here(base, tmp_path / "run")
+    assert "(the base model's weights; its 8 adapter tensors as built)" in capsys.readouterr().out
+    got, loaded = state_dict(tmp_path / "run" / "model.pt"), load_file(str(base / "model.safetensors"))
     prefix = "base_model.model."
     for key, tensor in loaded.items():  # frozen: the folder's weights, bitwise, under peft's names
         name = prefix + key.replace("q_proj.", "q_proj.base_layer.").replace("v_proj.", "v_proj.base_layer.")
@@ -60,34 +46,28 @@ def test_the_base_stays_as_loaded_and_the_adapters_learn(trained):
     assert len(lora_b) == 4 and all(got[k].abs().sum() > 0 for k in lora_b)  # built as zeros, trained
 
 
-def test_a_resumed_lora_run_ends_bitwise_and_its_checkpoint_initialises_a_lora_model_whole(trained, tmp_path, capsys):
-    base, straight, _ = trained  # 6 steps straight, saved every 3
+def test_a_resumed_lora_run_ends_bitwise_and_its_checkpoint_initialises_a_lora_model_whole(tmp_path, capsys):
+    base = folder(tmp_path)
+    here(base, tmp_path / "straight", "checkpoint.every=3")
     here(base, tmp_path / "resumed", "checkpoint.every=3", "trainer.max_steps=3")
     here(base, tmp_path / "resumed", "checkpoint.every=3")
-    assert_same_weights(straight / "model.pt", tmp_path / "resumed" / "model.pt")
+    assert_same_weights(tmp_path / "straight" / "model.pt", tmp_path / "resumed" / "model.pt")
     capsys.readouterr()
-    here(base, tmp_path / "again", "trainer.max_steps=1", "optimizer.lr=0.0", f"checkpoint.init_from={straight}")
+    here(base, tmp_path / "again", "trainer.max_steps=1", "optimizer.lr=0.0",
+         f"checkpoint.init_from={tmp_path / 'straight'}")
     assert "adapter tensors as built" not in capsys.readouterr().out  # its own keys: adapters included
-    assert_same_weights(straight / "model.pt", tmp_path / "again" / "model.pt")
+    assert_same_weights(tmp_path / "straight" / "model.pt", tmp_path / "again" / "model.pt")
 
 
 SGD = ["optimizer._target_=torch.optim.SGD", "optimizer.lr=0.5"]  # as the other equivalence tests: Adam divides
 # each adapter's first, nearly zero gradients by their own size, so that their last bits decide the step
 
 
-@pytest.fixture(scope="module")
-def one(tmp_path_factory):
-    """One process's LoRA run with SGD: (the base folder, the run folder)."""
-    root = tmp_path_factory.mktemp("lora_one")
-    base = folder(root)
-    here(base, root / "one", *SGD, "strategy=single")
-    return base, root / "one"
-
-
-def test_lora_under_ddp_ends_as_one_process(one, tmp_path, one_rank):
-    base, single = one
+def test_lora_under_ddp_ends_as_one_process(tmp_path, one_rank):
+    base = folder(tmp_path)
+    here(base, tmp_path / "one", *SGD, "strategy=single")
     here(base, tmp_path / "ddp", *SGD, "strategy=ddp", "devices=cpu")
-    one, ddp = state_dict(single / "model.pt"), state_dict(tmp_path / "ddp" / "model.pt")
+    one, ddp = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "ddp" / "model.pt")
     assert one.keys() == ddp.keys() and all(torch.equal(one[k], ddp[k]) for k in one)
 
 
@@ -97,16 +77,13 @@ TP = ["strategy=fsdp", "parallel.tp=2", "model.peft_config.target_modules=[q_pro
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, one):
-    """LoRA under fsdp x2 and under tp x2 in one torchrun launch (tests/several_runs.py), and one process's runs
-    (root / "one" the shared one's, root / "one-tp" with tp's target modules)."""
-    import shutil
-
+def two_ranks(tmp_path_factory):
+    """LoRA under fsdp x2 and under tp x2 in one torchrun launch (tests/several_runs.py), and one process's runs."""
     from tests.several_runs import several
 
     root = tmp_path_factory.mktemp("lora")
-    base, single = one
-    shutil.copytree(single, root / "one")
+    base = folder(root)
+    here(base, root / "one", *SGD)
     here(base, root / "one-tp", *SGD, TP[-1])
     return root, several({"fsdp": [RECIPE, *overrides(base, root / "fsdp", "strategy=fsdp", *SGD)],
                           "tp": [RECIPE, *overrides(base, root / "tp", *TP, *SGD)]}, root)
@@ -182,35 +159,36 @@ def test_adapters_tensor_parallel_cannot_split_are_one_line_each(lora, line):
                                              f"{line.split()[1]} out of the plan or out of peft's target_modules")
 
 
-def test_export_merges_the_adapters_or_writes_them_as_peft_does(trained, tmp_path):
+def test_export_merges_the_adapters_or_writes_them_as_peft_does(tmp_path):
     import peft
     import transformers
 
     from tests.test_hf_folders import export
 
-    base, run, _ = trained
-    cfg = json.loads((run / "adapter_config.json").read_text())
+    base = folder(tmp_path)
+    here(base, tmp_path / "run", "checkpoint.export_hf=true", "checkpoint.every=3")
+    cfg = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and cfg["peft_type"] == "LORA"
-    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
+    trained = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base),
                                   peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    model.load_state_dict(state_dict(run / "model.pt"), strict=True)
+    trained.load_state_dict(state_dict(tmp_path / "run" / "model.pt"), strict=True)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = model.eval()(ids).logits
+        expected = trained.eval()(ids).logits
         for out, args in (("merged", ["--format", "hf", "--merge-lora", "--max-shard-size", "60KB"]),
                           ("adapters", ["--format", "peft"])):
-            done = export(run / "checkpoints" / "step_6", tmp_path / out, *args)
+            done = export(tmp_path / "run" / "checkpoints" / "step_6", tmp_path / out, *args)
             assert done.returncode == 0, done.stderr
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
         assert not any("lora" in k for k in merged.state_dict())
         torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
-        at_end = transformers.AutoModelForCausalLM.from_pretrained(run / "hf")  # checkpoint.export_hf
+        at_end = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")  # checkpoint.export_hf
         torch.testing.assert_close(at_end(ids).logits, expected, rtol=0, atol=1e-5)
         again = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapters")
         torch.testing.assert_close(again.eval()(ids).logits, expected, rtol=0, atol=1e-6)
-    done = export(run, tmp_path / "unmerged", "--format", "hf")
+    done = export(tmp_path / "run", tmp_path / "unmerged", "--format", "hf")
     assert done.returncode == 2 and not (tmp_path / "unmerged").exists()
     assert done.stderr.strip().splitlines() == [
-        f"launcher: {run}: a peft model's checkpoint (its adapters, "
+        f"launcher: {tmp_path / 'run'}: a peft model's checkpoint (its adapters, "
         f"'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight', ...): give --merge-lora for the "
         f"base model with the adapters merged in, or --format peft for the adapters alone"], done.stderr
