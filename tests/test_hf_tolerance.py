@@ -40,28 +40,13 @@ def two_processes(tmp_path_factory):
     return root, several(cases, root, timeout=600)[0]
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """One process's run of a model and optimizer, trained here once for the cases that share it (BERT with SGD):
-    its model.pt."""
-    runs = {}
-
-    def weights(model: str, optimizer: str):
-        if (model, optimizer) not in runs:
-            folder = tmp_path_factory.mktemp(f"{model}-{optimizer}-one")
-            in_process(folder, overrides(model, optimizer))
-            runs[model, optimizer] = folder / "model.pt"
-        return torch.load(runs[model, optimizer], weights_only=True)
-
-    return weights
-
-
 @pytest.mark.parametrize("model, optimizer, strategy", CASES)
-def test_two_processes_end_within_rtol_1e_5_of_one(model, optimizer, strategy, two_processes, one_process):
+def test_two_processes_end_within_rtol_1e_5_of_one(model, optimizer, strategy, tmp_path, two_processes):
     root, results = two_processes
     done = results[name(model, optimizer, strategy)]
     assert done["error"] is None, done
     assert strategy != "tp" or "parallel.tp: 12 layers split over 2 ranks" in done["said"], done["said"]
-    one = one_process(model, optimizer)
+    in_process(tmp_path / "one", overrides(model, optimizer))
+    one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
     two = torch.load(root / name(model, optimizer, strategy) / "model.pt", weights_only=True)
     assert outside(one, two) == []
