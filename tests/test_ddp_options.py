@@ -16,7 +16,6 @@ from launcher.strategies.ddp import options, unused_parameters, with_sync_batchn
 from tests.components_ddp import UnusedHead, WithBatchNorm
 from tests.conftest import REPO, SMALL, state_dict
 from tests.test_strategies import ACCELERATE, RECIPE, TORCHRUN, assert_equivalent, free_port, run
-from tests.test_strategies import reference  # noqa: F401 (a fixture: the single-process weights)
 
 UNUSED = "model._target_=tests.components_ddp.UnusedHead"
 SHORT = [*SMALL, "trainer.max_steps=10", "data.val.n=64"]
@@ -169,6 +168,17 @@ def accelerate2(tmp_path, *args: str) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True, timeout=180)
 
 
+# DDP's options that must keep the single-process weights, by the test's id
+OPTIONS = {
+    # and checkpoints written by rank 0 in the background (checkpoint.async_save), which train nothing differently
+    "static-graph-async-saves": ["ddp.static_graph=true", "checkpoint.async_save=true", "checkpoint.every=10",
+                                 "checkpoint.keep=4"],
+    # half the batch twice: the micro-steps skip sync, into gradients that are views of small buckets
+    "bucket-views-accumulating": ["ddp.gradient_as_bucket_view=true", "ddp.bucket_cap_mb=0.01",
+                                  "ddp.find_unused_parameters=true", "data.batch_size=16", "trainer.grad_accum_steps=2"],
+}
+
+
 def ours(stderr: str) -> list:
     """The workers' own lines (torchrun's report, when there is one, is indented after them)."""
     return [line for line in stderr.splitlines() if line.startswith(("launcher:", "[rank"))]
@@ -183,11 +193,28 @@ def test_ddp_unused_parameters_is_one_line_on_rank_0(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """The two-process runs that train, one after another in one torchrun launch (tests/several_runs.py) as
+    `torchrun -m launcher` would run each: (root, each rank's results); case NAME's run folder is root / NAME."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("ddp_options")
+    cases = {"unused-allowed": ["recipes/quickstart.yaml", "strategy=ddp", *SHORT, UNUSED, "ddp.find_unused_parameters=true"],
+             **{name: [*RECIPE, *options] for name, options in OPTIONS.items()}}
+    return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=600)
+
+
+def ran(two, name):
+    """Case NAME's run folder; the case ended without an error on both ranks."""
+    root, ranks = two
+    assert [results[name]["error"] for results in ranks] == [None, None], [results[name] for results in ranks]
+    return root / name
+
+
 @pytest.mark.slow
-def test_ddp_unused_parameters_allowed_trains(tmp_path):
-    done = ddp2(tmp_path, UNUSED, "ddp.find_unused_parameters=true")
-    assert done.returncode == 0, done.stderr[-3000:]
-    UnusedHead().load_state_dict(state_dict(tmp_path / "model.pt"), strict=True)
+def test_ddp_unused_parameters_allowed_trains(two):
+    UnusedHead().load_state_dict(state_dict(ran(two, "unused-allowed") / "model.pt"), strict=True)
 
 
 @pytest.mark.slow
@@ -213,22 +240,27 @@ def test_ddp_sync_batchnorm_on_the_cpu_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single-process weights (tests/test_strategies.py's reference run), trained in this process."""
+    from launcher.recipe import load
+    from launcher.run.train import train
+
+    folder = tmp_path_factory.mktemp("single")
+    train(load(REPO / RECIPE[0], [*RECIPE[1:], f"run_dir={folder}", "strategy=single"]))
+    return folder / "model.pt"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [
-    # and checkpoints written by rank 0 in the background (checkpoint.async_save), which train nothing differently
-    ["ddp.static_graph=true", "checkpoint.async_save=true", "checkpoint.every=10", "checkpoint.keep=4"],
-    # half the batch twice: the micro-steps skip sync, into gradients that are views of small buckets
-    ["ddp.gradient_as_bucket_view=true", "ddp.bucket_cap_mb=0.01", "ddp.find_unused_parameters=true",
-     "data.batch_size=16", "trainer.grad_accum_steps=2"],
-], ids=["static-graph-async-saves", "bucket-views-accumulating"])
-def test_ddp_options_keep_the_single_process_weights(reference, tmp_path, options):
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_ddp_options_keep_the_single_process_weights(reference, two, options):
     """They change how DDP reduces, not what."""
     from launcher.checkpoint import layout, manifest
 
-    run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", *options])
-    assert_equivalent(reference, tmp_path / "model.pt")
-    if "checkpoint.async_save=true" in options:
-        sealed = layout.complete(tmp_path / "checkpoints")
+    folder = ran(two, options)
+    assert_equivalent(reference, folder / "model.pt")
+    if "checkpoint.async_save=true" in OPTIONS[options]:
+        sealed = layout.complete(folder / "checkpoints")
         assert [p.name for p in sealed] == ["step_10", "step_20", "step_30", "step_40"]
         assert all(manifest.verify(p) is None for p in sealed)
         assert_equivalent(reference, sealed[-1] / "model.pt")

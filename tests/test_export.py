@@ -14,9 +14,24 @@ from tests.conftest import REPO, assert_same_weights, state_dict, train
 safetensors = pytest.importorskip("safetensors.torch", reason="the dev extra (safetensors) is not installed")
 
 
-def export(*args):
+def command(*args):
+    """`python -m launcher.export ARGS` in a fresh process, as a user types it."""
     return subprocess.run([sys.executable, "-m", "launcher.export", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
+
+
+def export(*args):
+    """The command's own main() in this process (a fresh one would add its start-up): its exit code, what it
+    printed on stdout and on stderr. An exception it let through fails the test, as a traceback would."""
+    import contextlib
+    import io
+
+    from launcher.export import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +54,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_a_sharded_checkpoint_exports_to_the_gathered_weights(runs, tmp_path, suffix):
     step = runs / "sharded" / "checkpoints" / "step_40"
-    done = export(step, tmp_path / f"m{suffix}")
+    done = command(step, tmp_path / f"m{suffix}")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"wrote {tmp_path / f'm{suffix}'}: 6 tensors, ") and str(step) in done.stdout
     loaded = safetensors.load_file(tmp_path / "m.safetensors") if suffix == ".safetensors" else state_dict(tmp_path / "m.pt")
@@ -125,7 +140,7 @@ def test_init_from_a_sharded_checkpoint(runs, tmp_path):
     assert_same_weights(runs / "sharded" / "checkpoints" / "step_40" / "model.pt", tmp_path / "model.pt")
 
 
-def test_a_run_folder_continued_and_killed_gives_its_newest_weights(tmp_path):
+def test_a_run_folder_continued_and_killed_gives_its_newest_weights(tmp_path, capsys):
     """Finished at step 20, continued to 60 and killed (SIGKILL) at step 45: export and init_from of the run
     folder used to give the step-20 model.pt. The continued run moved that model.pt aside as it began, and
     a run folder's weights are its newest complete checkpoint, step 40, which both name."""
@@ -133,7 +148,7 @@ def test_a_run_folder_continued_and_killed_gives_its_newest_weights(tmp_path):
 
     run = tmp_path / "run"
     common = [str(QUICKSTART), *SMALL, f"run_dir={run}", "checkpoint.every=20"]
-    assert launch(*common, "trainer.max_steps=20").returncode == 0
+    train(run, "checkpoint.every=20", "trainer.max_steps=20")  # common's run, in this process
     ended = state_dict(run / "model.pt")
     killed = launch(*common, "trainer.max_steps=60",
                     f"model={{_target_: tests.components.KilledOnce, at: 25, marker: '{tmp_path / 'killed'}'}}")
@@ -146,6 +161,8 @@ def test_a_run_folder_continued_and_killed_gives_its_newest_weights(tmp_path):
     done = export(run, tmp_path / "out.pt")
     assert done.returncode == 0 and done.stdout.strip().endswith(f"from {run / 'checkpoints' / 'step_40'}"), done.stderr
     assert_same_weights(run / "checkpoints" / "step_40" / "model.pt", tmp_path / "out.pt")
-    started = launch(*common[:-1], f"run_dir={tmp_path / 'other'}", "trainer.max_steps=1", f"checkpoint.init_from={run}")
-    assert f"initialised the model from {run} (its weights in {run / 'checkpoints' / 'step_40'})" in started.stdout, \
-        started.stderr[-2000:]
+    capsys.readouterr()
+    train(tmp_path / "other", "trainer.max_steps=1", f"checkpoint.init_from={run}")  # in this process
+    started = capsys.readouterr()
+    assert f"initialised the model from {run} (its weights in {run / 'checkpoints' / 'step_40'})" in started.out, \
+        started.err[-2000:]

@@ -1,5 +1,9 @@
 """Strategy fsdp over real torchrun processes (gloo on the CPU): the weights of one process, and sharded
-checkpoints that resume exactly at the same world size and closely at any other, under any strategy."""
+checkpoints that resume exactly at the same world size and closely at any other, under any strategy.
+
+The two-process runs that train share one torchrun launch (tests/several_runs.py), one after another: the
+ones that resume come after the runs whose checkpoints they read. One process's runs train in this one. The
+runs that must fail with one line are launched as a user types them, each on its own."""
 
 import json
 import sys
@@ -7,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import assert_same_weights, state_dict
+from tests.conftest import REPO, assert_same_weights, state_dict
 from tests.test_strategies import RECIPE, run
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
@@ -22,10 +26,21 @@ CHARLM = ["recipes/charlm.yaml", "on_cpu=null", "devices=cpu", "precision=fp32",
           "model.block_size=32", "model.dropout=0.0", "data.batch_size=8", "data.val=null", "trainer.max_steps=12",
           "trainer.grad_accum_steps=2", "trainer.clip_grad_norm=0.5", "trainer.log_every=4", "trainer.eval_every=null",
           "checkpoint.every=6", "logging.tensorboard=false"]
+# bf16 under DDP and FSDP (test_bf16_fsdp_gives_the_weights_of_bf16_ddp_bitwise says why no clipping)
+BF16 = [*QUICK, "precision=bf16", "trainer.max_steps=20", "checkpoint.every=null", "trainer.clip_grad_norm=null"]
+CONSOLIDATE = [*QUICK, *FSDP, "trainer.max_steps=20", "checkpoint.every=10"]
 
 
 def launch(run_dir, *args):
     return run([sys.executable, "-m", "launcher", *args, f"run_dir={run_dir}"], timeout=300)
+
+
+def here(run_dir, recipe, *args):
+    """One process, trained in this one (a fresh process would add its start-up)."""
+    from launcher.recipe import load
+    from launcher.run.train import train
+
+    train(load(REPO / recipe, [*args, "strategy=single", f"run_dir={run_dir}"]))
 
 
 def assert_close(a, b, rtol=1e-5, atol=1e-6) -> None:
@@ -38,43 +53,72 @@ def assert_close(a, b, rtol=1e-5, atol=1e-6) -> None:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     folder = tmp_path_factory.mktemp("single")
-    launch(folder, *QUICK, "strategy=single")
+    here(folder, *QUICK)
     return folder
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fsdp")
-    done = launch(folder, *QUICK, *FSDP)
-    return folder, done.stdout
+def two(tmp_path_factory, single):
+    """Every two-process run of this module in one torchrun launch, in this order: (root, rank 0's and rank 1's
+    results). The run folder of case NAME is root / NAME."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("fsdp")
+    sharded = root / "sharded" / "checkpoints" / "step_20"
+    cases = {
+        "sharded": [*QUICK, *FSDP],
+        "compiled": [*QUICK, *FSDP, "trainer.compile=true", "checkpoint.every=null"],
+        "bf16-ddp": [*BF16, *DDP],
+        "bf16-fsdp": [*BF16, *FSDP],
+        "resumed": [*QUICK, *FSDP, f"checkpoint.resume={sharded}"],
+        "resumed-under-ddp": [*QUICK, *DDP, f"checkpoint.resume={sharded}"],
+        "resumed-under-tp": [*QUICK, *FSDP, "parallel.tp=2", "parallel.tp_plan={'0': colwise, '2': rowwise}",
+                             f"checkpoint.resume={sharded}"],
+        "from-one-process": [*QUICK, *FSDP, f"checkpoint.resume={single / 'checkpoints' / 'step_20'}"],
+        "ddp-20-steps": [*QUICK, *DDP, "trainer.max_steps=20"],
+        "async": [*QUICK, *FSDP, "checkpoint.async_save=true", "checkpoint.every=10"],
+        "async-resumed": [*QUICK, *FSDP, f"checkpoint.resume={root / 'async' / 'checkpoints' / 'step_20'}"],
+        "charlm": [*CHARLM, *FSDP, "trainer.activation_checkpointing=[Block]"],
+        "consolidate-every": [*CONSOLIDATE, "checkpoint.consolidate=every"],
+        "consolidate-never": [*CONSOLIDATE, "checkpoint.consolidate=never"],
+    }
+    ranks = several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=1200)
+    return root, ranks
 
 
-def test_fsdp_gives_the_weights_of_one_process(single, sharded):
-    folder, said = sharded
+def ran(two, name):
+    """Case NAME's run folder and what rank 0 printed; the case ended without an error on both ranks."""
+    root, ranks = two
+    assert [results[name]["error"] for results in ranks] == [None, None], [results[name] for results in ranks]
+    return root / name, ranks[0][name]["said"]
+
+
+def test_fsdp_gives_the_weights_of_one_process(single, two):
+    folder, said = ran(two, "sharded")
     assert "(fsdp)" in said and "fsdp: sharded over 2 ranks; units none (the root alone)" in said
     assert "optimizer: torch.optim.AdamW with fused=True" in said  # on the shards (DTensors) as in one process
     assert_close(single / "model.pt", folder / "model.pt")
 
 
-def test_compiled_fsdp_gives_the_eager_weights_of_one_process(single, tmp_path):
-    launch(tmp_path, *QUICK, *FSDP, "trainer.compile=true", "checkpoint.every=null")
-    assert_close(single / "model.pt", tmp_path / "model.pt")
+def test_compiled_fsdp_gives_the_eager_weights_of_one_process(single, two):
+    folder, _ = ran(two, "compiled")
+    assert_close(single / "model.pt", folder / "model.pt")
 
 
-def test_bf16_fsdp_gives_the_weights_of_bf16_ddp_bitwise(tmp_path):
+def test_bf16_fsdp_gives_the_weights_of_bf16_ddp_bitwise(two):
     """Parameters computed in bf16 (FSDP's MixedPrecisionPolicy under autocast), gradients accumulated and
     reduced in fp32: DDP's numbers at the same world size, bit for bit. Not with clipping: the norm sums the
     shards in another order, its last bit can differ (3e-8 here after 20 steps), and bf16's rounding of the
     parameters can amplify that (a CPU with native bf16 did, past rtol 1e-5). Against one process, each rank's
     bf16 gradient is rounded before the reduction, under DDP as under FSDP (about 1e-2 apart after 20 steps)."""
-    short = [*QUICK, "precision=bf16", "trainer.max_steps=20", "checkpoint.every=null", "trainer.clip_grad_norm=null"]
-    launch(tmp_path / "ddp", *short, *DDP)
-    launch(tmp_path / "fsdp", *short, *FSDP)
-    assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "fsdp" / "model.pt")
+    (ddp, _), (fsdp, _) = ran(two, "bf16-ddp"), ran(two, "bf16-fsdp")
+    assert_same_weights(ddp / "model.pt", fsdp / "model.pt")
 
 
-def test_a_sharded_checkpoint_is_dcp_shards_sealed_by_a_manifest(sharded):
-    folder, _ = sharded
+def test_a_sharded_checkpoint_is_dcp_shards_sealed_by_a_manifest(two, tmp_path):
+    from launcher import export
+
+    folder, _ = ran(two, "sharded")
     step = folder / "checkpoints" / "step_20"
     names = sorted(p.name for p in step.iterdir())
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]  # consolidate: final
@@ -83,74 +127,68 @@ def test_a_sharded_checkpoint_is_dcp_shards_sealed_by_a_manifest(sharded):
     assert sorted(manifest["files"]) == names[:3]
     assert "model.pt" in {p.name for p in (folder / "checkpoints" / "step_40").iterdir()}
     assert not list((folder / "checkpoints").glob(".step_*"))
-    # Both ranks' shards, joined by python -m launcher.export in one process: the gathered model.pt
-    run([sys.executable, "-m", "launcher.export", str(folder / "checkpoints" / "step_40"), str(folder / "e.pt")])
-    assert_same_weights(folder / "model.pt", folder / "e.pt")
+    # Both ranks' shards, joined by python -m launcher.export's work in one process (this one): the gathered model.pt
+    assert export.main([str(folder / "checkpoints" / "step_40"), str(tmp_path / "e.pt")]) == 0
+    assert_same_weights(folder / "model.pt", tmp_path / "e.pt")
 
 
-def test_resume_at_the_same_world_size_is_bitwise(sharded, tmp_path):
-    folder, _ = sharded
-    done = launch(tmp_path, *QUICK, *FSDP, f"checkpoint.resume={folder / 'checkpoints' / 'step_20'}")
-    assert "resumed from" in done.stdout and "resharded" not in done.stdout
-    assert_same_weights(folder / "model.pt", tmp_path / "model.pt")
+def test_resume_at_the_same_world_size_is_bitwise(two):
+    folder, _ = ran(two, "sharded")
+    resumed, said = ran(two, "resumed")
+    assert "resumed from" in said and "resharded" not in said
+    assert_same_weights(folder / "model.pt", resumed / "model.pt")
 
 
-def test_a_sharded_checkpoint_resumes_in_one_process(single, sharded, tmp_path):
-    folder, _ = sharded
-    done = launch(tmp_path, *QUICK, "strategy=single", f"checkpoint.resume={folder / 'checkpoints' / 'step_20'}")
-    assert "written by 2 processes, resharded to 1" in done.stdout
+def test_a_sharded_checkpoint_resumes_in_one_process(single, two, tmp_path, capsys):
+    folder, _ = ran(two, "sharded")
+    capsys.readouterr()
+    here(tmp_path, *QUICK, f"checkpoint.resume={folder / 'checkpoints' / 'step_20'}")
+    assert "written by 2 processes, resharded to 1" in capsys.readouterr().out
     assert_close(single / "model.pt", tmp_path / "model.pt")
 
 
-def test_a_sharded_checkpoint_resumes_under_ddp(single, sharded, tmp_path):
-    folder, _ = sharded
-    launch(tmp_path, *QUICK, *DDP, f"checkpoint.resume={folder / 'checkpoints' / 'step_20'}")
-    assert_close(single / "model.pt", tmp_path / "model.pt")
+def test_a_sharded_checkpoint_resumes_under_ddp(single, two):
+    folder, _ = ran(two, "resumed-under-ddp")
+    assert_close(single / "model.pt", folder / "model.pt")
 
 
-def test_a_sharded_checkpoint_resumes_split_over_tensor_parallel_ranks(single, sharded, tmp_path):
+def test_a_sharded_checkpoint_resumes_split_over_tensor_parallel_ranks(single, two):
     """fsdp x 2's shards read by tp x 2: the MLP's first layer split by rows, its second by columns."""
-    folder, _ = sharded
-    done = launch(tmp_path, *QUICK, *FSDP, "parallel.tp=2", "parallel.tp_plan={'0': colwise, '2': rowwise}",
-                  f"checkpoint.resume={folder / 'checkpoints' / 'step_20'}")
-    assert "parallel.tp: 2 layers split over 2 ranks: 0 (colwise), 2 (rowwise)" in done.stdout
-    assert_close(single / "model.pt", tmp_path / "model.pt")
+    folder, said = ran(two, "resumed-under-tp")
+    assert "parallel.tp: 2 layers split over 2 ranks: 0 (colwise), 2 (rowwise)" in said
+    assert_close(single / "model.pt", folder / "model.pt")
 
 
-def test_a_one_process_checkpoint_resumes_sharded(single, tmp_path):
-    done = launch(tmp_path, *QUICK, *FSDP, f"checkpoint.resume={single / 'checkpoints' / 'step_20'}")
-    assert "written by 1 process, resharded to 2" in done.stdout
-    assert_close(single / "model.pt", tmp_path / "model.pt")
+def test_a_one_process_checkpoint_resumes_sharded(single, two):
+    folder, said = ran(two, "from-one-process")
+    assert "written by 1 process, resharded to 2" in said
+    assert_close(single / "model.pt", folder / "model.pt")
 
 
-def test_ddp_resumes_in_one_process(single, tmp_path):
-    ddp = tmp_path / "ddp"
-    launch(ddp, *QUICK, *DDP, "trainer.max_steps=20")
-    launch(tmp_path / "one", *QUICK, "strategy=single", f"checkpoint.resume={ddp / 'checkpoints' / 'step_20'}")
+def test_ddp_resumes_in_one_process(single, two, tmp_path):
+    ddp, _ = ran(two, "ddp-20-steps")
+    here(tmp_path / "one", *QUICK, f"checkpoint.resume={ddp / 'checkpoints' / 'step_20'}")
     assert_close(single / "model.pt", tmp_path / "one" / "model.pt")
 
 
-def test_asynchronous_saves_write_the_same_checkpoints(sharded, tmp_path):
-    folder, _ = sharded
-    launch(tmp_path, *QUICK, *FSDP, "checkpoint.async_save=true", "checkpoint.every=10")
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_40"
-    assert_same_weights(folder / "model.pt", tmp_path / "model.pt")
-    again = tmp_path / "again"  # the asynchronously written step_20 resumes exactly
-    launch(again, *QUICK, *FSDP, f"checkpoint.resume={tmp_path / 'checkpoints' / 'step_20'}")
+def test_asynchronous_saves_write_the_same_checkpoints(two):
+    folder, _ = ran(two, "sharded")
+    written, _ = ran(two, "async")
+    assert (written / "checkpoints" / "latest").read_text().strip() == "step_40"
+    assert_same_weights(folder / "model.pt", written / "model.pt")
+    again, _ = ran(two, "async-resumed")  # the asynchronously written step_20 resumes exactly
     assert_same_weights(folder / "model.pt", again / "model.pt")
 
 
-def test_charlm_blocks_as_units_with_activation_checkpointing(tmp_path):
-    launch(tmp_path / "one", *CHARLM, "strategy=single")
-    done = launch(tmp_path / "fsdp", *CHARLM, *FSDP, "trainer.activation_checkpointing=[Block]")
-    assert "units Block" in done.stdout
-    assert_close(tmp_path / "one" / "model.pt", tmp_path / "fsdp" / "model.pt")
+def test_charlm_blocks_as_units_with_activation_checkpointing(two, tmp_path):
+    folder, said = ran(two, "charlm")
+    here(tmp_path / "one", *CHARLM)
+    assert "units Block" in said
+    assert_close(tmp_path / "one" / "model.pt", folder / "model.pt")
 
 
 def test_a_unit_the_model_lacks_is_one_line_on_every_rank(tmp_path):
     import subprocess
-
-    from tests.conftest import REPO
 
     done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, *FSDP, "fsdp.units=[Block]",
                            f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -159,21 +197,18 @@ def test_a_unit_the_model_lacks_is_one_line_on_every_rank(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_consolidate_every_and_never(tmp_path):
-    short = [*QUICK, *FSDP, "trainer.max_steps=20", "checkpoint.every=10"]
-    launch(tmp_path / "every", *short, "checkpoint.consolidate=every")
+def test_consolidate_every_and_never(two):
+    every, _ = ran(two, "consolidate-every")
     for step in (10, 20):
-        assert (tmp_path / "every" / "checkpoints" / f"step_{step}" / "model.pt").is_file()
-    assert_same_weights(tmp_path / "every" / "model.pt", tmp_path / "every" / "checkpoints" / "step_20" / "model.pt")
-    done = launch(tmp_path / "never", *short, "checkpoint.consolidate=never")
-    assert not list((tmp_path / "never").rglob("model.pt"))
-    assert "model: not gathered (checkpoint.consolidate=never" in done.stdout
+        assert (every / "checkpoints" / f"step_{step}" / "model.pt").is_file()
+    assert_same_weights(every / "model.pt", every / "checkpoints" / "step_20" / "model.pt")
+    never, said = ran(two, "consolidate-never")
+    assert not list(never.rglob("model.pt"))
+    assert "model: not gathered (checkpoint.consolidate=never" in said
 
 
 def test_fp16_is_refused_with_one_line(tmp_path):
     import subprocess
-
-    from tests.conftest import REPO
 
     done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, *FSDP, "precision=fp16", f"run_dir={tmp_path}"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -181,19 +216,25 @@ def test_fp16_is_refused_with_one_line(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_a_sharded_checkpoint_of_another_model_names_the_difference_on_every_rank(sharded, tmp_path):
+def test_a_sharded_checkpoint_of_another_model_names_the_difference_on_every_rank(two, tmp_path, capsys):
     """DCP alone says `CheckpointException ranks:dict_keys([0, 1])`: the first differing key and its
-    shapes instead, as for a full checkpoint, under fsdp x2 and in one process."""
+    shapes instead, as for a full checkpoint, under fsdp x2 (launched as a user types it) and in one process
+    (python -m launcher's main, in this one)."""
     import subprocess
 
-    from tests.conftest import REPO
+    from launcher.cli import main
 
-    step = sharded[0] / "checkpoints" / "step_20"
-    for how in (FSDP, ["strategy=single"]):
-        done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, *how, "model.hidden=64",
-                               f"checkpoint.resume={step}", f"run_dir={tmp_path}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2, done.stderr[-2000:]
-        lines = [x for x in done.stderr.splitlines() if x.startswith("launcher:") or "Traceback" in x]
-        assert lines == [f"launcher: checkpoint.resume: {step} does not fit this run ('0.weight' is (128, 32) in the "
-                         f"checkpoint, (64, 32) in the model); start over with checkpoint.resume=never"], done.stderr[-2000:]
+    step = ran(two, "sharded")[0] / "checkpoints" / "step_20"
+    expected = [f"launcher: checkpoint.resume: {step} does not fit this run ('0.weight' is (128, 32) in the "
+                f"checkpoint, (64, 32) in the model); start over with checkpoint.resume=never"]
+    done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, *FSDP, "model.hidden=64",
+                           f"checkpoint.resume={step}", f"run_dir={tmp_path / 'fsdp'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [x for x in done.stderr.splitlines() if x.startswith("launcher:") or "Traceback" in x]
+    assert lines == expected, done.stderr[-2000:]
+    capsys.readouterr()
+    code = main([*QUICK, "strategy=single", "model.hidden=64", f"checkpoint.resume={step}", f"run_dir={tmp_path / 'one'}"])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("launcher:") or "Traceback" in x]
+    assert code == 2 and lines == expected, err[-2000:]

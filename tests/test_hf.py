@@ -68,21 +68,38 @@ def test_a_mean_of_micro_batch_means_would_differ(reference, tmp_path, monkeypat
         assert_close_weights(reference, tmp_path / "model.pt")
 
 
-@pytest.mark.slow
-def test_ddp_two_processes_with_accumulation(reference, tmp_path):
-    run([sys.executable, "-m", "launcher", str(RECIPE), *SHORT, f"run_dir={tmp_path}", "strategy=ddp",
-         "nproc_per_node=2", "data.batch_size=8", "trainer.grad_accum_steps=2"], timeout=300)
-    assert_close_weights(reference, tmp_path / "model.pt")
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """DDP x2 and FSDP x2, each with accumulation, one after another in one torchrun launch (tests/several_runs.py):
+    (root, each rank's results); case NAME's run folder is root / NAME."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("hf_two")
+    cases = {name: [str(RECIPE), *SHORT, f"run_dir={root / name}", f"strategy={name}", "nproc_per_node=2",
+                    "data.batch_size=8", "trainer.grad_accum_steps=2"] for name in ("ddp", "fsdp")}
+    return root, several(cases, root, timeout=600)
+
+
+def ran(two, name):
+    """Case NAME's run folder and what rank 0 printed; the case ended without an error on both ranks."""
+    root, ranks = two
+    assert [results[name]["error"] for results in ranks] == [None, None], [results[name] for results in ranks]
+    return root / name, ranks[0][name]["said"]
 
 
 @pytest.mark.slow
-def test_fsdp_two_processes_with_accumulation(reference, tmp_path):
+def test_ddp_two_processes_with_accumulation(reference, two):
+    folder, _ = ran(two, "ddp")
+    assert_close_weights(reference, folder / "model.pt")
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_with_accumulation(reference, two):
     """GPT2Block as the sharding units (the model's _no_split_modules); the counted micro-steps skip the
     reduce-scatter, and the reduced gradients are rescaled to the step's token count after it."""
-    done = run([sys.executable, "-m", "launcher", str(RECIPE), *SHORT, f"run_dir={tmp_path}", "strategy=fsdp",
-                "nproc_per_node=2", "data.batch_size=8", "trainer.grad_accum_steps=2"], timeout=300)
-    assert "units GPT2Block" in done.stdout
-    assert_close_weights(reference, tmp_path / "model.pt")
+    folder, said = ran(two, "fsdp")
+    assert "units GPT2Block" in said
+    assert_close_weights(reference, folder / "model.pt")
 
 
 @pytest.mark.slow
@@ -111,11 +128,13 @@ def test_the_loss_falls_and_metrics_read_the_model_output(tmp_path):
     assert 0.05 < results["val/accuracy"] <= 1 and 0.05 < results["train/accuracy"] <= 1
 
 
-def test_a_string_field_stays_out_of_the_model(tmp_path):
-    done = launch(str(RECIPE), *SHORT, f"run_dir={tmp_path}", "trainer.max_steps=2", "data.train.with_id=true",
-                  timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "step: model(**batch) leaves out id (not arguments of GPT2LMHeadModel.forward)" in done.stdout
+def test_a_string_field_stays_out_of_the_model(tmp_path, capsys):
+    from launcher.cli import main  # python -m launcher's own, in this process
+
+    code = main([str(RECIPE), *SHORT, f"run_dir={tmp_path}", "trainer.max_steps=2", "data.train.with_id=true"])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "step: model(**batch) leaves out id (not arguments of GPT2LMHeadModel.forward)" in out
 
 
 def test_a_metric_that_cannot_read_a_model_output_is_one_line(tmp_path):
@@ -128,21 +147,30 @@ def test_a_metric_that_cannot_read_a_model_output_is_one_line(tmp_path):
                                                  "(a CausalLMOutputWithCrossAttentions)"), done.stderr
 
 
-def test_a_loss_on_dict_batches_says_what_to_change(tmp_path):
-    done = launch(str(RECIPE), *SHORT, f"run_dir={tmp_path}", "loss._target_=torch.nn.CrossEntropyLoss", timeout=300)
-    assert done.returncode == 2
-    assert "the recipe's loss takes (input, target) pairs, and a batch is a dict; without loss:" in done.stderr
+def test_a_loss_on_dict_batches_says_what_to_change(tmp_path, capsys):
+    from launcher.cli import main  # python -m launcher's own, in this process
+
+    code = main([str(RECIPE), *SHORT, f"run_dir={tmp_path}", "loss._target_=torch.nn.CrossEntropyLoss"])
+    assert code == 2
+    assert "the recipe's loss takes (input, target) pairs, and a batch is a dict; without loss:" in capsys.readouterr().err
 
 
-def test_the_readmes_own_step_trains_the_hf_recipe(tmp_path):
+def test_the_readmes_own_step_trains_the_hf_recipe(tmp_path, capsys, monkeypatch):
     readme = (REPO / "docs" / "your-model.md").read_text()  # the page's own step and its recipe lines
     code = readme.split("```python\n# my/steps.py\n", 1)[1].split("```", 1)[0]
     recipe = readme.split("```yaml\nstep: {_target_: my.steps.masked_lm", 1)[1].split("```", 1)[0]
     (tmp_path / "my").mkdir()
     (tmp_path / "my" / "steps.py").write_text(code)
     assert "loss: {_target_: torch.nn.CrossEntropyLoss}" in recipe
-    done = launch(str(RECIPE), *SHORT, f"run_dir={tmp_path / 'run'}", "step._target_=my.steps.masked_lm",
-                  "step._partial_=true", "loss._target_=torch.nn.CrossEntropyLoss", "metrics={}", timeout=300,
-                  env={"PYTHONPATH": str(tmp_path)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "done: step 6" in done.stdout
+    from launcher.cli import main  # python -m launcher's own, in this process, the page's module on its path
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code = main([str(RECIPE), *SHORT, f"run_dir={tmp_path / 'run'}", "step._target_=my.steps.masked_lm",
+                     "step._partial_=true", "loss._target_=torch.nn.CrossEntropyLoss", "metrics={}"])
+    finally:
+        for name in ("my.steps", "my"):
+            sys.modules.pop(name, None)
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "done: step 6" in out

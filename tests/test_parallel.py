@@ -1,5 +1,8 @@
 """N-D parallelism over real torchrun processes (gloo on the CPU, where DTensor runs too): tensor parallel, FSDP x
-TP and HSDP give the weights of one process, and their checkpoints resume under every other layout."""
+TP and HSDP give the weights of one process, and their checkpoints resume under every other layout.
+
+The runs that train share a torchrun launch for each world size (tests/several_runs.py); one process's runs train
+in this one. The runs that must fail are launched as a user types them, each on its own."""
 
 import sys
 
@@ -9,11 +12,9 @@ import torch
 from launcher import export
 from tests.conftest import REPO, assert_same_weights, state_dict
 from tests.test_fsdp import CHARLM, assert_close
-from tests.test_strategies import TORCHRUN, run
+from tests.test_strategies import TORCHRUN
 
 TP2 = ["strategy=fsdp", "nproc_per_node=2", "parallel.tp=2"]
-def launch(run_dir, *args, timeout: float = 300):
-    return run([sys.executable, "-m", "launcher", *args, f"run_dir={run_dir}"], timeout=timeout)
 
 
 def alone(run_dir, recipe, *args):
@@ -48,13 +49,8 @@ def whole() -> float:
     return 16 * sum(p.numel() for p in GPT(65, 32, n_layer=2, n_head=2, n_embd=32).parameters()) / 2**20
 
 
-def four(run_dir, *args):
-    """Four processes on two cores: torchrun itself (the launcher would start at most one per core)."""
-    return run([*TORCHRUN, "--standalone", "--nproc_per_node=4", "-m", "launcher", *args, "strategy=fsdp",
-                f"run_dir={run_dir}"], timeout=400)
-
-
 ADAMW = {"rtol": 1e-4, "atol": 1e-5}  # Adam divides by the gradients' own size: a split sum's last bit grows
+SGD = [*CHARLM, "optimizer={_target_: torch.optim.SGD, lr: 0.5, momentum: 0.9}", "lr_schedule=null"]
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +60,46 @@ def one(tmp_path_factory):
     return folder
 
 
+def ran(runs, name):
+    """Case NAME's run folder and what rank 0 printed; the case ended without an error on every rank."""
+    root, ranks = runs
+    assert [results[name]["error"] for results in ranks] == [None] * len(ranks), [results[name] for results in ranks]
+    return root / name, ranks[0][name]["said"]
+
+
 @pytest.fixture(scope="module")
-def split(tmp_path_factory):
-    """tp x 2, the charlm recipe's plan, its Blocks recomputing their activations, its checkpoints written while
-    training goes on (the tests below resume from them)."""
-    folder = tmp_path_factory.mktemp("tp")
-    done = launch(folder, *CHARLM, *TP2, "trainer.activation_checkpointing=[Block]", "checkpoint.async_save=true")
-    return folder, done.stdout
+def two(tmp_path_factory):
+    """The two-process runs, one after another in one torchrun launch (tests/several_runs.py): (root, each rank's
+    results). "tp": tp x 2, the charlm recipe's plan, its Blocks recomputing their activations, its checkpoints
+    written while training goes on (the tests below resume from them)."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("tp")
+    cases = {"tp": [*CHARLM, *TP2, "trainer.activation_checkpointing=[Block]", "checkpoint.async_save=true"],
+             "sgd-compiled-tp": [*SGD, *TP2, "trainer.compile=true"],
+             "bf16-tp": [*CHARLM, "precision=bf16", *TP2]}
+    return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=900)
+
+
+@pytest.fixture
+def split(two):
+    return ran(two, "tp")
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory, one, two):
+    """Four processes on two cores: torchrun itself (the launcher would start at most one per core), its runs one
+    after another in one launch: a one-process checkpoint resumed by fsdp x sequence parallel tp, and the tp x 2
+    run's by HSDP."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("four")
+    cases = {"sequence-parallel": [*CHARLM, "parallel.tp=2", SEQUENCE_PARALLEL,
+                                   f"checkpoint.resume={one / 'checkpoints' / 'step_6'}"],
+             "hsdp": [*CHARLM, "parallel.dp_replicate=2",
+                      f"checkpoint.resume={two[0] / 'tp' / 'checkpoints' / 'step_6'}"]}
+    return root, several({name: [*args, "strategy=fsdp", f"run_dir={root / name}"] for name, args in cases.items()},
+                         root, nproc=4, timeout=900)
 
 
 @pytest.mark.slow
@@ -87,28 +116,28 @@ def test_tensor_parallel_gives_the_weights_of_one_process(one, split):
 
 
 @pytest.mark.slow
-def test_a_one_process_checkpoint_resumes_under_fsdp_by_sequence_parallel_tp(one, tmp_path):
-    done = four(tmp_path, *CHARLM, "parallel.tp=2", SEQUENCE_PARALLEL, f"checkpoint.resume={one / 'checkpoints' / 'step_6'}")
-    assert "dp_shard 2 x tp 2 = 4 ranks" in done.stdout and "written by 1 process, resharded to 4" in done.stdout
-    assert "parallel.tp: 19 layers split over 2 ranks: transformer.h.0 (split_sequence)" in done.stdout
-    assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
-    assert 0.25 < held(done.stdout) / whole() < 0.35, done.stdout  # the blocks' layers in 4, the rest in 2
+def test_a_one_process_checkpoint_resumes_under_fsdp_by_sequence_parallel_tp(one, four):
+    folder, said = ran(four, "sequence-parallel")
+    assert "dp_shard 2 x tp 2 = 4 ranks" in said and "written by 1 process, resharded to 4" in said
+    assert "parallel.tp: 19 layers split over 2 ranks: transformer.h.0 (split_sequence)" in said
+    assert_close(one / "model.pt", folder / "model.pt", **ADAMW)
+    assert 0.25 < held(said) / whole() < 0.35, said  # the blocks' layers in 4, the rest in 2
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_checkpoint_resumes_under_hsdp(one, split, tmp_path):
-    folder, _ = split
-    done = four(tmp_path, *CHARLM, "parallel.dp_replicate=2", f"checkpoint.resume={folder / 'checkpoints' / 'step_6'}")
-    assert "dp_replicate 2 x dp_shard 2 = 4 ranks; sharded over dp_replicate x dp_shard" in done.stdout
-    assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
-    assert 0.5 <= held(done.stdout) / whole() < 0.53, done.stdout  # sharded in two (a row more), replicated twice
+def test_a_tensor_parallel_checkpoint_resumes_under_hsdp(one, split, four):
+    folder, said = ran(four, "hsdp")
+    assert "dp_replicate 2 x dp_shard 2 = 4 ranks; sharded over dp_replicate x dp_shard" in said
+    assert_close(one / "model.pt", folder / "model.pt", **ADAMW)
+    assert 0.5 <= held(said) / whole() < 0.53, said  # sharded in two (a row more), replicated twice
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_exports(one, split, tmp_path):
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_exports(one, split, tmp_path, capsys):
     folder, _ = split
-    done = launch(tmp_path, *CHARLM, "strategy=single", f"checkpoint.resume={folder / 'checkpoints' / 'step_6'}")
-    assert "written by 2 processes, resharded to 1" in done.stdout
+    capsys.readouterr()
+    alone(tmp_path, *CHARLM, f"checkpoint.resume={folder / 'checkpoints' / 'step_6'}")
+    assert "written by 2 processes, resharded to 1" in capsys.readouterr().out
     assert_close(one / "model.pt", tmp_path / "model.pt", **ADAMW)
     exported = tmp_path / "exported.pt"  # python -m launcher.export's work, in this process
     assert export.main([str(folder / "checkpoints" / "step_12"), str(exported)]) == 0
@@ -116,19 +145,18 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_exports(one, sp
 
 
 @pytest.mark.slow
-def test_sgd_under_compiled_tensor_parallel_is_one_process_within_1e_5(tmp_path):
-    sgd = [*CHARLM, "optimizer={_target_: torch.optim.SGD, lr: 0.5, momentum: 0.9}", "lr_schedule=null"]
-    alone(tmp_path / "one", *sgd)
-    launch(tmp_path / "tp", *sgd, *TP2, "trainer.compile=true")
-    assert_close(tmp_path / "one" / "model.pt", tmp_path / "tp" / "model.pt", rtol=1e-5, atol=1e-6)
+def test_sgd_under_compiled_tensor_parallel_is_one_process_within_1e_5(two, tmp_path):
+    folder, _ = ran(two, "sgd-compiled-tp")
+    alone(tmp_path / "one", *SGD)
+    assert_close(tmp_path / "one" / "model.pt", folder / "model.pt", rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
-def test_bf16_under_tensor_parallel_rounds_as_much_as_bf16_in_one_process(one, tmp_path):
+def test_bf16_under_tensor_parallel_rounds_as_much_as_bf16_in_one_process(one, two, tmp_path):
     """bf16 rounds a split matmul's partial sums apart from the whole one's, so no tolerance of fp32's holds; what
     holds is that tp x 2 in bf16 strays from fp32 as far as one process in bf16 does, keeping fp32 weights."""
+    tp, _ = ran(two, "bf16-tp")
     alone(tmp_path / "one", *CHARLM, "precision=bf16")
-    launch(tmp_path / "tp", *CHARLM, "precision=bf16", *TP2)
     fp32 = state_dict(one / "model.pt")
 
     def strayed(path) -> float:
@@ -136,7 +164,7 @@ def test_bf16_under_tensor_parallel_rounds_as_much_as_bf16_in_one_process(one, t
         assert all(w.dtype == torch.float32 for w in weights.values())
         return max(((weights[k] - fp32[k]).abs().max() / fp32[k].abs().max()).item() for k in fp32)
 
-    single, split = strayed(tmp_path / "one" / "model.pt"), strayed(tmp_path / "tp" / "model.pt")
+    single, split = strayed(tmp_path / "one" / "model.pt"), strayed(tp / "model.pt")
     assert 0.01 < single < 0.2 and 0.5 < split / single < 2, (single, split)  # 0.055 and 0.055 when written
 
 
