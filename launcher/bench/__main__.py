@@ -59,6 +59,9 @@ for a 12.7M-parameter MLP with AdamW; then the S3 clients row (launcher/bench/s3
 checkpoint saved (blocked, written) and loaded through s3fs and through s3torchconnector, sharded and full;
 only `--saves` runs them, alone.
 
+Of --loggers, --startup, --defaults, --pretrained, --sft and --saves, several given run each of those rows, in one
+invocation (the start-up row's first, page-cache-warming run is left out where an earlier row's runs warmed it).
+
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 
 Docs: docs/performance.md (in the source tree).
@@ -255,23 +258,15 @@ def main() -> int:
     args = _parser().parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
-        if args.loggers_only:
-            print("\n".join(loggers(args)), flush=True)
-            return 0
-        if args.startup_only:
-            print("\n".join(startup(args)), flush=True)
-            return 0
-        if args.defaults_only:
-            print("\n".join(defaults(args, alternate, PY)), flush=True)
-            return 0
-        if args.pretrained_only:
-            print("\n".join(pretrained(args)), flush=True)
-            return 0
-        if args.sft_only:
-            print("\n".join(sft_row(args)), flush=True)
-            return 0
-        if args.saves_only:
-            print("\n".join(saves(args)), flush=True)
+        # --loggers, --startup, --defaults, --pretrained, --sft, --saves: those rows alone, in this order (several
+        # given: each of them, in one invocation)
+        only = {"loggers": lambda: loggers(args), "startup": lambda: startup(args),
+                "defaults": lambda: defaults(args, alternate, PY), "pretrained": lambda: pretrained(args),
+                "sft": lambda: sft_row(args), "saves": lambda: saves(args)}
+        chosen = [name for name in only if getattr(args, f"{name}_only")]
+        for name in chosen:
+            print("\n".join(only[name]()), flush=True)
+        if chosen:
             return 0
         if args.workload:
             print("\n".join(workload(args)), flush=True)

@@ -11,7 +11,7 @@ import sys
 import launcher.run.train
 from launcher.data import sampling as data
 from launcher.observe import holdings
-from launcher.bench.workload import StepClock
+from launcher.bench.workload import StepClock, finish
 from launcher.cli import main
 from launcher.run.metrics import TrainMeter
 
@@ -42,4 +42,4 @@ def run(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:]))
+    finish(run(sys.argv[1:]))

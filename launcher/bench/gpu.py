@@ -1,5 +1,5 @@
 """python -m launcher.bench.gpu [--steps 300] [--reps 3] [--size 124M|tiny] [--device cuda|cpu]
-                              [--no-compile | --compiled-only | --fsdp | --tf32 | --finetune | --fp8 | --sft]
+                              [--no-compile | --compiled-only | --fsdp | --tf32 | --finetune | --fp8 | --sft [--no-peers]]
 
 The charlm recipe (a character-level GPT on Hamlet) in bf16 on one GPU, eager and with torch.compile,
 through the launcher (`launcher.bench.child recipes/charlm.yaml ...`) and through a hand-written
@@ -37,8 +37,8 @@ against bf16: tokens/s and the loss after --steps steps.
 
 `--sft` runs instead the SFT row (launcher/bench/sft.py) on the device: a Llama-3.2-1B-shaped folder fine-tuned
 by recipes/hf_sft.yaml in bf16 on generated chat data of 20 to 2,000 tokens (max_len 2048, batch 8), padded
-against packed as real tokens a second, and TRL's SFTTrainer packing the same samples (`--size tiny`: the CPU
-row's tiny size, a smoke test). Each repetition runs three sides of --steps steps: `--steps 100 --reps 1` first.
+against packed as real tokens a second, and TRL's SFTTrainer packing the same samples (`--no-peers`: without it;
+`--size tiny`: the CPU row's tiny size, a smoke test). Each repetition runs three sides of --steps steps: `--steps 100 --reps 1` first.
 
 Where one command may run only 10 minutes, `--no-compile` and `--compiled-only` split the GPU benchmark
 into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to pass 10 minutes).
@@ -118,6 +118,8 @@ def main(argv=None) -> int:
                         help="with --finetune: activation checkpointing off, on, or each (default)")
     parser.add_argument("--with-trainer", action="store_true",
                         help="with --fp8: HF Trainer alternates with both sides (the fine-tuning row without recompute)")
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="with --sft: padded against packed alone, without TRL's SFTTrainer")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--no-compile", dest="settings", action="store_const", const=(False,), default=(False, True))
     which.add_argument("--compiled-only", dest="settings", action="store_const", const=(True,))
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu --size tiny for a smoke test")
-    if args.steps <= READ_EVERY:
+    if args.steps <= READ_EVERY and args.settings != ("sft",):  # (the SFT row's sides log every 10 steps)
         raise SystemExit(f"--steps {args.steps}: give more than {READ_EVERY} (each side reads the device every "
                          f"{READ_EVERY} steps, and the first 50 are warm-up)")
 

@@ -10,7 +10,7 @@ import sys
 import torch
 from torch import nn
 
-from launcher.bench.workload import StepClock, make_data, make_model
+from launcher.bench.workload import StepClock, finish, make_data, make_model
 
 try:
     from accelerate import Accelerator
@@ -55,3 +55,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -13,7 +13,7 @@ import tempfile
 
 import torch
 
-from launcher.bench.workload import StepClock, trainer_callback
+from launcher.bench.workload import StepClock, finish, trainer_callback
 from launcher.data.collate import Pad
 from recipes.components.passages import Passages
 
@@ -45,4 +45,4 @@ def main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    finish(main(sys.argv[1:]))

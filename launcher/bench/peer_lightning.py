@@ -13,7 +13,7 @@ import tempfile
 import torch
 from torch import nn
 
-from launcher.bench.workload import StepClock, make_data, make_model
+from launcher.bench.workload import StepClock, finish, make_data, make_model
 
 try:
     import lightning as L
@@ -70,3 +70,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

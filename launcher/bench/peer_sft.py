@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from launcher.bench.workload import StepClock, trainer_callback
+from launcher.bench.workload import StepClock, finish, trainer_callback
 
 SKIP = 3  # the benchmark's code for a peer whose library is not installed
 LR, WEIGHT_DECAY = 1.0e-3, 0.0  # recipes/hf_sft.yaml's optimizer
@@ -54,4 +54,4 @@ def main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    finish(main(sys.argv[1:]))

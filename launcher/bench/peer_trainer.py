@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from launcher.bench.raw_hf import RECIPE, arguments
-from launcher.bench.workload import StepClock, trainer_callback
+from launcher.bench.workload import StepClock, finish, trainer_callback
 from launcher.data.collate import Pad
 from recipes.components.passages import Passages
 
@@ -54,4 +54,4 @@ def main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    finish(main(sys.argv[1:]))

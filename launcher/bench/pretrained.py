@@ -17,7 +17,10 @@ from launcher.bench.runs import PY, REPO
 RUN = ["recipes/hf_finetune.yaml", "strategy=fsdp", "nproc_per_node=2", "on_cpu=null", "precision=fp32",
        "trainer.max_steps=1", "trainer.eval_every=null", "data.val=null", "data.batch_size=2",
        "trainer.activation_checkpointing=null", "checkpoint.every=null", "checkpoint.consolidate=never",
-       "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false", "devices=cpu"]
+       "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false", "devices=cpu",
+       # no memory planner beside training (a process of its own, started after the figure is taken: it would
+       # only take a core from the rest of the run)
+       "logging.memory_plan=false"]
 
 
 def pretrained(args) -> list[str]:

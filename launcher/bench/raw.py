@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.bench.workload import StepClock, make_data, make_model
+from launcher.bench.workload import StepClock, finish, make_data, make_model
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
 BATCH = int(sys.argv[2]) if len(sys.argv) > 2 else 64
@@ -62,3 +62,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

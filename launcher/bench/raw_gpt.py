@@ -30,7 +30,7 @@ import argparse
 
 import torch
 
-from launcher.bench.workload import StepClock
+from launcher.bench.workload import StepClock, finish
 from launcher.data.collate import default as collate
 from recipes.components.chars import CharText
 from recipes.components.gpt import GPT, SequenceCrossEntropy
@@ -96,3 +96,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

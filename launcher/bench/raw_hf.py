@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from launcher.bench.workload import StepClock
+from launcher.bench.workload import StepClock, finish
 from launcher.data.collate import Pad
 from recipes.components.passages import Passages
 
@@ -81,3 +81,4 @@ def main(argv: list) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    finish()

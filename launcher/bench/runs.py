@@ -20,10 +20,13 @@ PY = sys.executable
 # (seen in the hand-written DDP loop too). The run's figures were printed before it: they count.
 ABORT_AT_EXIT = "terminate called without an active exception"
 aborted_at_exit: list[str] = []
+made = 0  # runs this process has started: where one has, the files a run reads are in the page cache
 
 
 def measure(command: list[str], env: dict) -> dict | None:
     """One fresh run; its BENCH line, or None when a peer's library is missing."""
+    global made
+    made += 1
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": repr(time.time()), **env}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     lines = [l for l in done.stdout.splitlines() if l.startswith("BENCH ")]

@@ -131,5 +131,8 @@ def _resident(peak: bool = False, reset: bool = False) -> int:
 
 
 if __name__ == "__main__":
+    from launcher.bench.workload import finish
+
     client, fmt, url, width = sys.argv[1:5]
     print("BENCH " + json.dumps(run(client, fmt, url, int(width))), flush=True)
+    finish()

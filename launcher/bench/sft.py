@@ -95,15 +95,16 @@ def sides(args, size: str, device: str, folder: Path, data: Path, seed: int) -> 
 def run(args, size: str, device: str) -> tuple[dict, dict]:
     """Every side once per repetition (seed = the repetition), in an order reversed every repetition."""
     folder, data, facts = prepare(Path(args.run_dir), size)
-    results: dict = {"padded": [], "packed": [], "trl": []}
+    peer = getattr(args, "peers", True)  # python -m launcher.bench.gpu --sft --no-peers: without TRL's side
+    results: dict = {"padded": [], "packed": [], **({"trl": []} if peer else {})}
     for rep in range(args.reps):
-        made = list(sides(args, size, device, folder, data, seed=rep).items())
+        made = [(name, side) for name, side in sides(args, size, device, folder, data, seed=rep).items() if name in results]
         for name, (command, env) in made if rep % 2 == 0 else reversed(made):
             results[name].append(measure(command, env))
     return {name: runs for name, runs in results.items() if None not in runs}, facts
 
 
-def report(res: dict, facts: dict, size: str, command: str) -> list[str]:
+def report(res: dict, facts: dict, size: str, command: str, peer: bool = True) -> list[str]:
     """The row's lines: the data, then per side its mean step, real tokens/s and final loss, and the ratios."""
     shape = SIZES[size]
     per_item = {"padded": facts["tokens"] / facts["samples"], "packed": facts["tokens"] / facts["rows"]}
@@ -124,6 +125,8 @@ def report(res: dict, facts: dict, size: str, command: str) -> list[str]:
                      f"({min(losses):.4f}-{max(losses):.4f})")
     gain = [p / q for p, q in zip(rate["packed"], rate["padded"])]
     lines.append(f"packed / padded real tokens/s {statistics.median(gain):.3f} ({min(gain):.3f}-{max(gain):.3f})")
+    if "trl" not in res and not peer:
+        return lines + ["TRL peer skipped (--no-peers)"]
     if "trl" not in res:
         return lines + ["TRL peer skipped: trl is not installed (pip install -c constraints.txt 'launcher[trl]')"]
     step = [o["mean_step_us"] / t["mean_step_us"] for o, t in zip(res["packed"], res["trl"])]
@@ -138,4 +141,4 @@ def sft(args, size: str, device: str, command: str) -> list[str]:
     res, facts = run(args, size, device)
     if not {"padded", "packed"} <= set(res):
         raise SystemExit(f"SFT row: a side gave no figures ({', '.join(res) or 'none'} did)")
-    return report(res, facts, size, command)
+    return report(res, facts, size, command, getattr(args, "peers", True))
