@@ -7,7 +7,8 @@ import json
 import os
 import sys
 import time
-from typing import List
+from pathlib import Path
+from typing import List, Optional
 
 from launcher.errors import UserError
 
@@ -43,9 +44,23 @@ def _leave_it_to_rank0(what: str) -> None:
     # Dated later than rank 0's: torchrun names the earliest error file as the root cause, and both
     # are written within the same second or two.
     for_torchrun([f"launcher: rank 0 reports {what}"], later=60)
-    # torchrun stops every rank as soon as one exits: give rank 0, busy with the same work,
-    # the moment it needs to say it.
-    time.sleep(3)
+    # torchrun stops every rank as soon as one exits: give rank 0, busy with the same work, the moment it
+    # needs to say it. On rank 0's node its error file, written once its line is printed, says when (a
+    # loaded machine's rank 0 can still be importing torch seconds after this one met the mistake).
+    rank0 = _rank0_error_file()
+    deadline = time.monotonic() + (30 if rank0 else 3)
+    while time.monotonic() < deadline and not (rank0 and rank0.exists()):
+        time.sleep(0.05)
+
+
+def _rank0_error_file() -> Optional[Path]:
+    """Rank 0's torchrun error file where this rank shares its node (torchrun keeps a folder per local rank,
+    .../attempt_N/<local rank>/error.json, and node 0's local rank 0 is rank 0); None elsewhere."""
+    ours = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not ours or os.environ.get("LOCAL_RANK") is None or os.environ.get("LOCAL_RANK") != rank():
+        return None
+    path = Path(ours)
+    return path.parent.parent / "0" / path.name if path.parent.name == rank() else None
 
 
 def say(message: str, every_rank: bool = False) -> None:
