@@ -16,11 +16,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
-# A quickstart run small enough for a test: 32 steps per epoch, no files beyond the checkpoints.
+# A quickstart run small enough for a test: 32 steps per epoch, no files beyond the checkpoints, and no memory
+# planner beside it (a process of its own, ~3 CPU s a run: tests/test_plan.py checks the runs that plan).
 SMALL = [
     "data.train.n=1024", "data.val.n=256", "data.batch_size=32", "trainer.max_steps=80",
     "trainer.log_every=10", "trainer.eval_every=null", "checkpoint.every=null",
-    "logging.tensorboard=false", "logging.progress_bar=false",
+    "logging.tensorboard=false", "logging.progress_bar=false", "logging.memory_plan=false",
 ]
 
 

@@ -30,7 +30,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = ["recipes/quickstart.yaml", "data.train.n=1024", "data.val=null", "data.batch_size=32", "trainer.max_steps=40",
-          "trainer.log_every=10", "checkpoint.every=5", "checkpoint.keep=2", "logging.tensorboard=false"]
+          "trainer.log_every=10", "checkpoint.every=5", "checkpoint.keep=2", "logging.tensorboard=false",
+          "logging.memory_plan=false"]
 
 
 def _instrumented(kill_at: int, kill_rank: int) -> None:

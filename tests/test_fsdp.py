@@ -25,7 +25,7 @@ DDP = ["strategy=ddp", "nproc_per_node=2"]
 CHARLM = ["recipes/charlm.yaml", "on_cpu=null", "devices=cpu", "precision=fp32", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
           "model.block_size=32", "model.dropout=0.0", "data.batch_size=8", "data.val=null", "trainer.max_steps=12",
           "trainer.grad_accum_steps=2", "trainer.clip_grad_norm=0.5", "trainer.log_every=4", "trainer.eval_every=null",
-          "checkpoint.every=6", "logging.tensorboard=false"]
+          "checkpoint.every=6", "logging.tensorboard=false", "logging.memory_plan=false"]
 # bf16 under DDP and FSDP (test_bf16_fsdp_gives_the_weights_of_bf16_ddp_bitwise says why no clipping)
 BF16 = [*QUICK, "precision=bf16", "trainer.max_steps=20", "checkpoint.every=null", "trainer.clip_grad_norm=null"]
 CONSOLIDATE = [*QUICK, *FSDP, "trainer.max_steps=20", "checkpoint.every=10"]

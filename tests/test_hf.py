@@ -18,7 +18,8 @@ RECIPE = REPO / "recipes" / "hf_causal_lm.yaml"
 # that is zero but for rounding, and eps 1e-8 divides that noise by its own size (1e-10 differences
 # became 1e-6 ones in 34 of its 384 values; SGD, or eps 1e-5, leaves none).
 SHORT = ["trainer.max_steps=6", "trainer.log_every=3", "trainer.eval_every=null", "checkpoint.every=null",
-         "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null", "optimizer.eps=1e-5"]
+         "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null", "optimizer.eps=1e-5",
+         "logging.memory_plan=false"]
 
 
 def train_here(run_dir, *overrides, val=False):

@@ -17,7 +17,7 @@ pytest.importorskip("peft", reason="the dev extra (peft) is not installed")
 RECIPE = REPO / "recipes" / "hf_lora.yaml"
 SHORT = ["on_cpu=null", "precision=fp32", "trainer.max_steps=6", "trainer.log_every=3", "trainer.eval_every=null",
          "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null",
-         "data.batch_size=8", "optimizer.lr=0.01"]
+         "data.batch_size=8", "optimizer.lr=0.01", "logging.memory_plan=false"]
 
 
 def overrides(base, run_dir, *extra):

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m p
 
 # No dropout, no batch statistics; 32 steps per epoch, so 40 steps cross an epoch boundary with shuffling.
 RECIPE = ["recipes/quickstart.yaml", "data.train.n=1024", "data.val.n=256", "data.batch_size=32",
-          "trainer.max_steps=40", "trainer.log_every=10", "logging.tensorboard=false"]
+          "trainer.max_steps=40", "trainer.log_every=10", "logging.tensorboard=false",
+          "logging.memory_plan=false"]  # no planner process beside each run (tests/test_plan.py checks those)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
