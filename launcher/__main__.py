@@ -4,7 +4,11 @@ import atexit
 import os
 import sys
 
-from launcher.cli import main
+from launcher import collector
+
+collector.pause()  # while torch and the recipe's libraries import; training resumes it (launcher/collector.py)
+
+from launcher.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     code = main()

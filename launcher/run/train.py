@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from launcher import loggers, report, strategies
+from launcher import collector, loggers, report, strategies
 from launcher.run import assemble
 from launcher.run import build
 from launcher.data import sampling as data
@@ -48,6 +48,7 @@ def run(loaded: Loaded, overrides: list) -> int:
     placement, _, visible = placed
     if strategies.must_spawn(loaded.recipe.strategy, placement):
         nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device, spawn.cpus())
+        collector.resume()  # this process now waits on the workers, for as long as they train
         return spawn.torchrun(loaded.path, overrides, nproc)
     if loaded.recipe.nproc_per_node is not None and placement.launched_by == "plain":
         placed[1].append(f"nproc_per_node: {loaded.recipe.nproc_per_node} starts processes for strategy ddp or fsdp; "
@@ -210,6 +211,7 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
         parts.stop.install()
         started = position.step
         planned = _planning(loaded, parts)
+        collector.resume()  # paused while the process started (python -m launcher)
         try:
             try:
                 results = fit(parts, recipe.trainer, recipe.checkpoint.every, position)
