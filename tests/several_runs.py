@@ -57,4 +57,7 @@ def main(cases_file: str) -> None:
 
 
 if __name__ == "__main__":
+    from launcher import collector
+
+    collector.pause()  # as python -m launcher starts: the first run's training resumes it
     main(sys.argv[1])
