@@ -13,11 +13,27 @@ QUICK = ["recipes/quickstart.yaml"]
 
 
 def plan(*args, check=True):
-    done = subprocess.run([sys.executable, "-m", "launcher.plan", "--jobs", "1", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    """python -m launcher.plan --jobs 1 ARGS run in this process (torch imported once; the accuracy test below
+    runs the command itself, beside its runs): its exit code, stdout and stderr."""
+    done = in_this_process(["--jobs", "1", *args])
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def in_this_process(argv) -> subprocess.CompletedProcess:
+    import contextlib
+    import io
+
+    from launcher.plan.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:  # argparse's mistakes: the exit code python -m launcher.plan ends with
+            code = e.code
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def rows(*args):
@@ -107,9 +123,14 @@ LAYOUTS = {"single": ["strategy=single"], "ddp x2": ["strategy=ddp"], "fsdp x2":
            "tp x2": ["strategy=fsdp", "parallel.tp=2"]}
 
 
+# One run of each launch planned as every run is, the planner in a process of its own beside training; the others'
+# plans made here, by the same planner on the arguments the run gives it (tests/plan_runs.py).
+APART = {"charlm single", "llama fsdp x2"}
+
+
 @pytest.mark.slow
 def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp_path):
-    from tests.several_runs import several
+    from tests.plan_runs import planned_runs
 
     def cases(layouts):
         return {f"{model} {layout}": [*MODELS[model], *LAYOUTS[layout], f"run_dir={tmp_path / model / layout}",
@@ -117,8 +138,11 @@ def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp
                                       "logging.jsonl=true", "logging.tensorboard=false", "logging.progress_bar=false"]
                 for model in MODELS for layout in layouts if not (model == "gpt2" and layout == "tp x2")}
 
-    one = several(cases(["single"]), tmp_path, nproc=1, timeout=600)[0]
-    two = several(cases(["ddp x2", "fsdp x2", "tp x2"]), tmp_path, nproc=2, timeout=900)[0]
+    ranks, asked = planned_runs(cases(["single"]), APART, tmp_path, nproc=1, timeout=600)
+    one = ranks[0]
+    ranks, more = planned_runs(cases(["ddp x2", "fsdp x2", "tp x2"]), APART, tmp_path, nproc=2, timeout=900)
+    two = ranks[0]
+    asked.update(more)
     table = []
     for name, result in {**one, **two}.items():
         assert result["error"] is None, (name, result)
@@ -126,40 +150,54 @@ def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp
         values = {}
         for line in (tmp_path / model / layout / "metrics.jsonl").read_text().splitlines():
             values.update(json.loads(line))
-        measured, planned = values["memory/peak_bytes"], values["memory/predicted_peak_bytes"]
+        measured = values["memory/peak_bytes"]
+        done = in_this_process(asked[name]["argv"])  # python -m launcher.plan --as-run, as the run starts it
+        assert done.returncode == 0, (name, done.stderr[-3000:])
+        here = json.loads(done.stdout.splitlines()[0])["peak_bytes"]
+        said = [line for line in result["said"].splitlines() if line.startswith("memory: ")]
+        assert asked[name]["apart"] == (name in APART)
+        if name in APART:  # the run's own planner process: said beside the measured peak, the figure planned here
+            planned = values["memory/predicted_peak_bytes"]
+            assert said and f"planned {planned / 2**20:.1f} MiB (python -m launcher.plan)" in said[-1], \
+                (name, result["said"][-2000:])
+            assert planned == here, (name, planned, here)
+        else:
+            assert "memory/predicted_peak_bytes" not in values and said, (name, result["said"][-2000:])
+            planned = here
         off = (planned - measured) / measured
         table.append(f"{model:7} {layout:8} measured {measured / 2**20:8.2f} MiB  planned {planned / 2**20:8.2f} MiB "
                      f"{100 * off:+6.1f}%")
-        said = [line for line in result["said"].splitlines() if line.startswith("memory: ")]
-        assert said and "planned" in said[-1], (name, result["said"][-2000:])
     print("\n".join(table))
-    assert len(table) == 15
+    assert len(table) == 15 and len(asked) == 15
     assert all(abs(float(row.split()[-1].rstrip("%"))) <= 10 for row in table), "\n".join(table)
 
 
 @pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
-def test_slurm_renders_the_job_of_the_layout_to_use():
+def test_slurm_renders_the_job_of_the_layout_to_use(capfd):
+    capfd.readouterr()
     done = plan(*QUICK, "--devices", "4", "--gpus-per-node", "2", "--memory", "400KiB", "--device", "cpu", "--slurm")
-    assert "#SBATCH --nodes=2" in done.stdout and "#SBATCH --gpus-per-node=2" in done.stdout
-    assert "--nproc_per_node=2" in done.stdout
-    assert "recipes/quickstart.yaml strategy=fsdp parallel.dp_replicate=2 " in done.stdout  # hsdp 2x2: one shard group a node
+    rendered = done.stdout + capfd.readouterr().out  # (python -m launcher.slurm render, a process of its own)
+    assert "#SBATCH --nodes=2" in rendered and "#SBATCH --gpus-per-node=2" in rendered
+    assert "--nproc_per_node=2" in rendered
+    assert "recipes/quickstart.yaml strategy=fsdp parallel.dp_replicate=2 " in rendered  # hsdp 2x2: one shard group a node
     assert "hsdp 2x2 fits in 400KiB per device" in done.stderr
     refused = plan(*QUICK, "--devices", "4", "--memory", "1KB", "--slurm", check=False)
     assert refused.returncode == 2 and "--slurm: no layout fits in 1KB per device on 4 devices" in refused.stderr
 
 
 @pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
-def test_a_sweep_leaves_out_the_runs_that_will_not_fit_before_starting_any(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "launcher.sweep", *QUICK, "data.batch_size=64,65536", "data.train.n=70000",
-                           f"run_dir={tmp_path}", "--memory", "20MB", "--dry-run"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+def test_a_sweep_leaves_out_the_runs_that_will_not_fit_before_starting_any(tmp_path, capsys):
+    from launcher.sweep.__main__ import main  # python -m launcher.sweep, in this process (tests/test_sweep.py too)
+
+    code = main([*QUICK, "data.batch_size=64,65536", "data.train.n=70000", f"run_dir={tmp_path}", "--memory", "20MB",
+                 "--dry-run"])
+    done = capsys.readouterr()
+    assert code == 0, done.err
     assert ("sweep: left out batch_size=65536 (data.batch_size=65536): planned 0.14 GiB per rank under single, more "
-            "than --memory 20MB") in done.stderr
-    assert "sweep: 1 runs" in done.stdout and "data.batch_size=64 " in done.stdout
-    none = subprocess.run([sys.executable, "-m", "launcher.sweep", *QUICK, "data.batch_size=64,128", "--memory", "1KB",
-                           "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert none.returncode == 2 and "--memory 1KB: none of the 2 runs fits on 1 device(s)" in none.stderr
+            "than --memory 20MB") in done.err
+    assert "sweep: 1 runs" in done.out and "data.batch_size=64 " in done.out
+    code = main([*QUICK, "data.batch_size=64,128", "--memory", "1KB", "--dry-run"])
+    assert code == 2 and "--memory 1KB: none of the 2 runs fits on 1 device(s)" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")

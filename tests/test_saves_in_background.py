@@ -18,10 +18,13 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 from tests.s3 import BUCKET, s3  # noqa: E402,F401 - the S3 server, shared
 
+# no memory planner beside each run (a process of its own): no test here reads the `memory:` line
+NO_PLAN = "logging.memory_plan=false"
+
 
 @pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_background_save_writes_what_a_synchronous_one_does_and_resumes_exactly(tmp_path, capsys):
-    common = ["trainer.max_steps=40", "checkpoint.every=10", "checkpoint.keep=4", "logging.jsonl=true"]
+    common = ["trainer.max_steps=40", "checkpoint.every=10", "checkpoint.keep=4", "logging.jsonl=true", NO_PLAN]
     train(tmp_path / "sync", *common)
     train(tmp_path / "async", *common, "checkpoint.async_save=true")
     for step in (10, 20, 30, 40):
@@ -81,7 +84,7 @@ def test_a_failed_background_upload_is_said_and_the_next_save_tries_again(s3, fl
     refused (403, as a policy denying writes): the run says so each time, trains on, and the save of step 40
     seals; the refused steps leave no object behind, and the weights are an uninterrupted run's."""
     flaky.rules = {r"/step_10/": "slow", r"/step_(20|30)/": "refuse"}
-    url, fsdp = f"s3://{BUCKET}/retried", ["strategy=fsdp", "devices=cpu"]
+    url, fsdp = f"s3://{BUCKET}/retried", ["strategy=fsdp", "devices=cpu", NO_PLAN]
     code = main([str(QUICKSTART), *SMALL, *fsdp, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40",
                  "checkpoint.every=10", f"checkpoint.dir={url}", "checkpoint.async_save=true"])
     out = capsys.readouterr().out
@@ -105,7 +108,7 @@ def test_a_store_gone_for_three_saves_stops_the_run_with_exit_7_and_the_sealed_o
     flaky.rules = {r"/step_(20|30|40)/": "drop"}
     url = f"s3://{BUCKET}/gone"
     args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40", "checkpoint.every=10",
-            f"checkpoint.dir={url}"]
+            f"checkpoint.dir={url}", NO_PLAN]
     assert main(args) == 7
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
@@ -117,31 +120,31 @@ def test_a_store_gone_for_three_saves_stops_the_run_with_exit_7_and_the_sealed_o
     flaky.rules = {}
     assert main(args) == 0
     assert f"resumed from {url}/step_10 (step 10" in capsys.readouterr().out
-    train(tmp_path / "whole", "trainer.max_steps=40")
+    train(tmp_path / "whole", "trainer.max_steps=40", NO_PLAN)
     assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")
 
 
 @pytest.mark.slow  # four processes, about 25 s
-def test_the_benchmarks_checkpoint_row():
+def test_the_benchmarks_checkpoint_row(monkeypatch, capsys):
     """`python -m launcher.bench --saves` at its smallest: one save a run besides the final one, and the S3 clients
     row (the figures are docs/performance.md's, from the default sizes; here only that every side ran and said
-    what it measured)."""
+    what it measured). The benchmark's own process is this one (torch imported once): each run and each client's
+    figures are still a process of their own, as the benchmark starts them."""
     import re
-    import subprocess
-    import sys
 
-    from tests.conftest import REPO
+    from launcher.bench.__main__ import main as bench
 
-    done = subprocess.run([sys.executable, "-m", "launcher.bench", "--saves", "--reps", "1", "--saves-width", "256",
-                           "--saves-every", "10", "--saves-count", "1"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    monkeypatch.setattr("sys.argv", ["python -m launcher.bench", "--saves", "--reps", "1", "--saves-width", "256",
+                                     "--saves-every", "10", "--saves-count", "1"])
+    capsys.readouterr()
+    code = bench()
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
     for store in ("local disk", r"S3 \(moto, loopback\)"):
-        row = re.search(rf"^{store} +(\d+)ms +(\d+)ms +(\d\.\d{{3}})$", done.stdout, re.M)
-        assert row and int(row.group(1)) > 0, done.stdout
+        row = re.search(rf"^{store} +(\d+)ms +(\d+)ms +(\d\.\d{{3}})$", out, re.M)
+        assert row and int(row.group(1)) > 0, out
     if carried():  # the S3 clients row: each format through each client, and their ratios
         for fmt in ("sharded", "full"):
             for client in ("s3fs", "s3torchconnector"):
-                assert re.search(rf"^{fmt} / {client} +(\d+\.\d\ds *){{4}} *\d+ MiB$", done.stdout, re.M), done.stdout
-            assert re.search(rf"^{fmt} / s3fs over s3tc +(\d+\.\d\dx *){{5}}$", done.stdout, re.M), done.stdout
-
+                assert re.search(rf"^{fmt} / {client} +(\d+\.\d\ds *){{4}} *\d+ MiB$", out, re.M), out
+            assert re.search(rf"^{fmt} / s3fs over s3tc +(\d+\.\d\dx *){{5}}$", out, re.M), out

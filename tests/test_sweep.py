@@ -101,13 +101,18 @@ def test_a_stray_comma_or_a_value_given_twice_is_one_line_each_before_anything_s
     assert not (tmp_path / "s").exists()
 
 
-def sweep(*args, timeout=300, **kwargs):
-    return subprocess.run([sys.executable, "-m", "launcher.sweep", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
+def sweep_here(capsys, *args) -> subprocess.CompletedProcess:
+    """python -m launcher.sweep ARGS run in this process (torch imported once; its runs are processes of their own,
+    as ever), for a sweep whose own process is not what a test checks: its exit code, stdout and stderr."""
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 @pytest.mark.slow
-def test_a_sweep_runs_each_combination_reports_a_failure_and_skips_what_is_done(tmp_path, monkeypatch, s3):  # noqa: F811
+def test_a_sweep_runs_each_combination_reports_a_failure_and_skips_what_is_done(tmp_path, monkeypatch, capsys,
+                                                                                  s3):  # noqa: F811
     """Two runs at once: one diverges (exit 3), one finishes; the table says so, MLflow holds both under the
     sweep's name; started again, the finished run is skipped and the failed one runs again. Their checkpoints
     go to an object store (tests/s3.py), each run's below the recipe's checkpoint.dir."""
@@ -115,13 +120,13 @@ def test_a_sweep_runs_each_combination_reports_a_failure_and_skips_what_is_done(
     args = [QUICKSTART, *SMALL, "trainer.max_steps=20", "model={_target_: tests.components.DivergesAt, at: 1000}",
             "model.at=5,1000", f"run_dir={tmp_path / 'grid'}", f"logging.mlflow={{tracking_uri: '{uri}'}}",
             f"checkpoint.dir=s3://{BUCKET}/grid", "--parallel", "2"]
-    done = sweep(*args)
+    done = sweep_here(capsys, *args)
     assert done.returncode == 1, done.stdout + done.stderr
     table = done.stdout.splitlines()[-3:]
     assert table[0].split() == ["model.at", "status", "step", "train/loss", "val/accuracy", "val/loss", "time"], done.stdout
     assert table[1].split()[:3] == ["5", "failed", "(exit"] and table[2].split()[:3] == ["1000", "done", "20/20"]
     assert "the training loss is nan at step 5" in (tmp_path / "grid" / "at=5" / "output.log").read_text()
-    again = sweep(*args)
+    again = sweep_here(capsys, *args)
     assert "2 runs in" in again.stdout and "1 done already" in again.stdout and "at=1000 started" not in again.stdout
     assert s3.objects("grid") == [f"at=1000/step_20/{f}" for f in ("manifest.json", "model.pt", "state.pt")]
     from launcher.sweep import report  # read from the run folders, wherever their checkpoints are
@@ -137,7 +142,7 @@ def test_a_sweep_runs_each_combination_reports_a_failure_and_skips_what_is_done(
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_every_running_run_and_the_same_command_resumes_them(tmp_path):
+def test_ctrl_c_saves_every_running_run_and_the_same_command_resumes_them(tmp_path, capsys):
     slow = [*SMALL, "model={_target_: tests.components.Slow, seconds: 0.02}", "trainer.max_steps=150",
             "trainer.log_every=10"]
     args = [QUICKSTART, *slow, "seed=1,2", f"run_dir={tmp_path / 'grid'}", "--parallel", "2"]
@@ -154,7 +159,7 @@ def test_ctrl_c_saves_every_running_run_and_the_same_command_resumes_them(tmp_pa
     assert "stopped by SIGINT; the same command resumes the runs" in out
     for s in (1, 2):
         assert "stopped at step" in out and (tmp_path / "grid" / f"seed={s}" / "checkpoints" / "latest").exists()
-    done = sweep(*args)
+    done = sweep_here(capsys, *args)  # (the sweep stopped by SIGINT above is a process of its own)
     assert done.returncode == 0, done.stdout + done.stderr
     assert all(r["status"] == "done" for r in _rows(tmp_path / "grid"))
     alone = subprocess.run([sys.executable, "-m", "launcher", QUICKSTART, *slow, "seed=2", f"run_dir={tmp_path / 'alone'}"],

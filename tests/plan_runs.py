@@ -1,0 +1,85 @@
+"""tests/several_runs.py for the planner's accuracy table (tests/test_plan.py): several runs in one torchrun
+launch, where only the runs named apart start the memory planner as every run does (`python -m launcher.plan
+--as-run` in a process of its own beside training). The others defer it: their command line is written to
+deferred.jsonl beside CASES.json, and the test plans it in its own process (the same `launcher.plan` main on the
+same arguments), while the measured peak is still the run's own. Each planner process costs a start and an
+import of torch; the figure does not depend on which process computes it (the test checks that on the runs
+planned apart).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/plan_runs.py CASES.json APART.json"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Set
+
+sys.path.insert(0, os.getcwd())  # run as a script from the repository's root: `launcher` and `recipes` import
+
+
+def planned_runs(cases: Dict[str, List[str]], apart: Set[str], folder: Path, nproc: int, timeout: float) -> tuple:
+    """Run `cases` in one torchrun launch of `nproc` processes, the planner in a process of its own only for the
+    cases named in `apart`: (each rank's results, by rank; {case: the planner's arguments, and whether apart})."""
+    from tests.conftest import REPO
+
+    cases = {name: [str(arg) for arg in args] for name, args in cases.items()}
+    (folder / "cases.json").write_text(json.dumps(cases))
+    (folder / "apart.json").write_text(json.dumps(sorted(arg for name in apart if name in cases for arg in cases[name]
+                                                         if arg.startswith("run_dir="))))
+    asked = folder / "deferred.jsonl"
+    asked.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           "tests/plan_runs.py", str(folder / "cases.json"), str(folder / "apart.json")], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads((folder / f"cases.rank{rank}.json").read_text()) for rank in range(nproc)]
+    by_run_dir = {arg: name for name, args in cases.items() for arg in args if arg.startswith("run_dir=")}
+    planners = {}
+    for line in asked.read_text().splitlines() if asked.is_file() else []:
+        record = json.loads(line)
+        (name,) = {by_run_dir[arg] for arg in record["argv"] if arg in by_run_dir}
+        planners[name] = record
+    return results, planners
+
+
+def main(cases_file: str, apart_file: str) -> None:
+    from launcher.observe import memory
+    from tests.several_runs import main as several
+
+    apart = set(json.loads(Path(apart_file).read_text()))
+    asked = Path(cases_file).with_name("deferred.jsonl")
+    real = memory.Planned
+
+    class Deferred:
+        """memory.Planned, without the planner's process: its arguments, for the test."""
+
+        def __init__(self, argv: List[str]):
+            self.command = "python -m launcher.plan " + " ".join(map(shlex.quote, argv))
+            self.said = False
+
+        def ready(self) -> bool:
+            return False
+
+        def result(self, wait: bool) -> tuple:
+            return None, f"memory: planned by the test in its own process ({self.command})"
+
+        def close(self) -> None:
+            pass
+
+    def planned(recipe_path, overrides, strategy, world, device_type):
+        # the arguments memory.Planned gives python -m launcher.plan
+        argv = [str(recipe_path), *overrides, "--as-run", strategy, "--devices", str(world), "--device", device_type,
+                "--json"]
+        own = bool(apart & set(overrides))
+        with open(asked, "a") as out:
+            out.write(json.dumps({"argv": argv, "apart": own}) + "\n")
+        return real(recipe_path, overrides, strategy, world, device_type) if own else Deferred(argv)
+
+    memory.Planned = planned
+    several(cases_file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
