@@ -16,7 +16,7 @@ import torch
 from launcher.checkpoint import choose, complete, crc32, full, layout, manifest, storage
 from launcher.errors import UserError
 from recipes.components.mlp import MLP
-from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights, launch, state_dict
+from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights, state_dict
 from tests.conftest import train as conftest_train
 from tests.s3 import BUCKET, SECRET, s3  # noqa: F401
 
@@ -169,13 +169,19 @@ def test_init_from_and_export_read_an_s3_checkpoint(s3, tmp_path):
 
 
 @pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
-def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_path):
+def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_path, capsys):
+    from launcher.cli import main as launcher_main
+    from launcher.export import main as export_main
+
     args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path}"]
-    missing = launch(*args, "checkpoint.dir=s3://no-such-bucket/run")
-    assert missing.returncode == 2 and "training" not in missing.stderr + missing.stdout
-    assert missing.stderr.strip().splitlines()[-1].endswith(
+    # one process's mistakes, in this one (as tests/test_bad_input.py's); the missing keys in a process of its own,
+    # started without the AWS_* environment
+    code = launcher_main([*args, "checkpoint.dir=s3://no-such-bucket/run"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "training" not in err + out
+    assert err.strip().splitlines()[-1].endswith(
         "checkpoint.dir: s3://no-such-bucket/run: no bucket 'no-such-bucket' there; create it, or name an existing "
-        "one (AWS_ENDPOINT_URL names the store)"), missing.stderr
+        "one (AWS_ENDPOINT_URL names the store)"), err
     bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     bare.update(AWS_ENDPOINT_URL=os.environ["AWS_ENDPOINT_URL"], AWS_EC2_METADATA_DISABLED="true",
                 AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
@@ -184,11 +190,15 @@ def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_
     assert nokeys.returncode == 2, nokeys.stderr
     assert "no credentials for the object store; set AWS_ACCESS_KEY_ID" in nokeys.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "recipe.yaml").exists()  # refused before the run folder was written
-    export = subprocess.run([sys.executable, "-m", "launcher.export", "s3://no-such-bucket/run/step_10",
-                             str(tmp_path / "out.pt")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert export.returncode == 2 and export.stderr.strip().splitlines()[-1].endswith(
+    capsys.readouterr()
+    try:
+        code = export_main(["s3://no-such-bucket/run/step_10", str(tmp_path / "out.pt")])
+    except SystemExit as e:  # argparse's errors, as `python -m launcher.export` ends with them
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines()[-1].endswith(
         "CHECKPOINT: s3://no-such-bucket/run/step_10: no bucket 'no-such-bucket' there; create it, or name an "
-        "existing one (AWS_ENDPOINT_URL names the store)"), export.stderr
+        "existing one (AWS_ENDPOINT_URL names the store)"), err
     with pytest.raises(UserError, match="^checkpoint.init_from: s3://no-such-bucket/run/step_10: no bucket"):
         train(tmp_path / "init", "checkpoint.init_from=s3://no-such-bucket/run/step_10")
 
