@@ -17,6 +17,7 @@ from recipes.components.mlp import MLP
 from tests.conftest import REPO, SMALL, launch
 
 Q = "recipes/quickstart.yaml"
+NO_PLAN = "logging.memory_plan=false"  # no planner process beside a run that trains; no test here checks its line
 
 
 def files(tmp):
@@ -357,7 +358,7 @@ def test_the_exit_code_of_one_rank_s_mistake_is_always_2(tmp_path):
 def test_no_space_or_permission_under_ddp_with_two_processes(tiny_disk):
     full, readonly = tiny_disk
     done = ddp2(f"run_dir={full}", "logging.tensorboard=false", "model.hidden=256", "trainer.max_steps=20",
-                "checkpoint.every=10")  # rank 0's save fails; rank 1 learns of it in the save's agreement
+                "checkpoint.every=10", NO_PLAN)  # rank 0's save fails; rank 1 learns of it in the save's agreement
     assert_one_line(done, f"cannot write {full}/checkpoints: No space left on device (errno 28)")
     assert not list(full.glob("checkpoints/.step_*"))
     assert_one_line(ddp2(f"run_dir={readonly}", "logging.tensorboard=false"),
@@ -399,7 +400,7 @@ def test_a_full_disk_while_tensorboard_writes_under_ddp_drops_it_on_rank_0_alone
         subprocess.run(["rm", "-rf", str(full / "run"), str(full / "filler")], check=True)
         leave_free(full, 16384)
         done = ddp2(*SMALL, f"run_dir={full}/run", "logging.tensorboard=true", "trainer.max_steps=400",
-                    "trainer.log_every=1")
+                    "trainer.log_every=1", NO_PLAN)
         assert "; dropped at step " in done.stdout and "step 400/400" in done.stdout, done.stdout[-3000:]
         assert_one_line(done, f"cannot write {full}/run/checkpoints: No space left on device (errno 28)")
 
@@ -468,25 +469,36 @@ def test_an_occupied_master_port_names_it(tmp_path):
 
 @pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_device_or_a_fifo_named_as_a_checkpoint_is_one_line(tmp_path):
-    """/dev/zero read as a checkpoint would fill the memory, a FIFO would block: refused before a read. Each
-    process is held to 4 GiB of address space and 60 s, so a regression fails instead of taking the machine."""
+    """/dev/zero read as a checkpoint would fill the memory, a FIFO would block: refused before a read. The
+    commands run one after another in one process (tests/commands_in_one_process.py: torch imported once), held
+    to 4 GiB of address space and 60 s, so a regression fails instead of taking the machine."""
+    import json
     import os
     import resource
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
+    commands = []
+    for target in ("/dev/zero", fifo):
+        commands += [["launcher", Q, *SMALL, f"run_dir={tmp_path}", f"checkpoint.init_from={target}"],
+                     ["launcher.export", str(target), str(tmp_path / "out.pt")],
+                     ["launcher", Q, *SMALL, f"run_dir={tmp_path}", f"checkpoint.resume={target}"]]
+    (tmp_path / "cases.json").write_text(json.dumps([[str(a) for a in c] for c in commands]))
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # noqa: E731
+    done = subprocess.run([sys.executable, "tests/commands_in_one_process.py", str(tmp_path / "cases.json")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcomes = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(outcomes) == len(commands), done.stdout[-2000:]
 
-    def run(*args):
-        limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # noqa: E731
-        done = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
-                              preexec_fn=limit)
-        assert done.returncode == 2, done.stderr[-2000:]
-        return done.stderr.strip().splitlines()[-1]
+    def last_line(outcome):
+        assert outcome["code"] == 2, outcome["stderr"][-2000:]
+        return outcome["stderr"].strip().splitlines()[-1]
 
-    for target, kind in (("/dev/zero", "a character device"), (fifo, "a FIFO")):
+    for (target, kind), (init_from, export, resume) in zip((("/dev/zero", "a character device"), (fifo, "a FIFO")),
+                                                           (outcomes[:3], outcomes[3:])):
         said = f"{target}: is {kind}, not a file or a folder"
-        assert run("launcher", Q, *SMALL, f"run_dir={tmp_path}", f"checkpoint.init_from={target}") == \
+        assert last_line(init_from) == \
             f"launcher: checkpoint.init_from: {said}; name a state_dict file, a checkpoint folder or a run folder"
-        assert run("launcher.export", str(target), str(tmp_path / "out.pt")).startswith(f"launcher: {said}")
-        assert "is not a checkpoint folder" in run("launcher", Q, *SMALL, f"run_dir={tmp_path}",
-                                                   f"checkpoint.resume={target}")
+        assert last_line(export).startswith(f"launcher: {said}")
+        assert "is not a checkpoint folder" in last_line(resume)

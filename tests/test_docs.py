@@ -414,30 +414,55 @@ def runnable() -> List[Block]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("block", runnable(), ids=lambda b: f"{b.page}:{b.line}")
-def test_a_pages_commands_run(block, tmp_path):
-    """The block's commands in order, as a newcomer types them on a fresh clone without a GPU: each exits 0, and
-    a training command trains (a run folder an earlier command finished would train nothing). pip installs are
-    checked (test_every_commands_flags_...), never run: they would reinstall this checkout."""
-    clone = tmp_path / "clone"
-    shutil.copytree(REPO, clone, ignore=shutil.ignore_patterns(".git", "runs", "site", "__pycache__", "*.egg-info",
-                                                                ".pytest_cache", ".venv*"))
-    bin_dir = str(Path(sys.executable).parent)  # python, torchrun and accelerate of this environment
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(clone),
-           "CUDA_VISIBLE_DEVICES": "", "NO_MKDOCS_2_WARNING": "1"}
+def _lines(block: Block) -> List[tuple]:
+    """(line, argv) of each command test_a_pages_commands_run runs for a block, in order (pip installs left out)."""
     extra = block.marker[1].split() if block.marker else []
+    out = []
     for command in commands(block.body):
         if command.argv[:4] == ["python", "-m", "pip", "install"]:
             continue
         module = module_of(command.argv)
         shortened = is_training(command.argv) or (module and module[0] == "launcher.sweep" and "report" not in module[1])
-        line = command.shell(extra if shortened else [])
+        out.append((command.shell(extra if shortened else []), command.argv))
+    return out
+
+
+# A fresh clone after a first command that begins several blocks (the quickstart's run, on three pages), by that
+# command's line: the first block that runs it (in this process) keeps a copy of its clone just after it, and
+# the others start from that copy instead of running the same command again on the same fresh clone.
+_FIRST_DONE: dict = {}
+_FIRSTS = [_lines(b)[0][0] for b in runnable() if _lines(b)]
+_SHARED_FIRST = {line for line in _FIRSTS if _FIRSTS.count(line) > 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", runnable(), ids=lambda b: f"{b.page}:{b.line}")
+def test_a_pages_commands_run(block, tmp_path):
+    """The block's commands in order, as a newcomer types them on a fresh clone without a GPU: each exits 0, and
+    a training command trains (a run folder an earlier command finished would train nothing). pip installs are
+    checked (test_every_commands_flags_...), never run: they would reinstall this checkout. A first command that
+    an earlier block began with too ran there on a fresh clone alike: this block starts from what it left."""
+    clone = tmp_path / "clone"
+    lines = _lines(block)
+    shared = lines[0][0] if lines and lines[0][0] in _SHARED_FIRST else None
+    if shared in _FIRST_DONE:
+        shutil.copytree(_FIRST_DONE[shared], clone, symlinks=True)
+        lines = lines[1:]
+    else:
+        shutil.copytree(REPO, clone, ignore=shutil.ignore_patterns(".git", "runs", "site", "__pycache__", "*.egg-info",
+                                                                    ".pytest_cache", ".venv*"))
+    bin_dir = str(Path(sys.executable).parent)  # python, torchrun and accelerate of this environment
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(clone),
+           "CUDA_VISIBLE_DEVICES": "", "NO_MKDOCS_2_WARNING": "1"}
+    for i, (line, argv) in enumerate(lines):
         done = subprocess.run(["bash", "-c", line], cwd=clone, env=env, capture_output=True, text=True, timeout=400)
         said = done.stdout[-3000:] + done.stderr[-3000:]
         assert done.returncode == 0, f"{block.page}:{block.line}: {line}\n{said}"
-        if is_training(command.argv):
+        if is_training(argv):
             assert "nothing to train" not in said, f"{block.page}:{block.line}: {line} trained nothing\n{said}"
+        if i == 0 and line == shared:
+            shutil.copytree(clone, tmp_path / "after-first", symlinks=True)
+            _FIRST_DONE[shared] = tmp_path / "after-first"
 
 
 def schema_keys() -> set:

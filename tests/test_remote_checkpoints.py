@@ -16,11 +16,20 @@ import torch
 from launcher.checkpoint import choose, complete, crc32, full, layout, manifest, storage
 from launcher.errors import UserError
 from recipes.components.mlp import MLP
-from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights, launch, state_dict, train
+from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights, state_dict
+from tests.conftest import train as conftest_train
 from tests.s3 import BUCKET, SECRET, s3  # noqa: F401
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
+
+
+NO_PLAN = "logging.memory_plan=false"  # no planner process beside a run: no test here checks its `memory:` line
+
+
+def train(run_dir, *overrides: str) -> dict:
+    """conftest's train (in this process), without the memory planner."""
+    return conftest_train(run_dir, NO_PLAN, *overrides)
 
 
 def objects(store, prefix):
@@ -106,13 +115,14 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(s3, tmp_path):
 
 
 @pytest.mark.slow  # three runs killed and resumed, as tests/test_faults.py's (25 s): the full suite runs it
-def test_a_kill_inside_an_upload_resumes_from_the_newest_sealed_checkpoint(s3, tmp_path):
+def test_a_kill_inside_an_upload_resumes_from_the_newest_sealed_checkpoint(s3, tmp_path, capsys):
     """SIGKILL at two seeded instants of the saves (every chunk torch.save writes to the store is one,
     tests/save_crash.py): what the store holds then resumes bitwise from its newest sealed checkpoint."""
-    from tests.save_crash import run
+    from launcher.cli import main as launcher_main
+    from tests.save_crash import RECIPE, run
 
     def into(name):
-        return [f"checkpoint.dir=s3://{BUCKET}/{name}"]
+        return [f"checkpoint.dir=s3://{BUCKET}/{name}", NO_PLAN]
 
     done = run(tmp_path / "reference", extra=into("crash_reference"))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -122,9 +132,16 @@ def test_a_kill_inside_an_upload_resumes_from_the_newest_sealed_checkpoint(s3, t
         killed = run(tmp_path / name, kill_at, into(name))
         assert killed.returncode == -signal.SIGKILL and "save_crash: killed" in killed.stderr, killed.stderr[-2000:]
         newest, _ = choose(storage.location(f"s3://{BUCKET}/{name}"), "auto")
-        resumed = run(tmp_path / name, extra=into(name))
-        assert resumed.returncode == 0, resumed.stderr[-2000:]
-        assert newest is None or f"resumed from {newest} " in resumed.stdout
+        capsys.readouterr()
+        # the resume in this process (what it reads from the store is checked, not its process), on one thread
+        # as the reference's (tests/save_crash.py runs it with OMP_NUM_THREADS=1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert launcher_main([*RECIPE, *into(name), f"run_dir={tmp_path / name}"]) == 0
+        finally:
+            torch.set_num_threads(threads)
+        assert newest is None or f"resumed from {newest} " in capsys.readouterr().out
         assert_same_weights(tmp_path / "reference" / "model.pt", tmp_path / name / "model.pt")
 
 
@@ -152,13 +169,19 @@ def test_init_from_and_export_read_an_s3_checkpoint(s3, tmp_path):
 
 
 @pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
-def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_path):
+def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_path, capsys):
+    from launcher.cli import main as launcher_main
+    from launcher.export import main as export_main
+
     args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path}"]
-    missing = launch(*args, "checkpoint.dir=s3://no-such-bucket/run")
-    assert missing.returncode == 2 and "training" not in missing.stderr + missing.stdout
-    assert missing.stderr.strip().splitlines()[-1].endswith(
+    # one process's mistakes, in this one (as tests/test_bad_input.py's); the missing keys in a process of its own,
+    # started without the AWS_* environment
+    code = launcher_main([*args, "checkpoint.dir=s3://no-such-bucket/run"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "training" not in err + out
+    assert err.strip().splitlines()[-1].endswith(
         "checkpoint.dir: s3://no-such-bucket/run: no bucket 'no-such-bucket' there; create it, or name an existing "
-        "one (AWS_ENDPOINT_URL names the store)"), missing.stderr
+        "one (AWS_ENDPOINT_URL names the store)"), err
     bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     bare.update(AWS_ENDPOINT_URL=os.environ["AWS_ENDPOINT_URL"], AWS_EC2_METADATA_DISABLED="true",
                 AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
@@ -167,11 +190,15 @@ def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_
     assert nokeys.returncode == 2, nokeys.stderr
     assert "no credentials for the object store; set AWS_ACCESS_KEY_ID" in nokeys.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "recipe.yaml").exists()  # refused before the run folder was written
-    export = subprocess.run([sys.executable, "-m", "launcher.export", "s3://no-such-bucket/run/step_10",
-                             str(tmp_path / "out.pt")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert export.returncode == 2 and export.stderr.strip().splitlines()[-1].endswith(
+    capsys.readouterr()
+    try:
+        code = export_main(["s3://no-such-bucket/run/step_10", str(tmp_path / "out.pt")])
+    except SystemExit as e:  # argparse's errors, as `python -m launcher.export` ends with them
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines()[-1].endswith(
         "CHECKPOINT: s3://no-such-bucket/run/step_10: no bucket 'no-such-bucket' there; create it, or name an "
-        "existing one (AWS_ENDPOINT_URL names the store)"), export.stderr
+        "existing one (AWS_ENDPOINT_URL names the store)"), err
     with pytest.raises(UserError, match="^checkpoint.init_from: s3://no-such-bucket/run/step_10: no bucket"):
         train(tmp_path / "init", "checkpoint.init_from=s3://no-such-bucket/run/step_10")
 
@@ -195,27 +222,34 @@ def test_fsdp_saves_shards_to_s3_and_one_process_resumes_them_as_from_a_local_di
     the background, with async_save; the final step 40 at once), without reading a shard back; one process
     resumes from them bitwise as from the same run's shards on a local disk, fetching each byte once; export
     writes the run's newest checkpoint, found through its recipe, as an HF folder."""
-    from tests.test_fsdp import FSDP, QUICK, launch as torchrun
+    from launcher.cli import main as launcher_main
+    from tests.several_runs import several
+    from tests.test_fsdp import FSDP, QUICK
 
     url = f"s3://{BUCKET}/fsdp"
     s3.fetched.clear()
-    torchrun(tmp_path / "s3", *QUICK, *FSDP, f"checkpoint.dir={url}", "checkpoint.async_save=true")
+    # the two fsdp runs, to S3 and to the local disk, one after the other in one torchrun launch
+    ranks = several({"s3": [*QUICK, *FSDP, NO_PLAN, f"checkpoint.dir={url}", "checkpoint.async_save=true",
+                            f"run_dir={tmp_path / 's3'}"],
+                     "local": [*QUICK, *FSDP, NO_PLAN, f"run_dir={tmp_path / 'local'}"]}, tmp_path)
+    assert [results[name]["error"] for results in ranks for name in ("s3", "local")] == [None] * 4, ranks
     assert not [key for key in s3.fetched_under("fsdp") if not key.endswith("/manifest.json")], s3.fetched
-    torchrun(tmp_path / "local", *QUICK, *FSDP)
     assert_same_weights(tmp_path / "local" / "model.pt", tmp_path / "s3" / "model.pt")
     assert [k for k in objects(s3, "fsdp") if k.startswith("step_20/")] == [
         f"step_20/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json")]
     step_20 = storage.location(f"{url}/step_20")
     assert manifest.verify(step_20) is None  # by the ETags recorded: the CRC-32s kept while writing are right too
     assert all(crc32(step_20 / name) == entry["crc32"] for name, entry in manifest.read(step_20).items())
-    one = [*QUICK, "strategy=single"]
+    one = [*QUICK, "strategy=single", NO_PLAN]  # one process: the resumes train in this one
+    capsys.readouterr()
     s3.fetched.clear()
-    done = torchrun(tmp_path / "one_s3", *one, f"checkpoint.resume={url}/step_20")
-    assert "written by 2 processes, resharded to 1" in done.stdout
+    assert launcher_main([*one, f"checkpoint.resume={url}/step_20", f"run_dir={tmp_path / 'one_s3'}"]) == 0
+    assert "written by 2 processes, resharded to 1" in capsys.readouterr().out
     sizes, fetched = s3.sizes("fsdp/step_20"), s3.fetched_under("fsdp/step_20")
     shards = [key for key in sizes if key.endswith(".distcp")]
     assert len(shards) == 2 and all(0 < fetched.get(key, 0) <= sizes[key] for key in shards), (fetched, sizes)
-    torchrun(tmp_path / "one_local", *one, f"checkpoint.resume={tmp_path / 'local' / 'checkpoints' / 'step_20'}")
+    assert launcher_main([*one, f"checkpoint.resume={tmp_path / 'local' / 'checkpoints' / 'step_20'}",
+                          f"run_dir={tmp_path / 'one_local'}"]) == 0
     assert_same_weights(tmp_path / "one_local" / "model.pt", tmp_path / "one_s3" / "model.pt")
     from safetensors.torch import load_file
 
