@@ -158,7 +158,7 @@ def test_a_bad_packing_buffer_and_a_missing_file_are_one_line_at_start(folder, f
 
 # Whole runs of recipes/hf_sft.yaml: 20 conversations, batches of 8 (two a pass, the last 4 dropped), 6 steps
 SHORT = ["on_cpu=null", "precision=fp32", "trainer.activation_checkpointing=null", "logging.tensorboard=false",
-         "logging.progress_bar=false", "data.train.max_len=64", "data.batch_size=8",
+         "logging.memory_plan=false", "logging.progress_bar=false", "data.train.max_len=64", "data.batch_size=8",
          "optimizer={_target_: torch.optim.SGD, lr: 0.2}", "trainer.max_steps=6", "trainer.log_every=1"]
 
 
