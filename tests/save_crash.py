@@ -100,19 +100,25 @@ def reference(folder: Path, extra: list = ()) -> dict:
     return {int(m.group(1)): int(m.group(2)) for m in re.finditer(r"save_crash: rank (\d+) events=(\d+)", done.stderr)}
 
 
-def trial(folder: Path, kill_at: int, reference: Path, extra: list = (), kill_rank: int = 0) -> str:
-    """Kill rank `kill_rank` at its event `kill_at`, check the folder, resume, and compare with `reference`.
-    Returns a summary."""
+def killed(folder: Path, kill_at: int, extra: list = (), kill_rank: int = 0) -> tuple:
+    """Kill rank `kill_rank` (a real process SIGKILLing itself) at its event `kill_at`, and check that every step_*
+    left is complete: (the run folder, the newest complete checkpoint, which a resume must name, or None)."""
     run_dir = folder / f"kill_{kill_rank}_{kill_at}"
-    killed = run(run_dir, kill_at, extra, kill_rank)
+    done = run(run_dir, kill_at, extra, kill_rank)
     expected = -signal.SIGKILL if "strategy=fsdp" not in extra else 1  # torchrun's own code when a worker dies
-    assert killed.returncode == expected and "save_crash: killed" in killed.stderr, \
-        f"expected a kill at event {kill_at}: {killed.stderr[-2000:]}"
+    assert done.returncode == expected and "save_crash: killed" in done.stderr, \
+        f"expected a kill at event {kill_at}: {done.stderr[-2000:]}"
     from launcher.checkpoint import choose, is_complete
 
     steps = sorted((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
     assert all(is_complete(s) for s in steps), f"a step_* folder is incomplete after a kill at event {kill_at}"
-    newest, _ = choose(run_dir / "checkpoints", "auto")
+    return run_dir, choose(run_dir / "checkpoints", "auto")[0]
+
+
+def trial(folder: Path, kill_at: int, reference: Path, extra: list = (), kill_rank: int = 0) -> str:
+    """Kill rank `kill_rank` at its event `kill_at`, check the folder, resume, and compare with `reference`.
+    Returns a summary."""
+    run_dir, newest = killed(folder, kill_at, extra, kill_rank)
     resumed = run(run_dir, extra=extra)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     if newest is not None:

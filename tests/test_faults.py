@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, assert_same_weights, state_dict
+from tests.save_crash import killed as killed_inside_a_save  # its trial up to the resume
 from tests.test_strategies import RECIPE, TORCHRUN, run
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
@@ -102,25 +103,6 @@ def test_the_rank_that_raised_first_is_the_last_error_on_the_screen(tmp_path):
 SAVES = ["trainer.max_steps=20"]
 
 
-def _killed_inside_a_save(folder, kill_at, extra, kill_rank=0):
-    """tests/save_crash.py's trial up to its resume: kill rank `kill_rank` (a real process SIGKILLing itself) at
-    its event `kill_at`, and check that every step_* left is complete. Returns the run folder and the newest
-    checkpoint, which the resume must name."""
-    import signal
-
-    from launcher.checkpoint import choose, is_complete
-    from tests.save_crash import run as save_crash_run
-
-    run_dir = folder / f"kill_{kill_rank}_{kill_at}"
-    killed = save_crash_run(run_dir, kill_at, extra, kill_rank)
-    expected = -signal.SIGKILL if "strategy=fsdp" not in extra else 1  # torchrun's own code when a worker dies
-    assert killed.returncode == expected and "save_crash: killed" in killed.stderr, \
-        f"expected a kill at event {kill_at}: {killed.stderr[-2000:]}"
-    steps = sorted((run_dir / "checkpoints").glob("step_*")) if (run_dir / "checkpoints").exists() else []
-    assert all(is_complete(s) for s in steps), f"a step_* folder is incomplete after a kill at event {kill_at}"
-    return run_dir, choose(run_dir / "checkpoints", "auto")[0]
-
-
 def _resumed_exactly(said, run_dir, newest, reference, kill_at):
     if newest is not None:
         assert f"resumed from {newest}" in said, said[-2000:]
@@ -139,7 +121,7 @@ def test_a_crash_inside_a_save_never_loses_the_newest_complete_checkpoint(tmp_pa
     total = reference(tmp_path, SAVES)[0]
     for i, kill_at in enumerate(random.Random(0).sample(range(1, total + 1), 3)):
         extra = SAVES + (ASYNC if i == 2 else [])
-        run_dir, newest = _killed_inside_a_save(tmp_path, kill_at, extra)
+        run_dir, newest = killed_inside_a_save(tmp_path, kill_at, extra)
         capsys.readouterr()
         assert main([*RECIPE, *extra, f"run_dir={run_dir}"]) == 0
         _resumed_exactly(capsys.readouterr().out, run_dir, newest, tmp_path / "reference" / "model.pt", kill_at)
@@ -157,7 +139,7 @@ def test_a_crash_inside_a_sharded_save_never_loses_the_newest_complete_checkpoin
     killed = {}
     for rank, extra in ((1, SHARDED + SAVES), (0, SHARDED + SAVES + ASYNC)):
         kill_at = random.Random(rank).randrange(1, totals[rank] + 1)
-        killed[f"rank {rank} at {kill_at}"] = (kill_at, extra, *_killed_inside_a_save(tmp_path, kill_at, extra, rank))
+        killed[f"rank {rank} at {kill_at}"] = (kill_at, extra, *killed_inside_a_save(tmp_path, kill_at, extra, rank))
     resumed = several({name: [*RECIPE, *extra, f"run_dir={run_dir}"] for name, (_, extra, run_dir, _) in killed.items()},
                       tmp_path)
     for name, (kill_at, _, run_dir, newest) in killed.items():
