@@ -61,6 +61,21 @@ def launch(*args: str, timeout: float = 120, env: dict | None = None) -> subproc
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def in_this_process(*args: str) -> tuple:
+    """`python -m launcher ARGS` in this process, where torch is imported already, for a run whose process is not
+    what its test checks (a reference, a resume): (its exit code, what it printed on stdout, on stderr)."""
+    import contextlib
+    import io
+
+    from launcher.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.chdir(REPO)
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
 def state_dict(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 

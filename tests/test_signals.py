@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, SMALL, assert_same_weights
+from tests.conftest import REPO, SMALL, assert_same_weights, in_this_process
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
 
@@ -38,21 +38,19 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
             "recipes/quickstart.yaml", *SMALL, *SLOW]
 
 
-def in_this_process(*args: str) -> None:
-    """`python -m launcher ARGS` in this process, where torch is imported already: for the runs that are not what
-    a test checks about signals (a reference, a resume)."""
-    from launcher.cli import main
-
-    assert main(["recipes/quickstart.yaml", *SMALL, *SLOW, *args]) == 0
+def trained_here(*args: str) -> str:
+    """The signalled recipe through conftest's in_this_process (a reference, a resume): it must end well; what it
+    printed."""
+    code, out, err = in_this_process("recipes/quickstart.yaml", *SMALL, *SLOW, *args)
+    assert code == 0, (out + err)[-3000:]
+    return out
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     """The run no signal stops, in one process: what every stopped and resumed one-process run ends as."""
     folder = tmp_path_factory.mktemp("whole")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(REPO)
-        in_this_process(f"run_dir={folder}")
+    trained_here(f"run_dir={folder}")  # (in the repository's folder, as conftest's in_this_process runs)
     return folder / "model.pt"
 
 
@@ -96,7 +94,7 @@ def ddp_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, capsys, whole, sig, code):
+def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, whole, sig, code):
     proc = start(tmp_path / "stopped")
     output = signal_after_first_log(proc, sig)
     assert proc.returncode == code, output
@@ -105,9 +103,8 @@ def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, capsys, who
     assert f"stopped by {sig.name} after step {saved[0].name[5:]}: saved" in output
     assert not (tmp_path / "stopped" / "model.pt").exists()
 
-    capsys.readouterr()
-    in_this_process(f"run_dir={tmp_path / 'stopped'}")  # the resume: what it reads is checked, not the process
-    assert f"resumed from {saved[0]}" in capsys.readouterr().out
+    said = trained_here(f"run_dir={tmp_path / 'stopped'}")  # the resume: what it reads is checked, not the process
+    assert f"resumed from {saved[0]}" in said
     assert_same_weights(whole, tmp_path / "stopped" / "model.pt")
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import QUICKSTART, REPO, assert_same_weights, state_dict
+from tests.conftest import QUICKSTART, REPO, assert_same_weights, in_this_process, state_dict
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
 
@@ -31,27 +31,18 @@ def run(command: list, timeout: float = 180) -> subprocess.CompletedProcess:
     return done
 
 
-def in_this_process(*args: str) -> str:
-    """`python -m launcher ARGS` in this process, where torch is imported already (for a run whose process is not
-    what its test checks); what it printed."""
-    import contextlib
-    import io
-
-    from launcher.cli import main
-
-    said = io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(said):
-        patch.chdir(REPO)
-        code = main(list(args))
-    assert code == 0, said.getvalue()[-3000:]
-    return said.getvalue()
+def trained_here(*args: str) -> str:
+    """conftest's in_this_process, which must end well: what it printed."""
+    code, out, err = in_this_process(*args)
+    assert code == 0, (out + err)[-3000:]
+    return out
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The single-process run every strategy's must give: trained in this process."""
     folder = tmp_path_factory.mktemp("single")
-    in_this_process(*RECIPE, f"run_dir={folder}", "strategy=single")
+    trained_here(*RECIPE, f"run_dir={folder}", "strategy=single")
     return folder / "model.pt"
 
 
@@ -63,7 +54,7 @@ def assert_equivalent(reference, other) -> None:
 
 
 def test_dp_without_gpus_runs_as_single(reference, tmp_path):
-    said = in_this_process(*RECIPE, f"run_dir={tmp_path}", "strategy=dp")  # a plain process, as this one
+    said = trained_here(*RECIPE, f"run_dir={tmp_path}", "strategy=dp")  # a plain process, as this one
     assert "strategy: dp found no GPU; running as a single process on the CPU" in said
     assert_equivalent(reference, tmp_path / "model.pt")
 
@@ -163,5 +154,5 @@ def test_accelerate_settles_precision_and_accumulation(monkeypatch, env, recipe,
 
 
 def test_nproc_per_node_without_a_strategy_that_starts_processes_says_so(tmp_path):
-    said = in_this_process(str(QUICKSTART), f"run_dir={tmp_path}", "nproc_per_node=2", "trainer.max_steps=2")
+    said = trained_here(str(QUICKSTART), f"run_dir={tmp_path}", "nproc_per_node=2", "trainer.max_steps=2")
     assert "nproc_per_node: 2 starts processes for strategy ddp or fsdp; strategy auto runs this one process" in said

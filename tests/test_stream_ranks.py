@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_same_weights
+from tests.conftest import REPO, assert_same_weights, in_this_process
 from tests.test_strategies import RECIPE, assert_equivalent, run
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs
@@ -27,21 +27,6 @@ def keep_until(run_dir, step):
         if folder.name.startswith("step_") and int(folder.name[5:]) > step:
             shutil.rmtree(folder)
     (run_dir / "model.pt").unlink()
-
-
-def in_this_process(*args: str) -> tuple:
-    """`python -m launcher ARGS` in this process, where torch is imported already (a run on one process that is
-    not what its test checks about processes): its exit code, and what it printed."""
-    import contextlib
-    import io
-
-    from launcher.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        patch.chdir(REPO)
-        code = main(list(args))
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
