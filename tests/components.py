@@ -27,13 +27,16 @@ class NotAModule:
         pass
 
 
-class DiesOnce(MLP):
-    """An MLP whose process dies at its `at`-th training forward, in rank `rank`'s first attempt only:
-    `how` is "exit" (os._exit), "kill" (SIGKILL, as the OOM killer does) or "raise" (an exception)."""
+class DiesInAttempts(MLP):
+    """An MLP whose process dies at its `at[k]`-th training forward in torchrun's attempt k (k counted by
+    TORCHELASTIC_RESTART_COUNT), in rank `rank`; the attempts past the list run through. `how` is "exit"
+    (os._exit), "kill" (SIGKILL, as the OOM killer does) or "raise" (an exception). A resumed attempt counts its
+    forwards from its resume: a test gives `at[k]` as the step to die at less the step attempt k resumes from,
+    so that one launch checks several kills, each followed by torchrun's restart and a resume."""
 
-    def __init__(self, at: int, rank: int = 1, how: str = "exit", **kwargs):
+    def __init__(self, at: list, rank: int = 1, how: str = "exit", **kwargs):
         super().__init__(**kwargs)
-        self.at, self.rank, self.how, self.calls = at, rank, how, 0
+        self.at, self.rank, self.how, self.calls = list(at), rank, how, 0
 
     def forward(self, x):
         import os
@@ -41,14 +44,23 @@ class DiesOnce(MLP):
 
         if self.training:
             self.calls += 1
-            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-            if first_attempt and os.environ.get("RANK") == str(self.rank) and self.calls == self.at:
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if attempt < len(self.at) and os.environ.get("RANK") == str(self.rank) and self.calls == self.at[attempt]:
                 if self.how == "raise":
-                    raise RuntimeError(f"rank {self.rank} broke at forward {self.at}")
+                    later = f" of attempt {attempt}" if attempt else ""
+                    raise RuntimeError(f"rank {self.rank} broke at forward {self.calls}{later}")
                 if self.how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 os._exit(9)
         return super().forward(x)
+
+
+class DiesOnce(DiesInAttempts):
+    """An MLP whose process dies at its `at`-th training forward, in rank `rank`'s first attempt only:
+    `how` is "exit" (os._exit), "kill" (SIGKILL, as the OOM killer does) or "raise" (an exception)."""
+
+    def __init__(self, at: int, rank: int = 1, how: str = "exit", **kwargs):
+        super().__init__([at], rank, how, **kwargs)
 
 
 class KilledOnce(MLP):

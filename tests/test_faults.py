@@ -52,7 +52,7 @@ def test_sigkilled_worker_restarts_and_finishes_exactly(tmp_path, uninterrupted,
     """SIGKILL one worker at random steps (seeded: the steps are in the test id), once in each of torchrun's
     attempts: torchrun restarts both each time, each attempt resumes from the newest checkpoint before its
     kill, and the last one ends bitwise as the run no kill stopped."""
-    dies = f"model={{_target_: tests.dies_in_attempts.DiesInAttempts, at: {_killed_at(steps)}, rank: 1, how: kill}}"
+    dies = f"model={{_target_: tests.components.DiesInAttempts, at: {_killed_at(steps)}, rank: 1, how: kill}}"
     done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={len(steps)}", "-m", "launcher",
                 *COMMON, dies, f"run_dir={tmp_path}"], timeout=180 + 120 * len(steps))  # each restart's start
     for step in steps:
