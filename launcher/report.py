@@ -57,7 +57,7 @@ def _rank0_error_file() -> Optional[Path]:
     """Rank 0's torchrun error file where this rank shares its node (torchrun keeps a folder per local rank,
     .../attempt_N/<local rank>/error.json, and node 0's local rank 0 is rank 0); None elsewhere."""
     ours = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not ours or os.environ.get("LOCAL_RANK") is None or os.environ.get("LOCAL_RANK") != rank():
+    if not ours or os.environ.get("LOCAL_RANK") != rank():
         return None
     path = Path(ours)
     return path.parent.parent / "0" / path.name if path.parent.name == rank() else None

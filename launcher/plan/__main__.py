@@ -10,6 +10,7 @@ import json
 import sys
 from typing import List, Optional
 
+from launcher import collector
 from launcher.errors import EXIT_USER, UserError
 from launcher.report import mistake
 
@@ -67,8 +68,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             found = layouts.candidates(args.devices, min(args.gpus_per_node, args.devices))
         if args.jobs is not None and args.jobs < 1:
             raise UserError(f"--jobs {args.jobs}: give 1 or more")
-        from launcher import collector
-
         collector.resume()  # (paused while python -m launcher.plan started)
         rows = planner.plan(recipe, found, memory, args.device, largest=not args.as_run, jobs=args.jobs)
     except UserError as e:
@@ -139,7 +138,5 @@ def _size(n: int) -> str:
 
 
 if __name__ == "__main__":
-    from launcher import collector
-
     collector.pause()  # while torch and the recipe's libraries import; resumed before the step is planned
     sys.exit(main())
