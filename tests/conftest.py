@@ -107,6 +107,15 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.get_closest_marker("xdist_group")))
 
 
+def pytest_collection_finish(session):
+    """What collecting imported (torch, transformers, every test module) lives as long as this process: moved
+    out of the garbage collector's sweeps, which the in-process runs' objects would otherwise make it walk
+    again and again (what launcher/collector.py does for python -m launcher)."""
+    import gc
+
+    gc.freeze()
+
+
 def _group(config, item, name: str) -> None:
     """Mark the item with xdist_group(name), and give its id the `@name` that loadgroup schedules by.
     pytest-xdist 3.8 writes that suffix into `item._nodeid`, which pytest 9.2 no longer reads (the id is
