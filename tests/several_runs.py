@@ -64,7 +64,7 @@ class Pool:
         from tests.conftest import REPO
 
         self.folder = Path(tempfile.mkdtemp(prefix="rank-pool-"))
-        self.env = {k: v for k, v in os.environ.items() if k not in self.LEFT_ALONE and not k.startswith("PYTEST_")}
+        self.env = self.environment()
         self.log = self.folder / "log"
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
@@ -75,8 +75,13 @@ class Pool:
         self.jobs = 0
         atexit.register(self.close)
 
+    @classmethod
+    def environment(cls) -> Dict[str, str]:
+        """This process's environment, less what torchrun sets for its ranks and what pytest sets for its test."""
+        return {k: v for k, v in os.environ.items() if k not in cls.LEFT_ALONE and not k.startswith("PYTEST_")}
+
     def run(self, cases_file: Path, results: List[Path], timeout: float) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in self.LEFT_ALONE and not k.startswith("PYTEST_")}
+        env = self.environment()
         self.jobs += 1
         job = {"cases": str(cases_file), "set": {k: v for k, v in env.items() if self.env.get(k) != v},
                "unset": [k for k in self.env if k not in env]}
@@ -89,10 +94,10 @@ class Pool:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 how = (f"exited with {self.process.returncode}" if self.process.poll() is not None
                        else f"took more than {timeout:.0f} s")
+                said = self.log.read_text(errors="replace")[start:][-3000:]
                 self.close()
                 Pool._this = None
-                raise AssertionError(f"the pool of two ranks {how} on {cases_file}:\n"
-                                     f"{self.log.read_text(errors='replace')[start:][-3000:]}")
+                raise AssertionError(f"the pool of two ranks {how} on {cases_file}:\n{said}")
             time.sleep(0.02)
 
     def close(self) -> None:
