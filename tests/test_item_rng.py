@@ -55,14 +55,18 @@ def test_an_item_is_the_same_whatever_the_batch_it_is_fetched_in():
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["Augmented", "AugmentedStream"], ids=["map-style", "stream"])
 def test_augmented_items_are_the_same_under_ddp(tmp_path, target):
-    """An item's draws do not depend on which rank makes it: ddp x2 gives the weights of one process."""
-    from tests.test_fsdp import DDP, launch
+    """An item's draws do not depend on which rank makes it: ddp x2 gives the weights of one process. Neither
+    launch is what is checked: the one process trains in this one, ddp x2 in the tests' pool of two ranks."""
+    from tests.several_runs import several
+    from tests.test_fsdp import here
 
-    common = ["recipes/quickstart.yaml", "devices=cpu", "data.train.n=1024", "data.batch_size=32", "trainer.max_steps=40",
-              "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null",
+    common = ["devices=cpu", "data.train.n=1024", "data.batch_size=32", "trainer.max_steps=40", "checkpoint.every=null",
+              "logging.tensorboard=false", "logging.progress_bar=false", "logging.memory_plan=false", "data.val=null",
               f"data.train._target_=tests.components.{target}"]
-    launch(tmp_path / "one", *common, "strategy=single")
-    launch(tmp_path / "two", *common, *DDP)
+    here(tmp_path / "one", "recipes/quickstart.yaml", *common)
+    ranks = several({"ddp": ["recipes/quickstart.yaml", *common, "strategy=ddp", f"run_dir={tmp_path / 'two'}"]},
+                    tmp_path)
+    assert [rank["ddp"]["error"] for rank in ranks] == [None, None], ranks
     one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "two" / "model.pt")
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs")
