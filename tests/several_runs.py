@@ -131,7 +131,6 @@ def main(cases_file: str, tag: str = "") -> None:
                 error = f"{type(e).__name__}: {first_line(e)}"
         results[name] = {"error": error, "said": said.getvalue()}
         print(said.getvalue(), end="", flush=True)
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = attempt
     rank = os.environ.get("RANK", "0")
     written = Path(cases_file).with_suffix(f".rank{rank}.partial")
     written.write_text(json.dumps(results, indent=1))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, SMALL, assert_same_weights, in_this_process
+from tests.conftest import REPO, SMALL, assert_same_weights, trained_here
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
 
@@ -15,12 +15,12 @@ pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m p
 MAX_STEPS = 80
 SLOW = ["model={_target_: tests.components.Slow, seconds: 0.04}", f"trainer.max_steps={MAX_STEPS}",
         "trainer.log_every=10", "checkpoint.every=null"]
+SIGNALLED = ["recipes/quickstart.yaml", *SMALL, *SLOW]  # the recipe and overrides of every signalled run
 
 
 def start(run_dir, *extra, env=None):
-    return subprocess.Popen([sys.executable, "-m", "launcher", "recipes/quickstart.yaml", *SMALL, *SLOW,
-                             f"run_dir={run_dir}", *extra], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, "-m", "launcher", *SIGNALLED, f"run_dir={run_dir}", *extra], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def signal_after_first_log(proc, sig) -> str:
@@ -35,22 +35,14 @@ def signal_after_first_log(proc, sig) -> str:
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "launcher",
-            "recipes/quickstart.yaml", *SMALL, *SLOW]
-
-
-def trained_here(*args: str) -> str:
-    """The signalled recipe through conftest's in_this_process (a reference, a resume): it must end well; what it
-    printed."""
-    code, out, err = in_this_process("recipes/quickstart.yaml", *SMALL, *SLOW, *args)
-    assert code == 0, (out + err)[-3000:]
-    return out
+            *SIGNALLED]
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     """The run no signal stops, in one process: what every stopped and resumed one-process run ends as."""
     folder = tmp_path_factory.mktemp("whole")
-    trained_here(f"run_dir={folder}")  # (in the repository's folder, as conftest's in_this_process runs)
+    trained_here(*SIGNALLED, f"run_dir={folder}")  # (in the repository's folder, as conftest's in_this_process runs)
     return folder / "model.pt"
 
 
@@ -83,9 +75,9 @@ def ddp_runs(tmp_path_factory):
             output = signal_after_first_log(proc, sig)
             stopped[name] = {"run_dir": run_dir, "returncode": proc.returncode, "output": output,
                              "saved": sorted((run_dir / "checkpoints").glob("step_*"))}
-        cases = {"whole": ["recipes/quickstart.yaml", *SMALL, *SLOW, f"run_dir={root / 'whole'}"]}
+        cases = {"whole": [*SIGNALLED, f"run_dir={root / 'whole'}"]}
         for name, (_, extra, _) in STOPPED.items():
-            cases[name] = ["recipes/quickstart.yaml", *SMALL, *SLOW, *extra, f"run_dir={stopped[name]['run_dir']}"]
+            cases[name] = [*SIGNALLED, *extra, f"run_dir={stopped[name]['run_dir']}"]
         resumed = several(cases, root, timeout=300)
     assert [rank["whole"]["error"] for rank in resumed] == [None, None], resumed
     for name in STOPPED:
@@ -103,7 +95,8 @@ def test_signal_saves_at_the_next_step_and_resume_is_exact(tmp_path, whole, sig,
     assert f"stopped by {sig.name} after step {saved[0].name[5:]}: saved" in output
     assert not (tmp_path / "stopped" / "model.pt").exists()
 
-    said = trained_here(f"run_dir={tmp_path / 'stopped'}")  # the resume: what it reads is checked, not the process
+    # the resume: what it reads is checked, not the process
+    said = trained_here(*SIGNALLED, f"run_dir={tmp_path / 'stopped'}")
     assert f"resumed from {saved[0]}" in said
     assert_same_weights(whole, tmp_path / "stopped" / "model.pt")
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import QUICKSTART, REPO, assert_same_weights, in_this_process, state_dict
+from tests.conftest import QUICKSTART, REPO, assert_same_weights, state_dict, trained_here
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
 
@@ -29,13 +29,6 @@ def run(command: list, timeout: float = 180) -> subprocess.CompletedProcess:
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
-
-
-def trained_here(*args: str) -> str:
-    """conftest's in_this_process, which must end well: what it printed."""
-    code, out, err = in_this_process(*args)
-    assert code == 0, (out + err)[-3000:]
-    return out
 
 
 @pytest.fixture(scope="module")
