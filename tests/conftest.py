@@ -114,6 +114,16 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.get_closest_marker("xdist_group")))
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before pytest-xdist's own (loadgroup's scheduler)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup with a worker kept for the Slurm jobs, which mostly wait (tests/scheduling.py)."""
+    if config.getvalue("dist") == "loadgroup":
+        from tests.scheduling import WaitingApart
+
+        return WaitingApart(config, log)
+    return None
+
+
 def pytest_collection_finish(session):
     """What collecting imported (torch, transformers, every test module) lives as long as this process: moved
     out of the garbage collector's sweeps, which the in-process runs' objects would otherwise make it walk
