@@ -96,7 +96,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`) every Slurm test runs on one worker: they share one
+    """Under pytest-xdist (`-n 3 --dist loadgroup`) every Slurm test runs on one worker: they share one
     local cluster, which one process starts. The tests that measure (marked `measuring`) run on one worker
     too, one after another. So do a module's tests that share a module-scoped fixture
     (a reference run): spread over both workers, each worker would run it again."""

@@ -21,7 +21,7 @@ def bench(*args: str) -> str:
     return done.stdout
 
 
-# The rows, split three ways so that two pytest workers share them; together they are every row (the
+# The rows, split three ways (they run one after another: group measuring); together they are every row (the
 # pretrained row runs in tests/test_hf_folders.py, at a size where its bound means something).
 @pytest.mark.slow
 def test_the_reference_workload_rows():
