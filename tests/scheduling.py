@@ -6,9 +6,10 @@ the last one runs the WAITING groups and nothing else, and the others never run 
 keep two workers on two cores (a third CPU-bound one made the benchmark's measured runs share a core), and
 the waiting happens beside them. With fewer workers this is loadgroup as it is.
 
-Tried: the measuring group first, and the waiter taking tests like the others once it was done. On a fresh
-clone (Slurm's packages installed at the start, by the waiter) it was slower: 1107 s of pytest against 965 s,
-the benchmark's rows taking up to twice as long beside the install and then three CPU-bound workers.
+Tried on 2026-11-27: the measuring group first, and the waiter taking tests like the others once it was done
+(571f54a). A fresh clone took 1107 s of pytest, between this version's 965 s before it and 1307 s after it, on a
+machine whose speed drifted that hour: not shown better, so not kept. Beside the Slurm packages' install, which
+the waiter does first on a fresh machine, the benchmark's rows took up to twice as long (162 s against 88 s).
 """
 
 from __future__ import annotations
