@@ -28,7 +28,9 @@ class WaitingApart(LoadGroupScheduling):
         super().schedule()
 
     def _takes(self, node, scope: str) -> bool:
-        return self.waiter is None or (scope in WAITING) == (node.gateway.id == self.waiter)
+        if self.waiter is None or not any(other.gateway.id == self.waiter for other in self.nodes):
+            return True  # (a waiter that crashed: what it left, any worker runs, rather than none)
+        return (scope in WAITING) == (node.gateway.id == self.waiter)
 
     def _reschedule(self, node) -> None:
         if node.shutting_down:
