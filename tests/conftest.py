@@ -99,7 +99,7 @@ def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 3 --dist loadgroup`) every Slurm test runs on one worker: they share one
     local cluster, which one process starts. The tests that measure (marked `measuring`) run on one worker
     too, one after another. So do a module's tests that share a module-scoped fixture
-    (a reference run): spread over both workers, each worker would run it again."""
+    (a reference run): spread over the workers, each would run it again."""
     sharing = {item.module.__name__ for item in items if _uses_a_module_fixture(item)}
     for item in items:
         if item.get_closest_marker("slurm"):
