@@ -36,7 +36,7 @@ def recipe(tmp_path, name: str) -> str:
         "model": {"_target_": f"transformers.{model}", "config": {"_target_": f"transformers.{config}", **keys}},
         "optimizer": {"_target_": "torch.optim.AdamW", "lr": 1e-3}, "data": data,
         "trainer": {"max_steps": 2, "log_every": 1}, "checkpoint": {"every": None},
-        "logging": {"tensorboard": False, "progress_bar": False}}))
+        "logging": {"tensorboard": False, "progress_bar": False, "memory_plan": False}}))
     return str(path)
 
 

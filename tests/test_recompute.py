@@ -16,7 +16,7 @@ TINY = dict(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, dropou
 CHARLM = REPO / "recipes" / "charlm.yaml"
 SMALL_CHARLM = ["devices=cpu", "precision=fp32", "logging.tensorboard=false", "logging.progress_bar=false", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
                 "model.block_size=32", "model.dropout=0.0", "data.batch_size=8", "data.val=null", "trainer.max_steps=10",
-                "lr_schedule=null"]
+                "lr_schedule=null", "logging.memory_plan=false"]
 
 
 def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
