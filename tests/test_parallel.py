@@ -175,8 +175,8 @@ def test_a_nan_loss_under_tensor_parallel_stops_every_rank_with_exit_3(tmp_path)
     done = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", "recipes/quickstart.yaml",
                            "model={_target_: tests.components.DivergesAt, at: 3}", "strategy=fsdp", "parallel.tp=2",
                            "parallel.tp_plan={'0': colwise, '2': rowwise}", "trainer.max_steps=20",
-                           "logging.tensorboard=false", "logging.memory_plan=false", f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                           "logging.tensorboard=false", "logging.memory_plan=false", f"run_dir={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     # rank 0 says it, whichever rank ends first, and torchrun's report names it as the root cause
     root = done.stderr.partition("Root Cause")[2]
     assert "exitcode  : 3" in root and "the training loss is nan at step 3" in root, done.stderr[-3000:]

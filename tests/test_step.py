@@ -18,7 +18,8 @@ def test_the_tutorials_data_without_targets_and_a_model_that_returns_its_loss(tm
     overrides = ["model={_target_: tests.components_step.AutoEncoder}", "loss=null", "metrics={}",
                  "data.train={_target_: tests.components_step.RandomDataset}", "data.val=null",
                  "data.batch_size=32", "trainer.max_steps=40", "trainer.log_every=5", "checkpoint.every=null",
-                 "logging.memory_plan=false", "logging.tensorboard=false", "logging.progress_bar=false", f"run_dir={tmp_path}"]
+                 "logging.tensorboard=false", "logging.progress_bar=false", "logging.memory_plan=false",
+                 f"run_dir={tmp_path}"]
     first = run(load(QUICKSTART, [*overrides, "trainer.max_steps=5", f"run_dir={tmp_path / 'a'}"]))
     last = run(load(QUICKSTART, overrides))
     assert last["train/loss"] < first["train/loss"]

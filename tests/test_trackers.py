@@ -210,8 +210,9 @@ def test_a_run_killed_with_values_in_flight_loses_none_on_resume(tmp_path):
     not written it, and MLflow, if its sending thread had not), and every store ends with every step."""
     run_dir = tmp_path / "run"
     common = ["recipes/quickstart.yaml", f"run_dir={run_dir}", *every_logger(tmp_path)[:-2], "trainer.max_steps=60",
-              "trainer.log_every=5", "trainer.eval_every=20", "checkpoint.every=20", "data.train.n=1024", "logging.memory_plan=false",
-              "data.val.n=256", f"model={{_target_: tests.components.KilledOnce, at: 48, marker: {tmp_path / 'killed'}, "
+              "trainer.log_every=5", "trainer.eval_every=20", "checkpoint.every=20", "data.train.n=1024",
+              "data.val.n=256", "logging.memory_plan=false",
+              f"model={{_target_: tests.components.KilledOnce, at: 48, marker: {tmp_path / 'killed'}, "
               f"in_dim: 32, hidden: 128, classes: 10}}"]
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
     killed = launch(*common, env=env)
