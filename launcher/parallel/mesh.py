@@ -1,16 +1,20 @@
-"""The ranks of a run laid out on a device mesh: dp_replicate x dp_shard x tp, tp innermost (the ranks of
-one tensor-parallel group are neighbours: one node's GPUs). Global rank = data-parallel rank x tp + tp rank.
+"""The ranks of a run laid out on a device mesh: pp x dp_replicate x dp_shard x tp, pipeline stages outermost and
+tp innermost (the ranks of one tensor-parallel group are neighbours: one node's GPUs; torchtitan's order).
+Global rank = (stage x data-parallel ranks + data-parallel rank) x tp + tp rank.
 
-The ranks of one tp group read the same batch; the global batch is split over the data-parallel ranks
-(dp_replicate x dp_shard) alone, so a recipe's batch means what it means under every layout."""
+The ranks of one tp group, and the stages of one pipeline, read the same batch; the global batch is split over
+the data-parallel ranks (dp_replicate x dp_shard) alone, so a recipe's batch means what it means under every
+layout."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List
 
 from launcher.errors import UserError
 
 NAMES = ("dp_replicate", "dp_shard", "tp")
+PP_NAMES = ("pp",) + NAMES
 
 
 @dataclass(frozen=True)
@@ -18,32 +22,49 @@ class Layout:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
 
     @property
     def data_replicas(self) -> int:
         """The ranks that each read their own share of the batch."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def stage_ranks(self) -> int:
+        """The ranks of one pipeline stage (every rank when there is one stage)."""
+        return self.data_replicas * self.tp
+
     def data_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return (rank % self.stage_ranks) // self.tp
+
+    def stage(self, rank: int) -> int:
+        return rank // self.stage_ranks
+
+    def pipeline(self, rank: int) -> List[int]:
+        """The ranks of this rank's pipeline (one per stage, the same data and tp rank), first stage first."""
+        return [rank % self.stage_ranks + s * self.stage_ranks for s in range(self.pp)]
 
     @property
     def plain(self) -> bool:
         """One dimension: every rank shards the model and reads its own share (FSDP alone)."""
-        return self.tp == 1 and self.dp_replicate == 1
+        return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1
 
     def describe(self) -> str:
-        return " x ".join(f"{name} {size}" for name, size in zip(NAMES, (self.dp_replicate, self.dp_shard, self.tp))
-                          if size > 1 or name == "dp_shard")
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return " x ".join(f"{name} {size}" for name, size in zip(PP_NAMES, sizes) if size > 1 or name == "dp_shard")
 
 
-def layout(tp: int, dp_replicate: int, world_size: int) -> Layout:
+def layout(tp: int, dp_replicate: int, world_size: int, pp: int = 1) -> Layout:
     """The mesh for `world_size` ranks; one line when the sizes do not divide it."""
-    if world_size % (tp * dp_replicate):
-        key = "parallel.tp" if dp_replicate == 1 else "parallel.dp_replicate" if tp == 1 else "parallel.tp x dp_replicate"
-        raise UserError(f"{key}: tp={tp} x dp_replicate={dp_replicate} does not divide the world of {world_size} "
-                        f"processes; use sizes whose product divides {world_size} (dp_shard takes the rest)")
-    return Layout(dp_replicate, world_size // (tp * dp_replicate), tp)
+    if world_size % (tp * dp_replicate * pp):
+        if pp == 1:
+            key = "parallel.tp" if dp_replicate == 1 else "parallel.dp_replicate" if tp == 1 else "parallel.tp x dp_replicate"
+        else:
+            key = "parallel.pp" if tp == dp_replicate == 1 else "parallel.pp x tp x dp_replicate"
+        sizes = f"tp={tp} x dp_replicate={dp_replicate}" + (f" x pp={pp}" if pp > 1 else "")
+        raise UserError(f"{key}: {sizes} does not divide the world of {world_size} processes; use sizes whose "
+                        f"product divides {world_size} (dp_shard takes the rest)")
+    return Layout(dp_replicate, world_size // (tp * dp_replicate * pp), tp, pp)
 
 
 def device_mesh(shape: Layout, device_type: str):
@@ -52,6 +73,9 @@ def device_mesh(shape: Layout, device_type: str):
 
     if shape.plain:
         return init_device_mesh(device_type, (shape.dp_shard,))
+    if shape.pp > 1:
+        return init_device_mesh(device_type, (shape.pp, shape.dp_replicate, shape.dp_shard, shape.tp),
+                                mesh_dim_names=PP_NAMES)
     return init_device_mesh(device_type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=NAMES)
 
 
@@ -73,12 +97,13 @@ def quiet_redistribution() -> None:
 
 
 def data_group(shape: Layout, rank: int):
-    """The process group of this rank's data-parallel peers (the same tp rank), where the metrics and the item
-    counts are summed; None (the world) when every rank is one. Collective."""
+    """The process group of this rank's data-parallel peers (the same stage and tp rank), where the metrics and the
+    item counts are summed; None (the world) when every rank is one. Collective."""
     import torch.distributed as dist
 
-    if shape.tp == 1:
+    if shape.tp == 1 and shape.pp == 1:
         return None
-    world = shape.data_replicas * shape.tp
-    mine, _ = dist.new_subgroups_by_enumeration([list(range(t, world, shape.tp)) for t in range(shape.tp)])
+    n = shape.stage_ranks
+    groups = [list(range(s * n + t, (s + 1) * n, shape.tp)) for s in range(shape.pp) for t in range(shape.tp)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
     return mine

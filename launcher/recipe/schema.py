@@ -20,6 +20,8 @@ from launcher.recipe.slurm_options import SlurmConfig
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp", "accelerate")
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise", "split_sequence",
              "sequence_parallel", "gather_sequence", "rowwise_seq")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")  # torch.distributed.pipelining's
+PP_MULTI = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")  # schedules of several stages per rank
 CONSOLIDATE = ("final", "every", "never")
 WANDB_MODES = ("online", "offline")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -106,14 +108,45 @@ class FSDPConfig:
 
 @dataclass
 class ParallelConfig:
-    """The device mesh of strategy fsdp: dp_replicate x dp_shard x tp ranks, dp_shard = world / (tp x dp_replicate)."""
+    """The device mesh of strategy fsdp: pp x dp_replicate x dp_shard x tp ranks, dp_shard = world / (pp x tp x
+    dp_replicate)."""
 
     tp: int = 1  # tensor parallel: each layer's matmuls split over this many ranks (of one node), which read one batch
     dp_replicate: int = 1  # replicas of the sharded model (HSDP: sharded within a group, replicated across groups)
     tp_plan: Any = "auto"  # auto: the model's own (an HF model's _tp_plan); or {module name pattern: style}
+    pp: int = 1  # pipeline stages (the outermost dimension): each rank holds a share of the model's repeated blocks
+    pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb (zero bubble), zbv
+    microbatches: Optional[int] = None  # each rank's batch split into this many for the pipeline; null: pp x stages
+    stages_per_rank: Optional[int] = None  # stages each rank holds (interleaved schedules); null: 1, or 2 for those
+    pp_split: Optional[List[str]] = None  # the blocks that begin stages 2, 3, ...; null: the blocks split evenly
+
+    def stages(self) -> int:
+        """Stages per rank, the schedule's own default where the recipe gives none."""
+        return self.stages_per_rank or (2 if self.pp_schedule in PP_MULTI else 1)
 
     def problems(self) -> List[tuple[str, str]]:
         out = at_least("parallel.tp", self.tp, 1) + at_least("parallel.dp_replicate", self.dp_replicate, 1)
+        out += at_least("parallel.pp", self.pp, 1)
+        if self.microbatches is not None:
+            out += at_least("parallel.microbatches", self.microbatches, 1)
+        if self.stages_per_rank is not None:
+            out += at_least("parallel.stages_per_rank", self.stages_per_rank, 1)
+        if self.pp_schedule not in PP_SCHEDULES:
+            out.append(("parallel.pp_schedule", f"got {short(self.pp_schedule)}; valid: {', '.join(PP_SCHEDULES)}"))
+        elif self.pp_schedule in PP_MULTI and self.stages_per_rank == 1:
+            out.append(("parallel.stages_per_rank", f"{self.pp_schedule} runs several stages on each rank, and "
+                                                    f"stages_per_rank is 1; use 2 or more, or pp_schedule 1f1b"))
+        elif self.pp_schedule not in PP_MULTI and (self.stages_per_rank or 1) > 1:
+            out.append(("parallel.stages_per_rank", f"{self.pp_schedule} runs one stage on each rank; use "
+                                                    f"interleaved_1f1b (or another of {', '.join(PP_MULTI)}) for "
+                                                    f"{self.stages_per_rank}"))
+        elif self.pp_schedule == "zbv" and self.stages() != 2:
+            out.append(("parallel.stages_per_rank", f"zbv runs exactly 2 stages on each rank (a V), got "
+                                                    f"{self.stages_per_rank}"))
+        if self.pp_split is not None and (not isinstance(self.pp_split, list)
+                                          or not all(isinstance(n, str) for n in self.pp_split)):
+            out.append(("parallel.pp_split", f"must be a list of block names (the first block of each stage after "
+                                             f"the first), got {short(self.pp_split)}"))
         plan = self.tp_plan
         if plan == "auto":
             return out
@@ -289,7 +322,7 @@ class Recipe:
             out += target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += target_problems(f"metrics.{metric}", spec)
-        for key in ("tp", "dp_replicate"):
+        for key in ("tp", "dp_replicate", "pp"):
             if getattr(self.parallel, key) > 1 and self.strategy != "fsdp":
                 out.append((f"parallel.{key}", f"lays ranks out on a device mesh under strategy fsdp, and the strategy is "
                                                f"{short(self.strategy)}; set strategy=fsdp, or parallel.{key}=1"))

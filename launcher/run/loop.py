@@ -13,7 +13,6 @@ from launcher.data.sampling import Position, TrainData
 from launcher.errors import UserError, first_line
 from launcher.loggers import Console, Loggers
 from launcher.run.metrics import TrainMeter, evaluate
-from launcher.model.step import result
 from launcher.model.precision import Precision
 from launcher.recipe.schema import TrainerConfig
 from launcher.stopping import StopFlag, Stopped
@@ -114,13 +113,11 @@ def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", p
     for micro in range(accum):
         batch = next(batches)
         syncs = micro + 1 == accum  # the micro-batch whose backward synchronises the gradients
-        with p.strategy.no_sync(p.model, skip=not syncs), p.precision.autocast():
-            out = result(p.step(p.model, batch))
-        loss, count = weights.loss(out, syncs)
-        if micro == 0 and not free_after_step:
-            p.optimizer.zero_grad(set_to_none=True)
-        p.precision.backward(loss)
-        p.meter.add(out.loss * count if count is not None else loss, count, out, batch)
+        zero = micro == 0 and not free_after_step
+        for loss, count, out, part in p.strategy.train_batch(
+                p.model, p.step, batch, p.precision, weights, syncs,
+                lambda: p.optimizer.zero_grad(set_to_none=True) if zero else None):
+            p.meter.add(loss, count, out, part)
     weights.finish()
     p.precision.unscale(p.optimizer)
     norm = p.strategy.clip(params, cfg.clip_grad_norm) if cfg.clip_grad_norm or syncing else None
@@ -147,8 +144,8 @@ def _sync_point(p: Parts, pos: Position, total: int, lr: float, reading: bool, l
         p.console.progress(step, total, pos.epoch, values)
     if evaluating:
         began = time.perf_counter()
-        results = evaluate(p.model, p.val, p.step, p.metrics, p.precision.autocast,
-                           p.strategy.all_reduce_sum, p.strategy.device)
+        results = evaluate(p.model, p.val, lambda model, batch: p.strategy.eval_batch(
+            model, p.step, batch, p.precision.autocast), p.metrics, p.strategy.all_reduce_sum, p.strategy.device)
         p.meter.exclude(time.perf_counter() - began)
         p.console.info(f"eval at step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
         values = {**values, **results}
@@ -200,6 +197,14 @@ class LossWeights:
         if last:  # what the reduced gradients are multiplied by: (first's sum) / (every rank's total)
             self.rescale = self.first / self.strategy.all_reduce_sum(self.total.clone()).clamp(min=1)
         return out.loss * (count * world / self.first), count
+
+    def summed(self, count: torch.Tensor, last: bool) -> None:
+        """A micro-batch whose backward took its summed loss (a pipeline's, whose earlier stages hold no loss to
+        weigh): the gradients are scaled to the step's total of items once the last one's backward is done."""
+        self.total = count if self.total is None else self.total + count
+        if last:
+            world = self.strategy.data_share()[0]
+            self.rescale = world / self.strategy.all_reduce_sum(self.total.clone()).clamp(min=1)
 
     def finish(self) -> None:
         """After the last backward: the accumulated, reduced gradients scaled to the step's total."""

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from launcher.errors import TrainingDiverged
-from launcher.model.step import IGNORE_INDEX, Result, items_in, result
+from launcher.model.step import IGNORE_INDEX, Result, items_in
 from launcher.observe.throughput import Throughput
 
 
@@ -76,7 +76,7 @@ class TrainMeter:
         self.grad_norm: Optional[torch.Tensor] = None
         self.clock = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, count: Optional[torch.Tensor], out: Result, batch: Any = None) -> None:
+    def add(self, loss: torch.Tensor, count: Optional[torch.Tensor], out: Optional[Result], batch: Any = None) -> None:
         """One micro-batch: `loss` is its summed loss when `count` is given, else its mean already
         divided by the accumulation steps. A batch of token rows (input_ids with an attention_mask, or packed
         rows' document_ids) is kept by reference, and its real tokens counted at the read: tokens/s."""
@@ -86,7 +86,7 @@ class TrainMeter:
         marks = _marks(batch)
         if marks is not None:
             self.marks.append(marks)
-        if self.metrics:
+        if self.metrics and out is not None:  # None: this rank computes no output (a pipeline's earlier stage)
             with torch.no_grad():
                 for i, fn in enumerate(self.metrics.values()):
                     self.values[i].append(fn(out.output, out.target))
@@ -185,20 +185,20 @@ def _sum_and_count(values: List[torch.Tensor], device: torch.device) -> torch.Te
 
 
 @torch.no_grad()
-def evaluate(model, batches, step, metrics: Dict[str, MetricFn], autocast,
+def evaluate(model, batches, results: Callable[[Any, Any], List[Tuple[Result, Any]]], metrics: Dict[str, MetricFn],
              all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> Dict[str, float]:
-    """Loss and metrics over a whole validation set, weighted by items; one host read at the end."""
+    """Loss and metrics over a whole validation set, weighted by items; one host read at the end. `results(model,
+    batch)` runs the step: its results, each with the part of the batch it is of (none on a rank without a loss)."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(2 + 2 * len(metrics), device=device)  # [loss sum, items, (metric sum, count) ...]
     for batch in batches:
-        with autocast():
-            out = result(step(model, batch))
-        n = out.num_items if out.num_items is not None else items_in(batch)
-        sums[0].add_(out.loss.detach().float() * n)
-        sums[1].add_(n)
-        for i, fn in enumerate(metrics.values(), start=1):
-            sums[2 * i:2 * i + 2].add_(_sum_and_count([fn(out.output, out.target)], device))
+        for out, part in results(model, batch):
+            n = out.num_items if out.num_items is not None else items_in(part)
+            sums[0].add_(out.loss.detach().float() * n)
+            sums[1].add_(n)
+            for i, fn in enumerate(metrics.values(), start=1):
+                sums[2 * i:2 * i + 2].add_(_sum_and_count([fn(out.output, out.target)], device))
     model.train(was_training)
     totals = all_reduce_sum(sums).tolist()  # host sync: once per evaluation, at its end
     scores = {"val/loss": totals[0] / totals[1] if totals[1] else float("nan")}

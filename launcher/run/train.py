@@ -156,9 +156,11 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
         raise UserError(f"trainer.max_epochs: data.train is a stream ({type(train_data.share.dataset).__name__}, an "
                         f"IterableDataset) whose epochs are not counted ahead; set trainer.max_steps and "
                         f"trainer.max_epochs=null")
+    flops = throughput.model_flops_per_sample(model, cfg.tokens_per_sample)  # the whole model's, before a pipeline cuts it
     wrapped = assemble.wrapped(model, strategy, console, init_from, lambda m: first_batch.check(
         train_data.first_items, train_data.collate, m, step, metrics, precision.autocast, device))
-    optimizer, chosen = build.optimizer(recipe.optimizer, [q for q in model.parameters() if q.requires_grad])
+    trained = strategy.unwrap(wrapped)  # the model (a pipeline: this rank's stages)
+    optimizer, chosen = build.optimizer(recipe.optimizer, [q for q in trained.parameters() if q.requires_grad])
     if chosen:
         console.info(chosen)
     schedule = build.component(recipe.lr_schedule, "lr_schedule", optimizer) if recipe.lr_schedule else None
@@ -166,8 +168,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     checkpoints = Checkpoints(strategy, wrapped, optimizer, run, run_dir, recipe.checkpoint, console.info)
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
     peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
-    rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample,
-                                  throughput.model_flops_per_sample(model, cfg.tokens_per_sample),
+    rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample, flops,
                                   peak * placement.world_size if peak else None, device)
     if recipe.trainer.compile:  # after the eager check. The wrapper is compiled, so DDP's buckets still
         wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys

@@ -51,7 +51,12 @@ def create(name: str, placement: Placement, ddp: Optional[DDPConfig] = None, fsd
     if name in ONE_PROCESS and placement.world_size > 1:
         raise UserError(f"strategy: {name} runs one process, but this is one of WORLD_SIZE={placement.world_size} "
                         f"started by {placement.launched_by}; use strategy=ddp (or auto)")
-    strategy = REGISTRY[name](placement, ddp, fsdp, parallel)
+    if name == "fsdp" and parallel is not None and parallel.pp > 1:
+        from launcher.strategies.pipeline import Pipeline  # imports torch's pipelining only when chosen
+
+        strategy: Strategy = Pipeline(placement, ddp, fsdp, parallel)
+    else:
+        strategy = REGISTRY[name](placement, ddp, fsdp, parallel)
     strategy.timeout, strategy.run_dir = timeout, run_dir
     return strategy
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from launcher.errors import PeerFailed, UserError
 from launcher.model.plain import to_cpu, unwrap
+from launcher.model.step import result
 from launcher.recipe.schema import DDPConfig, FSDPConfig, ParallelConfig
 from launcher.placement.scheduler import Placement
 
@@ -95,6 +96,26 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return unwrap(model)
 
+    def train_batch(self, model: nn.Module, step: Callable, batch: Any, precision: Any, weights: Any, last: bool,
+                    before_backward: Callable[[], None]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor], Any, Any]]:
+        """One micro-batch's forward and backward: `step(model, batch)`, its loss weighted by `weights` (the loop's
+        LossWeights; `last`: the micro-batch whose backward synchronises the gradients), `before_backward()` called
+        between the two. Returns what the meter records, per part of the batch: (its loss, summed where counted,
+        else a mean divided by the accumulation steps; its item count or None; the step's result, or None where
+        this rank has no output; the batch part whose tokens are counted, or None)."""
+        with self.no_sync(model, skip=not last), precision.autocast():
+            out = result(step(model, batch))
+        loss, count = weights.loss(out, last)
+        before_backward()
+        precision.backward(loss)
+        return [(out.loss * count if count is not None else loss, count, out, batch)]
+
+    def eval_batch(self, model: nn.Module, step: Callable, batch: Any, autocast: Callable) -> List[Tuple[Any, Any]]:
+        """The step's results on one validation batch (no gradients), each with the batch part it is of: one,
+        or none where this rank computes no loss (a pipeline's earlier stages)."""
+        with autocast():
+            return [(result(step(model, batch)), batch)]
+
     def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         """The plain model's full state_dict on the CPU, for model.pt: on rank 0 (others may get an empty
         one). Collective for a sharded strategy: every rank calls it."""
@@ -138,10 +159,15 @@ class Strategy:
             norm = torch.nn.utils.get_total_norm([q.grad for q in group])
             norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # the same on every rank
         norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms)
+        norm = self.whole_norm(norm)
         if max_norm:
             for group in groups.values():
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm.to(self.device, non_blocking=True)  # gradients offloaded to the CPU: the meter's device
+
+    def whole_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The whole model's gradient norm from this rank's part's (the same where every rank holds every layer)."""
+        return norm
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

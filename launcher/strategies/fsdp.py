@@ -34,7 +34,7 @@ class FSDP(DDP):
     def setup(self) -> None:
         # before the process group: a world the mesh does not fit stops every rank at once, with one line
         p = self.parallel
-        self.shape = mesh.layout(p.tp, p.dp_replicate, self.placement.world_size)
+        self.shape = mesh.layout(p.tp, p.dp_replicate, self.placement.world_size, p.pp)
         super().setup()
         self.device_mesh = mesh.device_mesh(self.shape, self.device.type)
         self.data_group = mesh.data_group(self.shape, self.placement.rank)
@@ -45,7 +45,8 @@ class FSDP(DDP):
         return self.shape.data_replicas, self.shape.data_rank(self.placement.rank)
 
     def data_states(self, state):
-        return self.all_gather_object(state)[::self.shape.tp]  # the ranks of a tp group read the same
+        # the ranks of a tp group, and the stages of a pipeline, read the same: the first stage's, a tp rank each
+        return self.all_gather_object(state)[:self.shape.stage_ranks:self.shape.tp]
 
     def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
         if precision == "fp16":  # the grad scaler's unscale has no kernel for sharded (DTensor) gradients
@@ -75,10 +76,15 @@ class FSDP(DDP):
         return lines
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
         if self.shape.tp > 1:  # before FSDP2 shards what the plan leaves whole, and the split layers' other dimension
             self.split = plans.apply(model, self.device_mesh["tp"], self.parallel.tp_plan)
+        self.shard(model, model)
+        return model
+
+    def shard(self, root: nn.Module, model: nn.Module) -> None:
+        """FSDP2 over `root`: `model`'s units (inside it) sharded each on their own, the rest by the root."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
         names = self.fsdp.units if self.fsdp.units is not None else modules.default_units(model)
         found = modules.by_class(model, names, "fsdp.units") if names else []
         kept = _keeping_ties(model, found, named=self.fsdp.units is not None)
@@ -95,8 +101,7 @@ class FSDP(DDP):
                    else OffloadPolicy()}
         for unit in reversed(found):  # innermost first: a unit inside another is its own shard group
             fully_shard(unit, **options)
-        fully_shard(model, **options)
-        return model
+        fully_shard(root, **options)
 
     def builds_empty(self, pretrained: bool) -> bool:
         return pretrained and self.fsdp.empty_init

@@ -74,7 +74,7 @@ class GPT(nn.Module):
     """Token ids (B, T) -> next-token logits (B, T, vocab_size), for T up to `block_size`."""
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int = 6, n_head: int = 6, n_embd: int = 384,
-                 dropout: float = 0.0, bias: bool = False):
+                 dropout: float = 0.0, bias: bool = False, tie_weights: bool = True):
         super().__init__()
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -87,7 +87,8 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(n_embd, bias=bias),
         ))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying: one matrix, two uses
+        if tie_weights:  # one matrix, two uses (off: the head its own, as pipeline stages need it)
+            self.transformer.wte.weight = self.lm_head.weight
 
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
