@@ -117,25 +117,24 @@ class Pipeline(FSDP):
 
     # the schedules
 
-    def _schedule(self, batch: Any, rows: int, training: bool):
+    def _schedule(self, batch: Any):
         """The schedule (and its stages' runtime) for batches of this shape, built at its first use."""
         from torch.distributed import pipelining
 
-        n = self.microbatches() if rows % self.microbatches() == 0 else 1  # a short last validation batch: one
-        key = (training, n) + tuple((tuple(t.shape), t.dtype) for t in _tensors(batch))
+        n = self.microbatches()
+        key = tuple((tuple(t.shape), t.dtype) for t in _tensors(batch))
         if key in self.schedules:
-            return self.schedules[key], n
+            return self.schedules[key]
         if len(self.schedules) >= KEPT:
             self.schedules.pop(next(iter(self.schedules)))
         runtime = [stages.runtime(s, self.total, self.device, self.pp_group) for s in self.held]
-        name = self.parallel.pp_schedule if training else ("looped_bfs" if len(self.held) > 1 else "gpipe")
-        kind = getattr(pipelining.schedules, SCHEDULES[name])
-        multi = name in PP_MULTI
+        kind = getattr(pipelining.schedules, SCHEDULES[self.parallel.pp_schedule])
+        multi = self.parallel.pp_schedule in PP_MULTI
         taken = inspect.signature(kind.__init__).parameters
         options = {"scale_grads": False} if "scale_grads" in taken else {}
         schedule = kind(runtime if multi else runtime[0], n, loss_fn=lambda out, target: out, **options)
         self.schedules[key] = schedule
-        return schedule, n
+        return schedule
 
     def _micro(self, rows: int) -> int:
         """The micro-batches a training batch of `rows` is split into."""
@@ -145,19 +144,11 @@ class Pipeline(FSDP):
                             f"divisor of {rows}")
         return self.microbatches()
 
-    def _run(self, step: Callable, batch: Any, precision_context: Callable, weigh: Callable, training: bool) -> int:
-        rows = items_in(batch)
-        schedule, n = self._schedule(batch, rows, training)
+    def _ready(self, step: Callable, batch: Any, weigh: Callable) -> Dict[str, Any]:
         kwargs, unpack = _as_keywords(batch)
         for stage in self.held:
             stage.step, stage.unpack, stage.weigh, stage.results = step, unpack, weigh, []
-        target = torch.zeros(rows, device=self.device)  # the schedules want one; the stage returns its loss
-        with precision_context():
-            if training:
-                schedule.step(target=target, return_outputs=False, **kwargs)
-            else:
-                schedule.eval(target=target, return_outputs=False, **kwargs)
-        return n
+        return kwargs
 
     def _last(self) -> List[Tuple[Result, Any]]:
         return next((s.results for s in self.held if s.last), [])
@@ -179,7 +170,10 @@ class Pipeline(FSDP):
             return out.loss / (n * weights.accum)
 
         before_backward()
-        self._run(step, batch, precision.autocast, weigh, training=True)
+        kwargs = self._ready(step, batch, weigh)
+        schedule = self._schedule(batch)
+        with precision.autocast():  # the schedules want a target; the last stage returns its loss itself
+            schedule.step(target=torch.zeros(n, device=self.device), return_outputs=False, **kwargs)
         results = self._last()
         counted = self._counts_items(results)
         zero = torch.zeros((), device=self.device)
@@ -197,7 +191,21 @@ class Pipeline(FSDP):
         return entries
 
     def eval_batch(self, model, step, batch, autocast):
-        self._run(step, batch, autocast, lambda out: out.loss, training=False)
+        """Forward only, the whole batch at once, stage after stage (no schedule: a short last batch is as good)."""
+        kwargs = self._ready(step, batch, lambda out: out.loss)
+        mine = {s.index: s for s in self.held}
+        pipeline = self.shape.pipeline(self.placement.rank)
+        holder = {i: pipeline[r] for r in range(self.shape.pp) for i in self._indices(r)}
+        activation: Optional[torch.Tensor] = None
+        for index in range(self.total):
+            if index not in mine:
+                continue
+            if index and holder[index - 1] != self.placement.rank:
+                activation = _receive(holder[index - 1], self.device)
+            with autocast():
+                activation = mine[index](*((activation,) if index else ()), **kwargs)
+            if index + 1 < self.total and holder[index + 1] != self.placement.rank:
+                _send(activation, holder[index + 1])
         return self._last()
 
     # what crosses the stages
@@ -250,6 +258,26 @@ class Pipeline(FSDP):
     def teardown(self) -> None:
         self.schedules, self.held, self.whole, self.pp_group = {}, [], None, None
         super().teardown()
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+HEADER = 8  # dimensions (up to 6), then the dtype's place in DTYPES
+
+
+def _send(tensor: torch.Tensor, to: int) -> None:
+    header = torch.tensor([tensor.dim(), *tensor.shape, *[0] * (HEADER - 2 - tensor.dim()), DTYPES.index(tensor.dtype)],
+                          dtype=torch.int64, device=tensor.device)
+    dist.send(header, to)
+    dist.send(tensor.contiguous(), to)
+
+
+def _receive(source: int, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, source)
+    dims = header.tolist()
+    tensor = torch.empty(dims[1:1 + dims[0]], dtype=DTYPES[dims[-1]], device=device)
+    dist.recv(tensor, source)
+    return tensor
 
 
 def _tensors(batch: Any) -> List[torch.Tensor]:
