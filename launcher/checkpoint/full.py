@@ -109,7 +109,7 @@ def load(checkpoints, folder: Path) -> None:
     """The model's and optimizer's state, on every rank (its CRC-32s were checked when the folder was chosen)."""
     strategy, path = checkpoints.strategy, folder / "model.pt"
     plain = strategy.unwrap(checkpoints.model)
-    model_state, _ = fitting.fit(files.load(path, strategy.device), plain.state_dict(), path)
+    model_state, _ = fitting.fit(strategy.share(files.load(path, strategy.device)), plain.state_dict(), path)
     optimizer_state = named_optimizer_state(checkpoints.run.loaded.pop("optimizer"), plain, checkpoints.optimizer)
     strategy.load_state_dicts(checkpoints.model, checkpoints.optimizer, model_state, optimizer_state, full=True)
 

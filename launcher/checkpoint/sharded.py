@@ -164,8 +164,11 @@ def load(checkpoints, folder: Path) -> None:
     """The model's and optimizer's state, resharded to this run's (collective)."""
     strategy = checkpoints.strategy
     model_state, optimizer_state = strategy.state_dicts(checkpoints.model, checkpoints.optimizer)
+    # A group's parameter names are saved once, by one rank: a pipeline stage's ranks name only their own.
+    # This run's own are what its groups hold; the saved values (the learning rate, ...) are read.
+    own = [list(group["params"]) for group in optimizer_state.get("param_groups", [])]
     try:
-        read(folder, {"model": model_state, "optimizer": optimizer_state})
+        read(folder, {"model": model_state, "optimizer": optimizer_state}, strategy.share)
     except DoesNotFit as e:
         raise UserError(f"checkpoint.resume: {folder} does not fit this run ({e}); start over with "
                         f"checkpoint.resume=never") from None
@@ -173,6 +176,8 @@ def load(checkpoints, folder: Path) -> None:
         if type(e).__name__ != "CheckpointException":
             raise
         raise run_state.does_not_fit(folder, e) from None
+    for group, names in zip(optimizer_state.get("param_groups", []), own):
+        group["params"] = names
     strategy.load_state_dicts(checkpoints.model, checkpoints.optimizer, model_state, optimizer_state, full=False)
 
 
@@ -189,16 +194,17 @@ class _Reading:
         self.run.load_state_dict(state)
 
 
-def read(folder: Path, state: Dict[str, Any]) -> None:
+def read(folder: Path, state: Dict[str, Any], share: Any = None) -> None:
     """Load a sharded checkpoint into `state` (shaped as it was saved: each tensor the destination of its
-    values, resharded to this run), in place. Collective when a process group runs."""
+    values, resharded to this run), in place. Collective when a process group runs. `share`: the part of the
+    whole model's keys this rank holds (a pipeline stage's), where it holds a part."""
     import torch.distributed.checkpoint as dcp
 
     from launcher.checkpoint import dcp_safe
 
     reader = dcp_safe.reader(folder)
     if "model" in state:  # not the run state alone
-        _check_fits(reader.metadata, state["model"], folder)
+        _check_fits(reader.metadata, state["model"], folder, share or (lambda keys: keys))
     with _alone():
         dcp.load(state, storage_reader=reader, planner=dcp_safe.WeightsOnly(), no_dist=not dist.is_initialized())
 
@@ -207,11 +213,11 @@ class DoesNotFit(ValueError):
     """The checkpoint's keys or shapes differ from the model's (the first difference)."""
 
 
-def _check_fits(metadata: Any, model: Dict[str, Any], folder: Path) -> None:
+def _check_fits(metadata: Any, model: Dict[str, Any], folder: Path, share: Any) -> None:
     """The model's keys and shapes against those the checkpoint's index holds: the first difference as
     one line, as for a full checkpoint (DCP itself would say only `CheckpointException ranks:...`). Every
     rank reads the same index, so every rank stops here, before any collective of the load."""
-    saved = _tensors(metadata, "model.")
+    saved = share(_tensors(metadata, "model."))
     peft = [key for key in saved if adapters.is_adapter_key(key)]
     if peft and not any(adapters.is_adapter_key(key) for key in model):
         raise DoesNotFit(adapters.merge_first(folder, peft[0]))

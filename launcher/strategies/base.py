@@ -116,6 +116,10 @@ class Strategy:
         with autocast():
             return [(result(step(model, batch)), batch)]
 
+    def share(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """The part of the whole model's `state` (a full checkpoint's model.pt) that this rank's model holds."""
+        return state
+
     def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         """The plain model's full state_dict on the CPU, for model.pt: on rank 0 (others may get an empty
         one). Collective for a sharded strategy: every rank calls it."""

@@ -237,6 +237,12 @@ class Pipeline(FSDP):
                                                 for g in optimizer_state["param_groups"]]}
         super().load_state_dicts(model, optimizer, model_state, optimizer_state, full)
 
+    def share(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's stages' keys of the whole model's state (and any key the whole model lacks: a mistake that
+        fitting names)."""
+        local, whole = set(self.whole.state_dict()), set(self.names)
+        return {k: v for k, v in state.items() if k in local or k not in whole}
+
     def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         """The whole model on rank 0: each stage gathers its own (over its data-parallel ranks), its first rank
         sends it to rank 0."""
