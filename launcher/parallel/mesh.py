@@ -61,7 +61,8 @@ def layout(tp: int, dp_replicate: int, world_size: int, pp: int = 1) -> Layout:
             key = "parallel.tp" if dp_replicate == 1 else "parallel.dp_replicate" if tp == 1 else "parallel.tp x dp_replicate"
         else:
             key = "parallel.pp" if tp == dp_replicate == 1 else "parallel.pp x tp x dp_replicate"
-        sizes = f"tp={tp} x dp_replicate={dp_replicate}" + (f" x pp={pp}" if pp > 1 else "")
+        sizes = (f"tp={tp} x dp_replicate={dp_replicate}" if pp == 1 else
+                 " x ".join(f"{k}={v}" for k, v in (("pp", pp), ("tp", tp), ("dp_replicate", dp_replicate)) if v > 1))
         raise UserError(f"{key}: {sizes} does not divide the world of {world_size} processes; use sizes whose "
                         f"product divides {world_size} (dp_shard takes the rest)")
     return Layout(dp_replicate, world_size // (tp * dp_replicate * pp), tp, pp)

@@ -322,6 +322,9 @@ class Recipe:
             out += target_problems(key, getattr(self, key))
         for metric, spec in self.metrics.items():
             out += target_problems(f"metrics.{metric}", spec)
+        if self.parallel.pp > 1 and self.trainer.compile:
+            out.append(("trainer.compile", "compiles the model that one call runs, and parallel.pp runs it stage by "
+                                           "stage through a schedule; set trainer.compile=false with parallel.pp"))
         for key in ("tp", "dp_replicate", "pp"):
             if getattr(self.parallel, key) > 1 and self.strategy != "fsdp":
                 out.append((f"parallel.{key}", f"lays ranks out on a device mesh under strategy fsdp, and the strategy is "

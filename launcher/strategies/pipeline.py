@@ -49,6 +49,7 @@ class Pipeline(FSDP):
     whole: nn.Module = None  # this rank's stages' modules under the whole model's names: what it saves and loads
     names: List[str] = []  # the whole model's state_dict keys, in its order (model.pt)
     counted: Optional[bool] = None  # whether the step counts its items (the last stage tells the others, once)
+    tp_split: Dict[str, str] = {}  # the layers of this rank's stages split over the tp ranks
 
     def setup(self) -> None:
         super().setup()
@@ -77,8 +78,21 @@ class Pipeline(FSDP):
                  f"({self.parallel.pp_schedule}, {self.microbatches()} micro-batches), this rank holds stage "
                  f"{held} ({blocks})"]
         if self.shape.data_replicas > 1:
-            lines += super().wrapped()
+            lines += [line for line in super().wrapped() if not line.startswith("parallel.tp:")]
+        if self.tp_split:
+            how = ", ".join(f"{n} ({s})" for n, s in list(self.tp_split.items())[:4])
+            more = f" and {len(self.tp_split) - 4} more" if len(self.tp_split) > 4 else ""
+            lines.append(f"parallel.tp: {len(self.tp_split)} layers of this rank's stages split over {self.shape.tp} "
+                         f"ranks: {how}{more}")
         return lines
+
+    @property
+    def split(self) -> Dict[str, str]:
+        return {}  # a pipeline's first batch is tried on the whole model, not through the stages
+
+    @split.setter
+    def split(self, value: Dict[str, str]) -> None:
+        pass
 
     def microbatches(self) -> int:
         return self.parallel.microbatches or self.total
@@ -95,7 +109,7 @@ class Pipeline(FSDP):
             own = stages.prune(chunk, blocks_name, ranges[i], i == 0, i == self.total - 1, before, after)
             stage = stages.Stage(chunk, own, i, self.total)
             if self.shape.tp > 1:
-                self.split = plans.apply(chunk, self.device_mesh["tp"], self.parallel.tp_plan)
+                self.tp_split = {**self.tp_split, **plans.apply(chunk, self.device_mesh["tp"], self.parallel.tp_plan)}
             if self.shape.data_replicas > 1 or self.shape.tp > 1:
                 self.shard(stage, chunk)
             stage.hook()
