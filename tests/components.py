@@ -326,3 +326,28 @@ class WritesAtExit(MLP):
         from pathlib import Path
 
         atexit.register(Path(marker).write_text, "exit handlers ran")
+
+
+class GPTDiesOnce:
+    """charlm's GPT (its head untied, as pipeline stages need it) whose process is SIGKILLed at its `at`-th
+    training forward in rank `rank`'s first attempt: under parallel.pp a forward is one micro-batch's, so the
+    kill lands inside a step, between two stages' work."""
+
+    def __new__(cls, at: int, rank: int = 1, **kwargs):
+        import os
+        import signal
+
+        from recipes.components.gpt import GPT
+
+        class Dying(GPT):
+            calls = 0
+
+            def forward(self, idx):
+                if self.training:
+                    Dying.calls += 1
+                    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+                    if first and os.environ.get("RANK") == str(rank) and Dying.calls == at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return super().forward(idx)
+
+        return Dying(**{**kwargs, "tie_weights": False})
