@@ -79,12 +79,22 @@ def test_the_hf_fsdp_and_scaling_rows():
     assert held and float(held.group(1)) <= 0.525 and held.group(2) == "met", out  # every Block sharded in two
     assert 0.2 < float(held.group(3)) < 50, out  # a sanity bound on what was measured, not a target
     per_rank = {name: float(re.search(rf"^{name} +\d.* (\d+\.\d+)MiB  ", out, re.M).group(1))
-                for name in ("ddp x2", "fsdp x2", "tp x2")}
+                for name in ("ddp x2", "fsdp x2", "tp x2", "pp x2")}
     assert per_rank["tp x2"] < 0.55 * per_rank["ddp x2"], per_rank  # its Blocks' matmuls split, embeddings whole
+    assert per_rank["pp x2"] < 0.55 * per_rank["ddp x2"], per_rank  # rank 0: the embeddings and half the Blocks
     assert re.search(r"^ours / raw +\d\.\d{3}$", out, re.M), out
     for loop in ("raw", "ours"):
         efficiency = float(re.search(rf"^{loop} .* (\d\.\d{{3}})$", out, re.M).group(1))
         assert 0.1 < efficiency < 1.5
+
+
+@pytest.mark.slow
+def test_the_pipeline_row():
+    out = bench("--pipeline", "--pipeline-steps", "4", "--reps", "1", "--pipeline-schedules", "zbv")
+    row = re.search(r"^zbv +2 +(\d+\.\d+) +(\d\.\d{3}) +(-?\d\.\d{3}) +0\.000$", out, re.M)
+    assert row and 0.1 < float(row.group(2)) < 20, out  # a sanity bound on what was measured, not a target
+    assert 1 - 0.5 / float(row.group(2)) == pytest.approx(float(row.group(3)), abs=2e-3), out  # the bubble's definition
+    assert "gpipe" not in out and re.search(r"^one process +\d+\.\d+ +1\.000", out, re.M), out
 
 
 @pytest.mark.slow

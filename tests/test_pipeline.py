@@ -19,11 +19,11 @@ pytestmark = pytest.mark.slow
 
 GPT = [*CHARLM, "model.tie_weights=false", "model.n_layer=4"]  # accumulation 2, clipping, checkpoints every 6
 SGD = ["optimizer={_target_: torch.optim.SGD, lr: 0.5, momentum: 0.9}", "lr_schedule=null"]
-LLAMA = ["recipes/hf_causal_lm.yaml", "devices=cpu", "trainer.max_steps=6", "trainer.log_every=3", "trainer.eval_every=6",
-         "data.train.n=256", "data.val.n=20", "data.batch_size=8", "logging.tensorboard=false",
+LLAMA = ["recipes/hf_causal_lm.yaml", "devices=cpu", "trainer.max_steps=6", "trainer.log_every=3",
+         "trainer.eval_every=6", "data.train.n=256", "data.val.n=20", "data.batch_size=8", "logging.tensorboard=false",
          "logging.memory_plan=false", "checkpoint.every=6", *SGD,
-         "model={_target_: transformers.LlamaForCausalLM, config: {_target_: transformers.LlamaConfig, vocab_size: 256, "
-         "hidden_size: 32, intermediate_size: 64, num_hidden_layers: 4, num_attention_heads: 4, "
+         "model={_target_: transformers.LlamaForCausalLM, config: {_target_: transformers.LlamaConfig, "
+         "vocab_size: 256, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 4, num_attention_heads: 4, "
          "num_key_value_heads: 2, max_position_embeddings: 128, tie_word_embeddings: false}}"]
 PP2 = ["strategy=fsdp", "parallel.pp=2"]
 SGD_TIGHT = {"rtol": 1e-5, "atol": 1e-6}
@@ -44,6 +44,17 @@ def one(tmp_path_factory):
     return root
 
 
+def page_command():
+    """The CPU command of docs/parallelism.md's pipeline section, after `python -m launcher`."""
+    from tests.test_docs import blocks, commands
+
+    block = next(b for b in blocks("docs/parallelism.md")
+                 if b.marker and b.marker[1].endswith("::test_the_pages_pipeline_command_runs"))
+    argv = commands(block.body)[0].argv
+    assert argv[:3] == ["python", "-m", "launcher"]
+    return argv[3:]
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, one):
     """pp x 2 runs in one launch: each schedule kind, a full checkpoint of one process resumed, the mistakes."""
@@ -55,10 +66,13 @@ def two(tmp_path_factory, one):
              "llama": [*LLAMA, *PP2, "parallel.pp_schedule=interleaved_1f1b"],
              "from-one": [*GPT, *PP2, "parallel.pp_schedule=interleaved_zb",
                           f"checkpoint.resume={one / 'adamw' / 'checkpoints' / 'step_6'}"],
+             "fsdp-from-zbv": [*GPT, "strategy=fsdp", f"checkpoint.resume={root / 'zbv' / 'checkpoints' / 'step_6'}"],
              "microbatches": [*GPT, *PP2, "parallel.microbatches=3"],
              "uneven": [*GPT, *PP2, "model.n_layer=3"],
              "tied": [*CHARLM, *PP2],
-             "no-blocks": ["recipes/quickstart.yaml", "devices=cpu", "logging.memory_plan=false", *PP2]}
+             "no-blocks": ["recipes/quickstart.yaml", "devices=cpu", "logging.memory_plan=false", *PP2],
+             "page": [*page_command(), "trainer.max_steps=4", "trainer.eval_every=4", "logging.memory_plan=false",
+                      "logging.tensorboard=false"]}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=900)
 
 
@@ -95,14 +109,24 @@ def test_an_hf_llama_in_stages_trains_as_one_process_and_exports(one, two, tmp_p
 
 def test_checkpoints_cross_between_one_process_and_pipeline_stages(one, two, tmp_path, capsys):
     """One process's full checkpoint resumed by pp x 2 (interleaved zero bubble), and the zbv run's sharded one
-    resumed in one process: both end as one process does."""
+    resumed under fsdp x 2 and in one process: each ends as one process does."""
     folder, said = ran(two, "from-one")
     assert "written by 1 process" in said
+    assert_close(one / "adamw" / "model.pt", folder / "model.pt", **ADAMW)
+    folder, said = ran(two, "fsdp-from-zbv")
+    assert "fsdp: sharded over 2 ranks" in said and f"resumed from {two[0] / 'zbv' / 'checkpoints' / 'step_6'}" in said
     assert_close(one / "adamw" / "model.pt", folder / "model.pt", **ADAMW)
     capsys.readouterr()
     alone(tmp_path, *GPT, f"checkpoint.resume={two[0] / 'zbv' / 'checkpoints' / 'step_6'}")
     assert "written by 2 processes, resharded to 1" in capsys.readouterr().out
     assert_close(one / "adamw" / "model.pt", tmp_path / "model.pt", **ADAMW)
+
+
+def test_the_pages_pipeline_command_runs(two):
+    """docs/parallelism.md's command as a user types it (4 steps of it, one evaluation)."""
+    folder, said = ran(two, "page")
+    assert "4 stages (zbv, 4 micro-batches), this rank holds stage 0, 3" in said
+    assert re.search(r"^eval at step 4 \| val/loss [\d.]+", said, re.M) and (folder / "model.pt").is_file()
 
 
 def test_pipeline_mistakes_are_one_line_on_every_rank(two):

@@ -21,9 +21,9 @@ from tests.test_strategies import RECIPE, assert_equivalent
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
-def submit(cluster, run_dir: Path, *args: str, env: dict = None) -> int:
+def submit(cluster, run_dir: Path, *args: str, env: dict = None, recipe: list = RECIPE) -> int:
     """The job gets the environment it is submitted from (sbatch's --export=ALL): the cluster's, plus `env`."""
-    done = subprocess.run([sys.executable, "-m", "launcher.slurm", "submit", *RECIPE, f"run_dir={run_dir}",
+    done = subprocess.run([sys.executable, "-m", "launcher.slurm", "submit", *recipe, f"run_dir={run_dir}",
                            f"--python={sys.executable}", "--time=5", *args],
                           cwd=REPO, env={**cluster.env, **(env or {})}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -78,6 +78,21 @@ def test_two_nodes_sharded_and_tensor_parallel(slurm_cluster, tmp_path, single):
     assert "fsdp: dp_shard 2 x tp 2 = 4 ranks" in output and "parallel.tp: 2 layers split over 2 ranks" in output
     assert (tmp_path / "checkpoints" / "step_40" / "__3_0.distcp").exists()  # rank 3 wrote its shards on node 1
     assert_equivalent(single, tmp_path / "model.pt")
+
+
+def test_two_nodes_as_two_pipeline_stages(slurm_cluster, tmp_path):  # noqa: F811
+    """charlm cut in two stages, one a node (1F1B): only activations and their gradients cross between the
+    nodes; the job ends as one process does."""
+    from tests.test_fsdp import assert_close
+    from tests.test_parallel import alone
+    from tests.test_pipeline import GPT, SGD, SGD_TIGHT
+
+    alone(tmp_path / "one", *GPT, *SGD)
+    job = submit(slurm_cluster, tmp_path / "pp", "--nodes=2", "strategy=fsdp", "parallel.pp=2", recipe=[*GPT, *SGD])
+    output = finished(slurm_cluster, tmp_path / "pp", job, timeout=240)
+    assert "1     0           1" in output  # rank 1 (the second stage): local rank 0 on node 1
+    assert "parallel.pp: pp 2 x dp_shard 1 = 2 ranks; 2 stages (1f1b, 2 micro-batches)" in output
+    assert_close(tmp_path / "one" / "model.pt", tmp_path / "pp" / "model.pt", **SGD_TIGHT)
 
 
 def test_one_node_two_processes(slurm_cluster, tmp_path, single):  # noqa: F811

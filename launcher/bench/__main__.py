@@ -77,6 +77,7 @@ import tempfile
 
 from launcher.bench.defaults import defaults
 from launcher.bench.layouts import layouts
+from launcher.bench.pipeline import SCHEDULES, pipeline
 from launcher.bench.runs import PY, aborted_at_exit, alternate, median, ratio
 from launcher.bench.saves import saves
 from launcher.bench.pretrained import pretrained
@@ -239,6 +240,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--saves", dest="saves_only", action="store_true",
                         help="the checkpoint rows alone: the step blocked by a save, sync and async, local and S3; "
                         "the S3 clients compared")
+    parser.add_argument("--pipeline", dest="pipeline_only", action="store_true",
+                        help="the pipeline row alone: pp x2 under each schedule against one process, and its bubble")
+    parser.add_argument("--pipeline-steps", type=int, default=30, help="steps per run of the pipeline row (default 30)")
+    parser.add_argument("--pipeline-schedules", default=",".join(SCHEDULES),
+                        help=f"the pipeline row's schedules, comma-separated (default all: {','.join(SCHEDULES)})")
     parser.add_argument("--saves-width", type=int, default=2048, help="the checkpoint row's MLP width (default 2048)")
     parser.add_argument("--saves-every", type=int, default=40, help="its steps between saves (default 40: more "
                         "than an upload to the loopback store takes on 2 cores)")
@@ -258,11 +264,11 @@ def main() -> int:
     args = _parser().parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
-        # --loggers, --startup, --defaults, --pretrained, --sft, --saves: those rows alone, in this order (several
+        # --loggers, --startup, --defaults, --pretrained, --sft, --saves, --pipeline: those rows alone, in this order (several
         # given: each of them, in one invocation)
         only = {"loggers": lambda: loggers(args), "startup": lambda: startup(args),
                 "defaults": lambda: defaults(args, alternate, PY), "pretrained": lambda: pretrained(args),
-                "sft": lambda: sft_row(args), "saves": lambda: saves(args)}
+                "sft": lambda: sft_row(args), "saves": lambda: saves(args), "pipeline": lambda: pipeline(args)}
         chosen = [name for name in only if getattr(args, f"{name}_only")]
         for name in chosen:
             print("\n".join(only[name]()), flush=True)

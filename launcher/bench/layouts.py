@@ -1,6 +1,7 @@
 """The layouts row of python -m launcher.bench: charlm at a CPU size under ddp x2, fsdp x2, tp x2 (the recipe's
-plan), fsdp x2 by tp x2 and HSDP 2 x 2 (torchrun, gloo): the bytes one rank holds in parameters, gradients and
-optimizer state at the end (of a shard, its local part), and the step time against ddp x2.
+plan), pp x2 (1F1B, its head untied), fsdp x2 by tp x2, HSDP 2 x 2 and pp x2 by fsdp x2 (torchrun, gloo): the
+bytes one rank holds in parameters, gradients and optimizer state at the end (of a shard, its local part; of
+a pipeline, rank 0's: the first stage's), and the step time against ddp x2.
 
 The two-process layouts alternate `--reps` times and their step times are compared with ddp x2's, reported
 and not judged: on the CPU, gloo's collectives are slow, and tensor parallelism adds two all-reduces per
@@ -18,8 +19,11 @@ RECIPE = ["recipes/charlm.yaml", "on_cpu=null", "devices=cpu", "precision=fp32",
           "model.n_embd=128", "model.block_size=64", "model.dropout=0.0", "data.batch_size=16", "data.val=null",
           "metrics={}", "trainer.log_every=100", "trainer.eval_every=null", "checkpoint.every=null",
           "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false"]
-TWO = {"ddp x2": ["strategy=ddp"], "fsdp x2": ["strategy=fsdp"], "tp x2": ["strategy=fsdp", "parallel.tp=2"]}
-FOUR = {"fsdp x2 tp x2": ["strategy=fsdp", "parallel.tp=2"], "hsdp 2x2": ["strategy=fsdp", "parallel.dp_replicate=2"]}
+PP = ["strategy=fsdp", "parallel.pp=2", "model.tie_weights=false"]  # stages need the head untied: 0.03 MiB more
+TWO = {"ddp x2": ["strategy=ddp"], "fsdp x2": ["strategy=fsdp"], "tp x2": ["strategy=fsdp", "parallel.tp=2"],
+       "pp x2": PP}
+FOUR = {"fsdp x2 tp x2": ["strategy=fsdp", "parallel.tp=2"], "hsdp 2x2": ["strategy=fsdp", "parallel.dp_replicate=2"],
+        "pp x2 fsdp x2": PP}
 KINDS = ("parameters", "gradients", "optimizer state")
 
 

@@ -58,7 +58,8 @@ def layout(tp: int, dp_replicate: int, world_size: int, pp: int = 1) -> Layout:
     """The mesh for `world_size` ranks; one line when the sizes do not divide it."""
     if world_size % (tp * dp_replicate * pp):
         if pp == 1:
-            key = "parallel.tp" if dp_replicate == 1 else "parallel.dp_replicate" if tp == 1 else "parallel.tp x dp_replicate"
+            key = ("parallel.tp" if dp_replicate == 1 else "parallel.dp_replicate" if tp == 1
+                   else "parallel.tp x dp_replicate")
         else:
             key = "parallel.pp" if tp == dp_replicate == 1 else "parallel.pp x tp x dp_replicate"
         sizes = (f"tp={tp} x dp_replicate={dp_replicate}" if pp == 1 else

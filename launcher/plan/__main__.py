@@ -60,6 +60,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         loaded = load(args.recipe, args.overrides)
 
         recipe = loaded.recipe
+        if recipe.parallel.pp > 1:  # (a run under parallel.pp starts no planner beside it)
+            if args.as_run:
+                raise UserError(f"parallel.pp={recipe.parallel.pp}: the planner does not plan pipeline stages; plan "
+                                f"without --as-run for the layouts it does plan")
+            print(f"parallel.pp={recipe.parallel.pp}: pipeline stages are not planned; the layouts below have none",
+                  file=sys.stderr)
         if args.as_run:
             p = recipe.parallel
             found = [Layout(args.as_run, args.devices, p.tp, p.dp_replicate) if args.as_run == "fsdp"

@@ -245,7 +245,7 @@ def _strategy(recipe, layout: Layout):
     name = "single" if layout.strategy == "ddp" else layout.strategy  # ddp: the single step, and its buckets
     world = layout.world if name == "fsdp" else 1
     placement = Placement(world_size=world, local_world_size=world, launched_by="torchrun" if world > 1 else "plain")
-    parallel = dataclasses.replace(recipe.parallel, tp=layout.tp, dp_replicate=layout.dp_replicate)
+    parallel = dataclasses.replace(recipe.parallel, tp=layout.tp, dp_replicate=layout.dp_replicate, pp=1)
     strategy = strategies.create(name, placement, recipe.ddp, recipe.fsdp, parallel=parallel)
     if name == "fsdp":  # its setup, less the rendezvous: the mesh is made outside fake mode
         strategy.shape = mesh.layout(layout.tp, layout.dp_replicate, layout.world)

@@ -49,7 +49,8 @@ class Pipeline(FSDP):
     whole: nn.Module = None  # this rank's stages' modules under the whole model's names: what it saves and loads
     names: List[str] = []  # the whole model's state_dict keys, in its order (model.pt)
     counted: Optional[bool] = None  # whether the step counts its items (the last stage tells the others, once)
-    tp_split: Dict[str, str] = {}  # the layers of this rank's stages split over the tp ranks
+    tp_split: Dict[str, str] = {}  # the layers of this rank's stages split over the tp ranks (not `split`, which
+    # would have the whole model's first batch tried again through the stages: assemble.wrapped)
 
     def setup(self) -> None:
         super().setup()
@@ -68,12 +69,9 @@ class Pipeline(FSDP):
             return [stage_rank, 2 * pp - 1 - stage_rank]
         return [stage_rank + i * pp for i in range(v)]
 
-    def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
-        return super().settle(precision, grad_accum)
-
     def wrapped(self) -> List[str]:
         held = ", ".join(f"{s.index}" for s in self.held)
-        blocks = "; ".join(f"stage {s.index}: {len(s.blocks)} blocks" for s in self.held)
+        blocks = "; ".join(f"stage {s.index}: {len(s.blocks)} block{'s' * (len(s.blocks) > 1)}" for s in self.held)
         lines = [f"parallel.pp: {self.shape.describe()} = {self.placement.world_size} ranks; {self.total} stages "
                  f"({self.parallel.pp_schedule}, {self.microbatches()} micro-batches), this rank holds stage "
                  f"{held} ({blocks})"]
@@ -85,14 +83,6 @@ class Pipeline(FSDP):
             lines.append(f"parallel.tp: {len(self.tp_split)} layers of this rank's stages split over {self.shape.tp} "
                          f"ranks: {how}{more}")
         return lines
-
-    @property
-    def split(self) -> Dict[str, str]:
-        return {}  # a pipeline's first batch is tried on the whole model, not through the stages
-
-    @split.setter
-    def split(self, value: Dict[str, str]) -> None:
-        pass
 
     def microbatches(self) -> int:
         return self.parallel.microbatches or self.total
@@ -331,7 +321,8 @@ def _under_whole_names(models: List[nn.Module]) -> nn.Module:
     root = nn.Module()
     for model in models:
         for path, module in model.named_modules():
-            own = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+            own = next(module.parameters(recurse=False), None) is not None or \
+                next(module.buffers(recurse=False), None) is not None
             if not path or not own or _has(root, path):
                 continue
             parent = root
