@@ -28,8 +28,12 @@ class WaitingApart(LoadGroupScheduling):
         super().schedule()
 
     def _takes(self, node, scope: str) -> bool:
-        if self.waiter is None or not any(other.gateway.id == self.waiter for other in self.nodes):
-            return True  # (a waiter that crashed: what it left, any worker runs, rather than none)
+        others = [other for other in self.nodes if other.gateway.id != self.waiter]
+        if self.waiter is None or len(others) == len(self.nodes) or not others:
+            # A waiter gone (crashed, or shut down as a worker more than the run's groups need): what it left, any
+            # worker runs. A waiter left alone (loadgroup shut the others down: a run of one group, a module run
+            # by itself) runs everything, rather than none running it.
+            return True
         return (scope in WAITING) == (node.gateway.id == self.waiter)
 
     def _reschedule(self, node) -> None:
