@@ -68,6 +68,7 @@ def two(tmp_path_factory, one):
                           f"checkpoint.resume={one / 'adamw' / 'checkpoints' / 'step_6'}"],
              "fsdp-from-zbv": [*GPT, "strategy=fsdp", "checkpoint.every=3",
                                f"checkpoint.resume={root / 'zbv' / 'checkpoints' / 'step_6'}"],
+             "ddp-from-zbv": [*GPT, "strategy=ddp", f"checkpoint.resume={root / 'zbv' / 'checkpoints' / 'step_6'}"],
              "from-fsdp": [*GPT, *PP2, "parallel.pp_schedule=looped_bfs",
                            f"checkpoint.resume={root / 'fsdp-from-zbv' / 'checkpoints' / 'step_9'}"],
              "microbatches": [*GPT, *PP2, "parallel.microbatches=3"],
@@ -112,13 +113,16 @@ def test_an_hf_llama_in_stages_trains_as_one_process_and_exports(one, two, tmp_p
 
 def test_checkpoints_cross_between_one_process_and_pipeline_stages(one, two, tmp_path, capsys):
     """One process's full checkpoint resumed by pp x 2 (interleaved zero bubble); the zbv run's sharded one resumed
-    under fsdp x 2 and in one process, and that fsdp run's resumed by pp x 2 (looped BFS): each ends as one process
-    does."""
+    under fsdp x 2, ddp x 2 and in one process, and that fsdp run's resumed by pp x 2 (looped BFS): each ends as one
+    process does."""
     folder, said = ran(two, "from-one")
     assert "written by 1 process" in said
     assert_close(one / "adamw" / "model.pt", folder / "model.pt", **ADAMW)
     folder, said = ran(two, "fsdp-from-zbv")
     assert "fsdp: sharded over 2 ranks" in said and f"resumed from {two[0] / 'zbv' / 'checkpoints' / 'step_6'}" in said
+    assert_close(one / "adamw" / "model.pt", folder / "model.pt", **ADAMW)
+    folder, said = ran(two, "ddp-from-zbv")
+    assert "(ddp)" in said and f"resumed from {two[0] / 'zbv' / 'checkpoints' / 'step_6'}" in said
     assert_close(one / "adamw" / "model.pt", folder / "model.pt", **ADAMW)
     folder, said = ran(two, "from-fsdp")
     assert f"resumed from {two[0] / 'fsdp-from-zbv' / 'checkpoints' / 'step_9'}" in said and "looped_bfs" in said
