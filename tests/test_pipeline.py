@@ -72,6 +72,7 @@ def two(tmp_path_factory, one):
              "from-fsdp": [*GPT, *PP2, "parallel.pp_schedule=looped_bfs",
                            f"checkpoint.resume={root / 'fsdp-from-zbv' / 'checkpoints' / 'step_9'}"],
              "microbatches": [*GPT, *PP2, "parallel.microbatches=3"],
+             "too-few-microbatches": [*GPT, *PP2, "parallel.microbatches=1"],
              "uneven": [*GPT, *PP2, "model.n_layer=3"],
              "tied": [*CHARLM, *PP2],
              "no-blocks": ["recipes/quickstart.yaml", "devices=cpu", "logging.memory_plan=false", *PP2],
@@ -143,6 +144,8 @@ def test_the_pages_pipeline_command_runs(two):
 def test_pipeline_mistakes_are_one_line_on_every_rank(two):
     root, ranks = two
     expected = {"microbatches": "parallel.microbatches: 3 does not divide this rank's batch of 8 rows",
+                "too-few-microbatches": "parallel.microbatches: 1 with pp_schedule 1f1b: Number of microbatches (1) "
+                                        "must be greater than or equal to the number of stages (2)",
                 "uneven": "parallel.pp: the model's 3 blocks do not split evenly into 2 stages",
                 "tied": "parallel.pp: transformer.wte.weight and lm_head.weight are one tied weight",
                 "no-blocks": "parallel.pp: the model (MLP) has no repeated blocks"}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.errors import UserError
+from launcher.errors import UserError, first_line
 from launcher.model.plain import to_cpu
 from launcher.model.step import Result, items_in
 from launcher.parallel import plans, stages
@@ -136,7 +136,11 @@ class Pipeline(FSDP):
         multi = self.parallel.pp_schedule in PP_MULTI
         taken = inspect.signature(kind.__init__).parameters
         options = {"scale_grads": False} if "scale_grads" in taken else {}
-        schedule = kind(runtime if multi else runtime[0], n, loss_fn=lambda out, target: out, **options)
+        try:
+            schedule = kind(runtime if multi else runtime[0], n, loss_fn=lambda out, target: out, **options)
+        except ValueError as e:  # a schedule's own rule on its micro-batches (1F1B: at least as many as stages)
+            raise UserError(f"parallel.microbatches: {n} with pp_schedule {self.parallel.pp_schedule}: "
+                            f"{first_line(e)}") from None
         self.schedules[key] = schedule
         return schedule
 
