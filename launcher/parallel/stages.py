@@ -152,8 +152,9 @@ def refuse_split_ties(model: nn.Module, before: List[str], after: List[str]) -> 
         end = [n for n in names if any(n.startswith(a + ".") for a in after)]
         if first and end:
             raise UserError(f"parallel.pp: {first[0]} and {end[0]} are one tied weight, which the first and the last "
-                            f"stage would each hold; untie them (an HF config's tie_word_embeddings: false, charlm's "
-                            f"model.tie_weights: false) to train under parallel.pp")
+                            f"stage would each hold; untie them (an input embedding tied to the output head: an HF "
+                            f"config's tie_word_embeddings: false, charlm's model.tie_weights: false), or train this "
+                            f"model with parallel.pp=1")
 
 
 class Stage(nn.Module):

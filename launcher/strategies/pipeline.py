@@ -58,8 +58,9 @@ class Pipeline(FSDP):
         rank = self.placement.rank
         self.indices = self._indices(self.shape.stage(rank))
         self.total = self.shape.pp * self.parallel.stages()
-        holder = next(s for s in range(self.shape.pp) if self.total - 1 in self._indices(s))
-        self.last_rank = self.shape.pipeline(rank)[holder]  # the rank of this pipeline holding the last stage
+        pipeline = self.shape.pipeline(rank)
+        self.holders = {i: pipeline[r] for r in range(self.shape.pp) for i in self._indices(r)}  # stage -> its rank
+        self.last_rank = self.holders[self.total - 1]
         self.schedules: Dict[tuple, Any] = {}
 
     def _indices(self, stage_rank: int) -> List[int]:
@@ -117,7 +118,7 @@ class Pipeline(FSDP):
     def no_sync(self, model: nn.Module, skip: bool):
         import contextlib
 
-        return contextlib.nullcontext()  # FSDP reduces each micro-batch's gradients as its backward ends
+        return contextlib.nullcontext()  # torch's pipeline stage has FSDP reduce at each schedule step's last backward
 
     # the schedules
 
@@ -161,7 +162,7 @@ class Pipeline(FSDP):
     def _last(self) -> List[Tuple[Result, Any]]:
         return next((s.results for s in self.held if s.last), [])
 
-    def _counts_items(self, results: List[Result]) -> bool:
+    def _counts_items(self, results: List[Tuple[Result, Any]]) -> bool:
         """Whether the step counts its items: the last stage knows, and tells its pipeline once."""
         if self.counted is None:
             flag = torch.tensor([float(bool(results) and results[0][0].num_items is not None)], device=self.device)
@@ -180,19 +181,17 @@ class Pipeline(FSDP):
         before_backward()
         kwargs = self._ready(step, batch, weigh)
         schedule = self._schedule(batch)
-        with precision.autocast():  # the schedules want a target; the last stage returns its loss itself
+        with precision.autocast():  # (the schedules want a target; the last stage returns its loss itself)
             schedule.step(target=torch.zeros(n, device=self.device), return_outputs=False, **kwargs)
         results = self._last()
         counted = self._counts_items(results)
         zero = torch.zeros((), device=self.device)
-        entries = []
+        entries = []  # the meter's, alike in shape on every stage: zeros where no loss is
         for i in range(n):
             out, part = results[i] if results else (None, batch if i == 0 else None)
-            if counted:
-                count = torch.as_tensor(out.num_items, device=self.device).float() if out is not None else zero
-                loss = out.loss.detach() * count if out is not None else zero
-            else:
-                count, loss = None, (out.loss.detach() / (n * weights.accum) if out is not None else zero)
+            loss = weigh(out).detach() if out is not None else zero
+            count = (torch.as_tensor(out.num_items, device=self.device).float() if out is not None else zero) \
+                if counted else None
             entries.append((loss, count, out, part))
         if counted:
             weights.summed(sum(count for _, count, _, _ in entries), last)
@@ -201,9 +200,7 @@ class Pipeline(FSDP):
     def eval_batch(self, model, step, batch, autocast):
         """Forward only, the whole batch at once, stage after stage (no schedule: a short last batch is as good)."""
         kwargs = self._ready(step, batch, lambda out: out.loss)
-        mine = {s.index: s for s in self.held}
-        pipeline = self.shape.pipeline(self.placement.rank)
-        holder = {i: pipeline[r] for r in range(self.shape.pp) for i in self._indices(r)}
+        mine, holder = {s.index: s for s in self.held}, self.holders
         activation: Optional[torch.Tensor] = None
         for index in range(self.total):
             if index not in mine:
