@@ -165,7 +165,7 @@ class Stage(nn.Module):
     def __init__(self, model: nn.Module, blocks: List[nn.Module], index: int, count: int):
         super().__init__()
         self.model = model
-        self.index, self.count = index, count
+        self.index = index
         self.first, self.last = index == 0, index == count - 1
         self.blocks = blocks
         self.inbox: Optional[torch.Tensor] = None
@@ -173,15 +173,11 @@ class Stage(nn.Module):
         self.weigh: Callable[[Any], torch.Tensor] = lambda out: out.loss
         self.unpack: Callable[[Dict[str, Any]], Any] = lambda kw: kw
         self.results: List[Tuple[Any, Any]] = []  # this step's micro-batches' (result, part of the batch): last stage
-        self.hooked = False
         self.inferring = False  # torch's pipelining runs each stage once on empty tensors, for their shapes
 
     def hook(self) -> None:
         """After FSDP wrapped the blocks (its hooks first: the last block's output is resharded and hooked for
-        the backward before the forward stops at it)."""
-        if self.hooked:
-            return
-        self.hooked = True
+        the backward before the forward stops at it). Once."""
         if not self.first:
             self.blocks[0].register_forward_pre_hook(self._received, with_kwargs=True)
         if not self.last:

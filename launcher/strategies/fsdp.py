@@ -70,9 +70,7 @@ class FSDP(DDP):
         lines = [f"fsdp: {self.shape.describe()} = {self.placement.world_size} ranks; sharded over {over}, units "
                  f"{units}{left}"]
         if self.split:
-            how = ", ".join(f"{n} ({s})" for n, s in list(self.split.items())[:4])
-            more = f" and {len(self.split) - 4} more" if len(self.split) > 4 else ""
-            lines.append(f"parallel.tp: {len(self.split)} layers split over {self.shape.tp} ranks: {how}{more}")
+            lines.append(split_line(self.split, self.shape.tp, "layers"))
         return lines
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -130,6 +128,13 @@ class FSDP(DDP):
 
         # Gathered unit by unit into rank 0's CPU memory: no rank holds the whole model on its device.
         return get_model_state_dict(self.unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def split_line(split: Dict[str, str], tp: int, what: str) -> str:
+    """The console's line for the layers tensor parallelism split: how many, and the first few with their styles."""
+    how = ", ".join(f"{n} ({s})" for n, s in list(split.items())[:4])
+    more = f" and {len(split) - 4} more" if len(split) > 4 else ""
+    return f"parallel.tp: {len(split)} {what} split over {tp} ranks: {how}{more}"
 
 
 def _keeping_ties(model: nn.Module, units: List[nn.Module], named: bool) -> List[nn.Module]:

@@ -24,7 +24,7 @@ from launcher.model.plain import to_cpu
 from launcher.model.step import Result, items_in
 from launcher.parallel import plans, stages
 from launcher.recipe.schema import PP_MULTI
-from launcher.strategies.fsdp import FSDP
+from launcher.strategies.fsdp import FSDP, split_line
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
              "looped_bfs": "ScheduleLoopedBFS", "interleaved_zb": "ScheduleInterleavedZeroBubble",
@@ -77,12 +77,9 @@ class Pipeline(FSDP):
                  f"({self.parallel.pp_schedule}, {self.microbatches()} micro-batches), this rank holds stage "
                  f"{held} ({blocks})"]
         if self.shape.data_replicas > 1:
-            lines += [line for line in super().wrapped() if not line.startswith("parallel.tp:")]
+            lines += super().wrapped()  # (its tp line is for `split`, which a pipeline leaves empty)
         if self.tp_split:
-            how = ", ".join(f"{n} ({s})" for n, s in list(self.tp_split.items())[:4])
-            more = f" and {len(self.tp_split) - 4} more" if len(self.tp_split) > 4 else ""
-            lines.append(f"parallel.tp: {len(self.tp_split)} layers of this rank's stages split over {self.shape.tp} "
-                         f"ranks: {how}{more}")
+            lines.append(split_line(self.tp_split, self.shape.tp, "layers of this rank's stages"))
         return lines
 
     def microbatches(self) -> int:
