@@ -12,6 +12,8 @@ from typing import List, Optional
 
 from launcher.errors import UserError
 
+RANK0_GRACE = 30  # seconds a rank leaves rank 0, on its node, to say a mistake both met before saying it itself
+
 
 def rank() -> str:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
@@ -22,8 +24,7 @@ def mistake(e: UserError) -> None:
     here = rank()
     # Under a real torchrun every rank meets the same recipe problem; an agreed one every rank learnt of.
     rank0_says_it = not e.every_rank and (e.agreed or "TORCHELASTIC_RUN_ID" in os.environ)
-    if here != "0" and rank0_says_it:
-        _leave_it_to_rank0("the mistake")
+    if here != "0" and rank0_says_it and _leave_it_to_rank0("the mistake"):
         return
     for problem in e.problems:
         _print(problem, prefixed=here != "0" or (e.every_rank and _several()))
@@ -40,7 +41,9 @@ def agreed(message: str) -> None:
     for_torchrun([f"launcher: {message}"])
 
 
-def _leave_it_to_rank0(what: str) -> None:
+def _leave_it_to_rank0(what: str) -> bool:
+    """Whether rank 0 said it (or, on another node, may have): False where rank 0 shares this node and has not
+    said it in time, having met something else (a stage of a pipeline waiting for this one), so this rank must."""
     # Dated later than rank 0's: torchrun names the earliest error file as the root cause, and both
     # are written within the same second or two.
     for_torchrun([f"launcher: rank 0 reports {what}"], later=60)
@@ -48,9 +51,10 @@ def _leave_it_to_rank0(what: str) -> None:
     # needs to say it. On rank 0's node its error file, written once its line is printed, says when (a
     # loaded machine's rank 0 can still be importing torch seconds after this one met the mistake).
     rank0 = _rank0_error_file()
-    deadline = time.monotonic() + (30 if rank0 else 3)
+    deadline = time.monotonic() + (RANK0_GRACE if rank0 else 3)
     while time.monotonic() < deadline and not (rank0 and rank0.exists()):
         time.sleep(0.05)
+    return rank0 is None or rank0.exists()
 
 
 def _rank0_error_file() -> Optional[Path]:

@@ -75,3 +75,29 @@ def test_torchruns_error_file_is_whole_or_absent_when_a_rank_is_stopped_while_wr
     report.for_torchrun(["launcher: a mistake"])
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))  # as torchrun reads it
     assert failure.message["message"] == "launcher: a mistake" and failure.timestamp > 0
+
+
+@pytest.mark.parametrize("rank0_said_it", [True, False])
+def test_a_mistake_rank_0_never_met_is_said_by_the_rank_that_met_it(tmp_path, monkeypatch, capsys, rank0_said_it):
+    """Under torchrun a rank leaves a mistake to rank 0, which meets the same recipe. A mistake that only this
+    rank met (rank 0 waits for it in a collective) went unsaid: torchrun then stopped rank 0, and the run ended
+    with exit 2 and no line. Once rank 0's error file has not come in its time, this rank says it."""
+    from launcher import report
+    from launcher.errors import UserError
+
+    mine, theirs = tmp_path / "attempt_0" / "1" / "error.json", tmp_path / "attempt_0" / "0" / "error.json"
+    mine.parent.mkdir(parents=True)
+    theirs.parent.mkdir()
+    if rank0_said_it:
+        theirs.write_text("{}")  # rank 0's error file: written once its line is printed
+    for var, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x",
+                       "TORCHELASTIC_ERROR_FILE": str(mine)}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(report, "RANK0_GRACE", 0.2)
+    report.mistake(UserError("parallel.pp: a mistake"))
+    said = capsys.readouterr().err
+    if rank0_said_it:
+        assert said == "" and "rank 0 reports the mistake" in mine.read_text()
+    else:
+        assert said == "[rank 1] launcher: parallel.pp: a mistake\n"
+        assert "launcher: parallel.pp: a mistake" in mine.read_text()

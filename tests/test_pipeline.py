@@ -76,6 +76,10 @@ def two(tmp_path_factory, one):
              "uneven": [*GPT, *PP2, "model.n_layer=3"],
              "tied": [*CHARLM, *PP2],
              "no-blocks": ["recipes/quickstart.yaml", "devices=cpu", "logging.memory_plan=false", *PP2],
+             # the first stage alone can hold ViT's patch embeddings: a later stage's refusal once left the first
+             # waiting for it in its first send, and the run ended with no line
+             "vit": ["tests/hf_zoo.yaml", "devices=cpu", "model._target_=tests.hf_zoo.vit",
+                     "data.train._target_=tests.hf_zoo.Images", "data.collate=null", *PP2],
              "page": [*page_command(), "trainer.max_steps=4", "trainer.eval_every=4", "logging.memory_plan=false",
                       "logging.tensorboard=false"]}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=900)
@@ -148,7 +152,9 @@ def test_pipeline_mistakes_are_one_line_on_every_rank(two):
                                         "must be greater than or equal to the number of stages (2)",
                 "uneven": "parallel.pp: the model's 3 blocks do not split evenly into 2 stages",
                 "tied": "parallel.pp: transformer.wte.weight and lm_head.weight are one tied weight",
-                "no-blocks": "parallel.pp: the model (MLP) has no repeated blocks"}
+                "no-blocks": "parallel.pp: the model (MLP) has no repeated blocks",
+                "vit": "parallel.pp: vit.embeddings (ViTEmbeddings) comes before the model's blocks and is not an "
+                       "embedding, a Linear or a norm"}
     for name, line in expected.items():
         for rank, results in enumerate(ranks):
             assert results[name]["error"].startswith("UserError: " + line), (rank, name, results[name])

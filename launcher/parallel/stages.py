@@ -117,16 +117,27 @@ class Unreached(nn.Module):
         raise RuntimeError("a pipeline stage ran past its last block (launcher/parallel/stages.py)")
 
 
-def stand_in(module: nn.Module, name: str) -> nn.Module:
+def stand_in(module: nn.Module) -> Optional[nn.Module]:
+    """What a later stage runs in place of `module`, registered before the blocks; None where nothing can."""
     if isinstance(module, nn.Embedding):
         return Zeros(module.embedding_dim, module.weight.dtype)
     if isinstance(module, nn.Linear):
         return Zeros(module.out_features, module.weight.dtype)
     if all(p.dim() <= 1 for p in module.parameters()):  # norms: weights and biases of the features
         return Passing()
-    raise UserError(f"parallel.pp: {name} ({type(module).__name__}) comes before the model's blocks and is not an "
-                    f"embedding, a Linear or a norm, which a later stage stands in for; cut this model with "
-                    f"parallel.pp=1")
+    return None
+
+
+def refuse_unstandable(model: nn.Module, before: List[str]) -> None:
+    """A module before the blocks that no later stage can stand in for: one line, on every rank alike (checked
+    on the whole model before it is cut, not by the later stages alone, which would leave the first stage waiting
+    for them in its first send while they stop)."""
+    for name in before:
+        module = model.get_submodule(name)
+        if stand_in(module) is None:
+            raise UserError(f"parallel.pp: {name} ({type(module).__name__}) comes before the model's blocks and is "
+                            f"not an embedding, a Linear or a norm, which a later stage stands in for; cut this model "
+                            f"with parallel.pp=1")
 
 
 def prune(model: nn.Module, blocks_name: str, keep: range, first: bool, last: bool,
@@ -140,7 +151,7 @@ def prune(model: nn.Module, blocks_name: str, keep: range, first: bool, last: bo
         owner, _, attr = name.rpartition(".")
         parent = model.get_submodule(owner) if owner else model
         old = getattr(parent, attr)
-        setattr(parent, attr, stand_in(old, name) if name in before else Unreached())
+        setattr(parent, attr, stand_in(old) if name in before else Unreached())
     return list(blocks)
 
 

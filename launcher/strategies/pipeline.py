@@ -91,6 +91,7 @@ class Pipeline(FSDP):
         ranges = stages.cut(len(blocks), self.total, names, self.parallel.pp_split)
         before, after = stages.placed(model, blocks_name)
         stages.refuse_split_ties(model, before, after)
+        stages.refuse_unstandable(model, before)
         self.names = list(model.state_dict().keys())
         held = []
         for chunk, i in zip(stages.copies(model, len(self.indices)), self.indices):
