@@ -252,3 +252,33 @@ def _aside(stage: Stage, fn: Callable[[], Any]) -> Any:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+def under_whole_names(models: List[nn.Module]) -> nn.Module:
+    """One module holding the modules of several stages' models under the names they have in the whole model
+    (a rank's stages hold disjoint parameters: its blocks, and the embeddings or the head on the ends)."""
+    if len(models) == 1:
+        return models[0]
+    root = nn.Module()
+    for model in models:
+        for path, module in model.named_modules():
+            own = next(module.parameters(recurse=False), None) is not None or \
+                next(module.buffers(recurse=False), None) is not None
+            if not path or not own or has(root, path):
+                continue
+            parent = root
+            *ancestors, leaf = path.split(".")
+            for part in ancestors:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]
+            parent.add_module(leaf, module)
+    return root
+
+
+def has(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+        return True
+    except AttributeError:
+        return False

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from launcher.errors import UserError, first_line
-from launcher.strategies.base import Strategy, end_process_group, host_max
+from launcher.strategies.base import Strategy, end_process_group
+from launcher.strategies.peers import host_max
 from launcher.strategies.ddp import (options, refuse_static_graph_with_accumulation, refuse_sync_batchnorm_off_cuda,
                                      unused_parameters, with_sync_batchnorm)
 

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
 
-from launcher.errors import PeerFailed, UserError
+from launcher.errors import UserError
 from launcher.model.plain import to_cpu, unwrap
 from launcher.model.step import result
 from launcher.recipe.schema import DDPConfig, FSDPConfig, ParallelConfig
 from launcher.placement.scheduler import Placement
+from launcher.strategies import peers
 
 T = TypeVar("T")
-MISTAKE_KEY = "launcher/mistake"  # in the run's c10d store: the rank that stopped for a user mistake
-FAILED_KEY = "launcher/failed"  # the first rank that stopped for any other error
-STORE_SECONDS = 5.0
 
 
 # Set once this process has ended a process group: python -m launcher then exits without the interpreter's
@@ -211,101 +209,14 @@ class Strategy:
             result, problems = fn(), []
         except UserError as e:
             result, problems = None, e.problems
-        everyone = self.all_gather_object(problems)
-        if not any(everyone):
-            return result
-        said, seen = list(everyone[0]), set(everyone[0])
-        for rank, theirs in enumerate(everyone[1:], start=1):
-            said += [f"[rank {rank}] {p}" for p in theirs if p not in seen]  # a problem once, by its first rank
-            seen.update(theirs)
-        raise UserError(*said, agreed=True)
+        peers.raise_any(self.all_gather_object(problems))
+        return result
 
-    @contextlib.contextmanager
-    def mistakes_shared(self) -> Iterator[None]:
+    def mistakes_shared(self) -> ContextManager[None]:
         """Around the run: a UserError that only this rank meets between agreements (rank 0's logger on a
         full disk) is marked in the run's store before this rank exits, and a rank whose collective then
         fails because that rank has gone stops with one line instead of a traceback."""
-        if self.placement.world_size == 1:
-            yield
-            return
-        try:
-            yield
-        except UserError as e:
-            if not e.agreed:
-                _mark(self.placement.rank)
-            raise
-        except RuntimeError:  # gloo and nccl (DistError is one) when a peer has gone
-            who = _marked()
-            if who is not None:
-                raise UserError(f"stopped: rank {who} reported a mistake", every_rank=True) from None
-            failed = _marked(FAILED_KEY)
-            if failed is not None and failed != str(self.placement.rank):
-                # Its traceback is the cause; this rank's ("Connection closed by peer") would follow it
-                # and be the last thing on the screen.
-                raise PeerFailed(f"stopped: rank {failed} failed (its error is above)") from None
-            _mark(self.placement.rank, FAILED_KEY)
-            raise
-        except Exception:  # a bug, or an error with a line of its own: the others stop without a second one
-            _mark(self.placement.rank, FAILED_KEY)
-            raise
+        return peers.shared(self.placement)
 
     def teardown(self) -> None:
         pass
-
-
-def host_max(values: List[int], group) -> Callable[[], List[int]]:
-    """An asynchronous element-wise MAX all-reduce of a few ints on a gloo group; call the result to
-    wait for it."""
-    import torch.distributed as dist
-
-    flags = torch.tensor(values, dtype=torch.int64)
-    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
-
-    def wait() -> List[int]:
-        work.wait()
-        return flags.tolist()  # a CPU tensor: no device sync
-
-    return wait
-
-
-def _within(seconds: float, fn: Callable[[], T]) -> Optional[T]:
-    """fn() on a thread of its own, or None if it fails or takes longer: a store whose host is lost
-    without closing its sockets would hold the caller for the store's timeout (minutes), and a rank
-    that is leaving must not wait on it."""
-    import threading
-
-    out: List[Optional[T]] = [None]
-
-    def call() -> None:
-        try:
-            out[0] = fn()
-        except Exception:  # no store to tell or ask (its host has gone): the caller goes on without it
-            pass
-
-    worker = threading.Thread(target=call, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    return out[0]
-
-
-def _store():
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store() if dist.is_initialized() else None
-
-
-def _mark(rank: int, key: str = MISTAKE_KEY) -> None:
-    # Under torchrun the store outlives the ranks: its agent hosts it.
-    store = _store()
-    if store is not None:
-        _within(STORE_SECONDS, lambda: store.set(key, str(rank)))
-
-
-def _marked(key: str = MISTAKE_KEY) -> Optional[str]:
-    """The rank that marked a mistake (or a failure) in the run's store, or None (none did, or the store is
-    unreachable)."""
-    store = _store()
-    if store is None:
-        return None
-    return _within(STORE_SECONDS, lambda: store.get(key).decode() if store.check([key]) else None)

@@ -17,7 +17,8 @@ from torch import nn
 
 from launcher.errors import UserError
 from launcher.recipe.schema import DDPConfig
-from launcher.strategies.base import Strategy, end_process_group, host_max
+from launcher.strategies.base import Strategy, end_process_group
+from launcher.strategies.peers import host_max
 
 # How long ranks wait for each other to start (the rendezvous); a collective waits `dist_timeout`.
 TIMEOUT = datetime.timedelta(minutes=10)

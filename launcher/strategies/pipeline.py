@@ -13,7 +13,7 @@ Checkpoints are keyed by the whole model's names (each stage writes its own), so
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from torch import nn
 from launcher.errors import UserError, first_line
 from launcher.model.plain import to_cpu
 from launcher.model.step import Result, items_in
-from launcher.parallel import plans, stages
+from launcher.parallel import crossing, plans, stages
 from launcher.recipe.schema import PP_MULTI
 from launcher.strategies.fsdp import FSDP, split_line
 
@@ -104,7 +104,7 @@ class Pipeline(FSDP):
             stage.hook()
             held.append(stage)
         self.held = held
-        self.whole = _under_whole_names([s.model for s in held])
+        self.whole = stages.under_whole_names([s.model for s in held])
         return Pipelined(held)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -125,7 +125,7 @@ class Pipeline(FSDP):
         from torch.distributed import pipelining
 
         n = self.microbatches()
-        key = tuple((tuple(t.shape), t.dtype) for t in _tensors(batch))
+        key = tuple((tuple(t.shape), t.dtype) for t in crossing.tensors(batch))
         if key in self.schedules:
             return self.schedules[key]
         if len(self.schedules) >= KEPT:
@@ -152,7 +152,7 @@ class Pipeline(FSDP):
         return self.microbatches()
 
     def _ready(self, step: Callable, batch: Any, weigh: Callable) -> Dict[str, Any]:
-        kwargs, unpack = _as_keywords(batch)
+        kwargs, unpack = crossing.as_keywords(batch)
         for stage in self.held:
             stage.step, stage.unpack, stage.weigh, stage.results = step, unpack, weigh, []
         return kwargs
@@ -204,11 +204,11 @@ class Pipeline(FSDP):
             if index not in mine:
                 continue
             if index and holder[index - 1] != self.placement.rank:
-                activation = _receive(holder[index - 1], self.device)
+                activation = crossing.receive(holder[index - 1], self.device)
             with autocast():
                 activation = mine[index](*((activation,) if index else ()), **kwargs)
             if index + 1 < self.total and holder[index + 1] != self.placement.rank:
-                _send(activation, holder[index + 1])
+                crossing.send(activation, holder[index + 1])
         return self._last()
 
     # what crosses the stages
@@ -267,76 +267,3 @@ class Pipeline(FSDP):
     def teardown(self) -> None:
         self.schedules, self.held, self.whole, self.pp_group = {}, [], None, None
         super().teardown()
-
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-HEADER = 8  # dimensions (up to 6), then the dtype's place in DTYPES
-
-
-def _send(tensor: torch.Tensor, to: int) -> None:
-    header = torch.tensor([tensor.dim(), *tensor.shape, *[0] * (HEADER - 2 - tensor.dim()), DTYPES.index(tensor.dtype)],
-                          dtype=torch.int64, device=tensor.device)
-    dist.send(header, to)
-    dist.send(tensor.contiguous(), to)
-
-
-def _receive(source: int, device: torch.device) -> torch.Tensor:
-    header = torch.zeros(HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, source)
-    dims = header.tolist()
-    tensor = torch.empty(dims[1:1 + dims[0]], dtype=DTYPES[dims[-1]], device=device)
-    dist.recv(tensor, source)
-    return tensor
-
-
-def _tensors(batch: Any) -> List[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else []
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def _as_keywords(batch: Any) -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], Any]]:
-    """The batch as keyword arguments the schedules split into micro-batches (along the first dimension), and how
-    a stage puts a micro-batch back into the batch's form."""
-    if isinstance(batch, Mapping):
-        keys = list(batch)
-        return {f"k{i}": batch[k] for i, k in enumerate(keys)}, lambda kw: {k: kw[f"k{i}"] for i, k in enumerate(keys)}
-    if isinstance(batch, (tuple, list)):
-        kind = type(batch)
-        return ({f"k{i}": v for i, v in enumerate(batch)},
-                lambda kw: kind(kw[f"k{i}"] for i in range(len(batch))))
-    if isinstance(batch, torch.Tensor):
-        return {"k0": batch}, lambda kw: kw["k0"]
-    raise UserError(f"parallel.pp: a batch is {type(batch).__name__}, which the pipeline cannot split into "
-                    f"micro-batches; give batches of tensors (a tensor, a tuple or a mapping of them)")
-
-
-def _under_whole_names(models: List[nn.Module]) -> nn.Module:
-    """One module holding the modules of several stages' models under the names they have in the whole model
-    (a rank's stages hold disjoint parameters: its blocks, and the embeddings or the head on the ends)."""
-    if len(models) == 1:
-        return models[0]
-    root = nn.Module()
-    for model in models:
-        for path, module in model.named_modules():
-            own = next(module.parameters(recurse=False), None) is not None or \
-                next(module.buffers(recurse=False), None) is not None
-            if not path or not own or _has(root, path):
-                continue
-            parent = root
-            *ancestors, leaf = path.split(".")
-            for part in ancestors:
-                if part not in parent._modules:
-                    parent.add_module(part, nn.Module())
-                parent = parent._modules[part]
-            parent.add_module(leaf, module)
-    return root
-
-
-def _has(root: nn.Module, path: str) -> bool:
-    try:
-        root.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
