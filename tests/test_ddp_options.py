@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.recipe.schema import DDPConfig
+from launcher.recipe.ranks import DDPConfig
 from launcher.placement.scheduler import Placement
 from launcher.strategies import create
 from launcher.strategies.ddp import options, unused_parameters, with_sync_batchnorm

@@ -15,16 +15,12 @@ from omegaconf import MISSING
 
 from launcher.errors import short
 from launcher.recipe.checks import at_least, devices_valid, int64_problems, positive, target_problems
+from launcher.recipe.ranks import DDPConfig, FSDPConfig, ParallelConfig
 from launcher.recipe.slurm_options import SlurmConfig
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp", "accelerate")
-TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise", "split_sequence",
-             "sequence_parallel", "gather_sequence", "rowwise_seq")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")  # torch.distributed.pipelining's
-PP_MULTI = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")  # schedules of several stages per rank
 CONSOLIDATE = ("final", "every", "never")
 WANDB_MODES = ("online", "offline")
-REDUCE_DTYPES = ("fp32", "bf16")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 START_METHODS = ("fork", "forkserver", "spawn")  # how a DataLoader's workers may start (multiprocessing's)
 MAX_WORKERS = 256  # loader processes per rank: more is a typo, and would fork until the system refuses
@@ -66,96 +62,6 @@ class DataConfig:
         elif self.multiprocessing_context is not None and self.num_workers == 0:
             out.append(("data.multiprocessing_context", "is how loader workers start, and data.num_workers is 0; "
                                                         "set data.num_workers, or leave multiprocessing_context null"))
-        return out
-
-
-@dataclass
-class DDPConfig:
-    """DistributedDataParallel's options, for strategy ddp and accelerate's DDP; one process ignores them."""
-
-    find_unused_parameters: bool = False  # parameters that get no gradient in some step (an unused head)
-    static_graph: bool = False  # the same parameters are used in every step: DDP can skip its per-step search
-    gradient_as_bucket_view: bool = False  # gradients are views into the all-reduce buckets: less memory
-    bucket_cap_mb: Optional[float] = None  # null: torch's default (25 MiB)
-    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (SyncBatchNorm, CUDA only)
-
-    def problems(self) -> List[tuple[str, str]]:
-        cap = self.bucket_cap_mb
-        if cap is not None and not (positive(cap) and cap < 2**43):  # DDP takes the cap in bytes, in 64 bits
-            return [("ddp.bucket_cap_mb", f"must be a positive number of MiB below 2^43 or null, got {cap}")]
-        return []
-
-
-@dataclass
-class FSDPConfig:
-    """FSDP2's options (torch.distributed.fsdp.fully_shard), for strategy fsdp."""
-
-    units: Optional[List[str]] = None  # class names sharded on their own, e.g. [Block]; null: the model's own
-    # (_no_split_modules, as HF models name them), else the classes of the layers held in a ModuleList
-    reshard_after_forward: bool = True  # free the gathered parameters after forward (less memory, one more gather)
-    reduce_dtype: str = "fp32"  # gradients reduce-scattered in fp32 (default) or bf16; parameters follow precision
-    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only)
-    empty_init: bool = True  # with checkpoint.init_from: built on the meta device, each rank reads its slices of the weights (no rank holds the whole model); false: every rank builds and loads it whole first
-
-    def problems(self) -> List[tuple[str, str]]:
-        out = []
-        if self.reduce_dtype not in REDUCE_DTYPES:
-            out.append(("fsdp.reduce_dtype", f"got {short(self.reduce_dtype)}; valid: {', '.join(REDUCE_DTYPES)}"))
-        if self.units is not None and (not self.units or not all(isinstance(u, str) and u for u in self.units)):
-            out.append(("fsdp.units", f"must be a non-empty list of class names or null, got {short(self.units)}"))
-        return out
-
-
-@dataclass
-class ParallelConfig:
-    """The device mesh of strategy fsdp: pp x dp_replicate x dp_shard x tp ranks, dp_shard = world / (pp x tp x
-    dp_replicate)."""
-
-    tp: int = 1  # tensor parallel: each layer's matmuls split over this many ranks (of one node), which read one batch
-    dp_replicate: int = 1  # replicas of the sharded model (HSDP: sharded within a group, replicated across groups)
-    tp_plan: Any = "auto"  # auto: the model's own (an HF model's _tp_plan); or {module name pattern: style}
-    pp: int = 1  # pipeline stages (the outermost dimension): each rank holds a share of the model's repeated blocks
-    pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb (zero bubble), zbv
-    microbatches: Optional[int] = None  # each rank's batch split into this many for the pipeline; null: pp x stages
-    stages_per_rank: Optional[int] = None  # stages each rank holds (interleaved schedules); null: 1, or 2 for those
-    pp_split: Optional[List[str]] = None  # the blocks that begin stages 2, 3, ...; null: the blocks split evenly
-
-    def stages(self) -> int:
-        """Stages per rank, the schedule's own default where the recipe gives none."""
-        return self.stages_per_rank or (2 if self.pp_schedule in PP_MULTI else 1)
-
-    def problems(self) -> List[tuple[str, str]]:
-        out = at_least("parallel.tp", self.tp, 1) + at_least("parallel.dp_replicate", self.dp_replicate, 1)
-        out += at_least("parallel.pp", self.pp, 1)
-        if self.microbatches is not None:
-            out += at_least("parallel.microbatches", self.microbatches, 1)
-        if self.stages_per_rank is not None:
-            out += at_least("parallel.stages_per_rank", self.stages_per_rank, 1)
-        if self.pp_schedule not in PP_SCHEDULES:
-            out.append(("parallel.pp_schedule", f"got {short(self.pp_schedule)}; valid: {', '.join(PP_SCHEDULES)}"))
-        elif self.pp_schedule in PP_MULTI and self.stages_per_rank == 1:
-            out.append(("parallel.stages_per_rank", f"{self.pp_schedule} runs several stages on each rank, and "
-                                                    f"stages_per_rank is 1; use 2 or more, or pp_schedule 1f1b"))
-        elif self.pp_schedule not in PP_MULTI and (self.stages_per_rank or 1) > 1:
-            out.append(("parallel.stages_per_rank", f"{self.pp_schedule} runs one stage on each rank; use "
-                                                    f"interleaved_1f1b (or another of {', '.join(PP_MULTI)}) for "
-                                                    f"{self.stages_per_rank}"))
-        elif self.pp_schedule == "zbv" and self.stages() != 2:
-            out.append(("parallel.stages_per_rank", f"zbv runs exactly 2 stages on each rank (a V), got "
-                                                    f"{self.stages_per_rank}"))
-        if self.pp_split is not None and (not isinstance(self.pp_split, list)
-                                          or not all(isinstance(n, str) for n in self.pp_split)):
-            out.append(("parallel.pp_split", f"must be a list of block names (the first block of each stage after "
-                                             f"the first), got {short(self.pp_split)}"))
-        plan = self.tp_plan
-        if plan == "auto":
-            return out
-        if not isinstance(plan, dict) or not plan or not all(isinstance(k, (str, int)) for k in plan):
-            return out + [("parallel.tp_plan", f"must be auto or a mapping of module name patterns (a * for any "
-                                               f"one name) to styles, got {short(plan)}")]
-        for name, style in plan.items():
-            if style not in TP_STYLES:
-                out.append((f"parallel.tp_plan.{name}", f"got {short(style)}; valid: {', '.join(TP_STYLES)}"))
         return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from launcher.errors import UserError
-from launcher.recipe.schema import DDPConfig, FSDPConfig, ParallelConfig
+from launcher.recipe.ranks import DDPConfig, FSDPConfig, ParallelConfig
 from launcher.placement.scheduler import Placement
 from launcher.model.plain import unwrap
 from launcher.strategies.base import Strategy

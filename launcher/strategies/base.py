@@ -11,7 +11,7 @@ from torch import nn
 from launcher.errors import UserError
 from launcher.model.plain import to_cpu, unwrap
 from launcher.model.step import result
-from launcher.recipe.schema import DDPConfig, FSDPConfig, ParallelConfig
+from launcher.recipe.ranks import DDPConfig, FSDPConfig, ParallelConfig
 from launcher.placement.scheduler import Placement
 from launcher.strategies import peers
 

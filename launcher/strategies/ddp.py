@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from launcher.errors import UserError
-from launcher.recipe.schema import DDPConfig
+from launcher.recipe.ranks import DDPConfig
 from launcher.strategies.base import Strategy, end_process_group
 from launcher.strategies.peers import host_max
 

@@ -23,7 +23,7 @@ from launcher.errors import UserError, first_line
 from launcher.model.plain import to_cpu
 from launcher.model.step import Result, items_in
 from launcher.parallel import crossing, plans, stages
-from launcher.recipe.schema import PP_MULTI
+from launcher.recipe.ranks import PP_MULTI
 from launcher.strategies.fsdp import FSDP, split_line
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
