@@ -62,12 +62,12 @@ class Meter:
     def said(self) -> str:
         """The bounds, for a line."""
         return (f"{self.limit:,} characters a value, {self.budget:,} made in all, {self.most_steps:,} steps, "
-                f"{self.seconds:.0f} s")
+                f"{self.seconds:.0f} seconds")
 
     def step(self, count: int = 1) -> None:
         self.steps += count
         if self.steps > self.most_steps:
-            raise TemplateBound(f"ran more than {self.most_steps:,} steps (loop iterations, calls and writes)")
+            raise TemplateBound(f"ran more than {self.most_steps:,} steps: loop iterations, calls and writes")
         if self.steps % STRIDE < count and time.monotonic() > self.deadline:
             raise TemplateBound(f"ran longer than {self.seconds:.0f} s")
 

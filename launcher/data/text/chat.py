@@ -156,8 +156,9 @@ class Chat:
         try:
             return sandbox.render(self.template, messages, tools, self.variables, bounded, prompt, marked)
         except TemplateBound as e:
-            raise BadTemplate(f"{self.origin}: the chat template {e} while rendering it ({bounded.said()}: its "
-                              f"bounds for a row of this size)") from None
+            raise BadTemplate(f"{self.origin}: rendering this row, the chat template {e}: a template is untrusted "
+                              f"code, and renders within bounds that grow with its row ({bounded.said()} "
+                              f"here)") from None
         except jinja2.TemplateSyntaxError:
             raise  # the template itself, found when the format is made (_compiles)
         except jinja2.TemplateError as e:
@@ -181,7 +182,8 @@ class Chat:
         try:
             self.render(probe, None, lambda: Meter.for_input(2), marked=self.markers)
         except BadTemplate as e:
-            raise UserError(f"{str(e).replace(' while rendering it', ' while rendering a conversation of two messages')}")
+            raise UserError(str(e).replace("rendering this row", "rendering a conversation of two messages at start",
+                                           1)) from None
         except BadRow:
             pass  # the template's own rules (say, a system message first) are for each row to meet
         parts = [{"role": m["role"], "content": [{"type": "text", "text": f"\x01part {i}\x01"}]}
