@@ -14,12 +14,15 @@ size and mtime were put back (os.utime), and one only touched (a git checkout, a
 every file once per run on every rank (SHA-256: hundreds of MB/s on one core): seconds for gigabytes, where
 tokenizing them takes minutes.
 
-The folder is untrusted input (DESIGN, invariant 13): safetensors checks the header (its size, every tensor's
-dtype, shape and offsets inside the file) before anything is read, nothing in it is code, and the arrays'
-dtypes, shapes, sums and CRC are checked before one sample is made. An entry that fails is said in one line
-and rebuilt. Entries are written to a temporary file and renamed into place (os.replace), so ranks writing at
-once, or a run killed mid-write, never leave half an entry (at most a `.partial` file); ranks wait on a lock
-(flock, beside the entry) while one of them tokenizes, then read what it wrote."""
+An entry is read as untrusted input (DESIGN, invariant 13): safetensors checks the header (its size, every
+tensor's dtype, shape and offsets inside the file) before anything is read, nothing in it is code, and the
+arrays' dtypes, shapes, sums and CRC are checked before one sample is made. An entry that fails is said in one
+line and rebuilt. The folder is trusted for its contents all the same: the CRC-32 detects damage, not
+forgery, and an entry written under the right key with a valid CRC is used, as the data files are; whoever may
+write the folder decides what a run trains on. Entries are written to a temporary file and renamed into place
+(os.replace), so ranks writing at once, or a run killed mid-write, never leave half an entry (at most a
+`.partial` file), with the mode a new file gets from the umask (a team's shared folder, umask 002, serves every
+member); ranks wait on a lock (flock, beside the entry) while one of them tokenizes, then read what it wrote."""
 
 from __future__ import annotations
 
@@ -149,11 +152,13 @@ def write(path: Path, under: Key, samples: Samples, counts: Dict[str, Any]) -> N
               "labels": np.array([t for s in samples for t in s["labels"]], dtype=np.int32),
               "lengths": np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)}
     meta = {"key": under.as_json(), "counts": json.dumps(counts), "crc32": str(_crc(arrays))}
-    # created as open() creates files, its mode from the umask (mkstemp's 0600 would serve its writer alone)
+    # the mode open() gives a new file here (the umask's): safetensors writes 0600, which serves its writer alone
     temporary = str(path.parent / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.partial")
     os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    mode = os.stat(temporary).st_mode & 0o777
     try:
         save_file(arrays, temporary, metadata=meta)
+        os.chmod(temporary, mode)
         with open(temporary, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temporary, path)
