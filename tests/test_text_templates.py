@@ -77,9 +77,10 @@ def test_a_template_past_its_bounds_on_one_row_names_the_row_and_the_template_wh
     for bad_rows in ("error", "skip"):
         with pytest.raises(UserError) as e:
             TextDataset(str(folder), str(path), cache=None, bad_rows=bad_rows)
-        assert str(e.value).startswith(f"{path}, line 2: {folder / 'chat_template.jinja'}: rendering this row, the chat "
-                                       f"template would make a repeated value of 5,000,000 characters, more than the "
-                                       f"1,049,") and "\n" not in str(e.value), str(e.value)
+        said = str(e.value)
+        assert said.startswith(f"{path}, line 2: {folder / 'chat_template.jinja'}: rendering this row, the chat "
+                               f"template would make a repeated value of 5,000,000 characters, more than the "
+                               f"1,049,") and "\n" not in said, said
 
 
 @pytest.mark.parametrize("template, says", [

@@ -92,7 +92,8 @@ def test_content_as_text_parts_is_read_by_a_template_that_reads_parts_and_joined
     # ChatML reads strings alone (apply_chat_template would render the list's Python repr): joined by newlines
     strings = TextDataset(str(folders["chatml"]), jsonl(tmp_path / "parts.jsonl", [{"messages": parts}]), cache=None)
     again = TextDataset(str(folders["chatml"]), jsonl(tmp_path / "joined.jsonl", [{"messages": joined}]), cache=None)
-    assert strings.samples == again.samples and "'type'" not in strings.tokenizer.decode(strings.samples[0]["input_ids"])
+    assert strings.samples == again.samples
+    assert "'type'" not in strings.tokenizer.decode(strings.samples[0]["input_ids"])
 
 
 def test_a_content_part_that_is_not_text_is_one_line(folders, tmp_path):
@@ -101,8 +102,8 @@ def test_a_content_part_that_is_not_text_is_one_line(folders, tmp_path):
              {"role": "assistant", "content": "A cat."}]
     path = jsonl(tmp_path / "image.jsonl", [{"messages": image}])
     assert refused(folders["parts"], path) == (
-        f"{path}, line 1: message 1 (user) has a content part of type 'image_url'; a text model's chat reads text parts, {{\"type\": \"text\", \"text\": ...}} (bad_rows: skip "
-        f"would skip such rows and count them)")
+        f"{path}, line 1: message 1 (user) has a content part of type 'image_url'; a text model's chat reads text "
+        f"parts, {{\"type\": \"text\", \"text\": ...}} (bad_rows: skip would skip such rows and count them)")
 
 
 @pytest.mark.parametrize("template", ["chatml", "marked"])
@@ -120,8 +121,8 @@ def test_an_answer_of_weight_0_is_left_out_of_the_loss(folders, tmp_path, templa
                                                  "of the loss) or 1 (trained)"),
     ([{**PLAIN[0], "weight": 1}, PLAIN[1]], {}, "message 1 (user) has the weight 1; only assistant messages are "
                                                 "trained, so only theirs can be 1"),
-    ([PLAIN[0], {**PLAIN[1], "weight": 0}], {"loss_on": "all"}, "message 2 (assistant) has the weight 0, and loss_on: "
-                                                                "all trains on every token; loss_on: answers leaves it out"),
+    ([PLAIN[0], {**PLAIN[1], "weight": 0}], {"loss_on": "all"},
+     "message 2 (assistant) has the weight 0, and loss_on: all trains on every token; loss_on: answers leaves it out"),
 ])
 def test_a_weight_the_launcher_cannot_honour_is_one_line(folders, tmp_path, messages, settings, says):
     path = jsonl(tmp_path / "w.jsonl", [{"messages": messages}])

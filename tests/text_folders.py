@@ -69,5 +69,5 @@ QWEN25 = (
 # string as it is, a list part by part, its text parts' text.
 PARTS = CHATML.replace("{{ message['content'] }}",
                        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-                       "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-                       "{% endfor %}{% endif %}")
+                       "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+                       "{% endif %}{% endfor %}{% endif %}")

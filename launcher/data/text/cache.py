@@ -184,8 +184,9 @@ def _whole(arrays: Dict[str, Any], counts: Any, crc: Optional[str]) -> None:
     lengths = arrays["lengths"]
     numbers = ("rows", "skipped", "over", "lost", "empty", "samples", "largest")
     if not isinstance(counts, dict) or set(counts) != {*numbers, "first", "unread"} \
-            or not isinstance(counts["first"], str) or not all(type(counts[n]) is int and counts[n] >= 0 for n in numbers) \
-            or not isinstance(counts["unread"], list) or not all(isinstance(u, str) for u in counts["unread"]):
+            or not isinstance(counts["first"], str) or not isinstance(counts["unread"], list) \
+            or not all(type(counts[n]) is int and counts[n] >= 0 for n in numbers) \
+            or not all(isinstance(u, str) for u in counts["unread"]):
         raise ValueError(f"its counts ({str(counts)[:80]}) are not those an entry holds")
     if counts["samples"] != len(lengths):
         raise ValueError(f"its counts say {counts['samples']} samples; it holds {len(lengths)}")

@@ -70,12 +70,11 @@ class Chat:
         tools = conversation.tools(row.get(self.tools), self.tools)
         size = sized(conversation.characters([given, tools]), self.max_len)
         messages, weights = conversation.messages(given, self.loss_on, self.lists)
-        meter = (lambda: Meter.for_input(size))
         if self.loss_on == "all":
-            return labelled(self.tokenizer, self.render(messages, tools, meter)[0], [], "all")
+            return labelled(self.tokenizer, self.render(messages, tools, size)[0], [], "all")
         if not any(weights):
             return None  # every answer weighted 0: nothing to learn
-        text, spans = self.answers(messages, tools, weights, meter)
+        text, spans = self.answers(messages, tools, weights, size)
         return labelled(self.tokenizer, text, spans, "answers")
 
     def described(self, given: Optional[str]) -> str:
@@ -101,9 +100,9 @@ class Chat:
         return any(name in self.names_read for name in names)
 
     def answers(self, messages: List[Dict[str, Any]], tools: Optional[list], weights: List[bool],
-                meter) -> Tuple[str, List[Span]]:
+                size: int) -> Tuple[str, List[Span]]:
         """The conversation rendered, and its trained answers' spans in it (those of weight 1)."""
-        text, marked = self.render(messages, tools, meter, marked=self.markers)
+        text, marked = self.render(messages, tools, size, marked=self.markers)
         if self.markers:
             if all(weights):
                 return text, [tuple(span) for span in marked]
@@ -116,13 +115,13 @@ class Chat:
 
         def prefix(k: int, prompt: bool) -> str:  # the first k messages, rendered as the beginning of `text`
             if (k, prompt) not in prefixes:
-                rendered = self.render(messages[:k], tools, meter, prompt=prompt)[0]
+                rendered = self.render(messages[:k], tools, size, prompt=prompt)[0]
                 if not text.startswith(rendered):
                     what = f"its first {k} messages" + (" with a generation prompt" if prompt else "")
-                    raise BadTemplate(f"the chat template renders {what} as a text that is not how it renders the whole "
-                                      f"conversation (it ends {short(rendered[-60:])}), so the answers cannot be "
-                                      f"found: give the template {{% generation %}} markers around each answer, or "
-                                      f"give a chat_template that renders a conversation's beginning alike")
+                    raise BadTemplate(f"the chat template renders {what} as a text that is not how it renders the "
+                                      f"whole conversation (it ends {short(rendered[-60:])}), so the answers cannot "
+                                      f"be found: give the template {{% generation %}} markers around each answer, "
+                                      f"or give a chat_template that renders a conversation's beginning alike")
                 prefixes[k, prompt] = rendered
             return prefixes[k, prompt]
 
@@ -146,13 +145,13 @@ class Chat:
             spans.append((start, end))
         return text, spans
 
-    def render(self, messages: List[Dict[str, Any]], tools: Optional[list], meter, prompt: bool = False,
+    def render(self, messages: List[Dict[str, Any]], tools: Optional[list], size: int, prompt: bool = False,
                marked: bool = False) -> Tuple[str, list]:
-        """The template's text of `messages` (as apply_chat_template renders it, within the bounds `meter()`
-        gives), and with `marked` its {% generation %} spans."""
+        """The template's text of `messages` (as apply_chat_template renders it, within the bounds of a row of
+        `size` characters), and with `marked` its {% generation %} spans."""
         import jinja2
 
-        bounded = meter()
+        bounded = Meter.for_input(size)
         try:
             return sandbox.render(self.template, messages, tools, self.variables, bounded, prompt, marked)
         except TemplateBound as e:
@@ -180,7 +179,7 @@ class Chat:
                             f"{type(e).__name__}: {first_line(e)[:200]}") from None
         probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
         try:
-            self.render(probe, None, lambda: Meter.for_input(2), marked=self.markers)
+            self.render(probe, None, 2, marked=self.markers)
         except BadTemplate as e:
             raise UserError(str(e).replace("rendering this row", "rendering a conversation of two messages at start",
                                            1)) from None
@@ -189,7 +188,7 @@ class Chat:
         parts = [{"role": m["role"], "content": [{"type": "text", "text": f"\x01part {i}\x01"}]}
                  for i, m in enumerate(probe)]
         try:
-            text = self.render(parts, None, lambda: Meter.for_input(64))[0]
+            text = self.render(parts, None, 64)[0]
         except (BadRow, BadTemplate):
             return
         self.lists = all(f"\x01part {i}\x01" in text for i in range(2)) and "'type'" not in text

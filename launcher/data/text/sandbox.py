@@ -6,7 +6,7 @@ loop controls). `Metered` is that environment with each of them, metered where J
 
 - binary operators (`call_binop`) and every call (`call`: functions, methods, macros) are checked before
   (bounds.binop, bounds.method) and their results measured after; each call is a step;
-- each filter is wrapped alike (FILTERS: the checks of those whose result its input does not bound);
+- each filter is wrapped alike (filters.py: with a check before where its result is not bounded by its input);
 - the compiled code is generated with hooks of its own (`Code`): `~` joins measured before they are made, list,
   tuple and dict literals measured, each loop iteration a step (its iterable wrapped, `Metered.counted`), and
   template text written counted (where a `{% set %}` block may keep it); every `{{ }}` goes through
@@ -19,9 +19,6 @@ conversation passed as `apply_chat_template(messages, tools=...)` passes it."""
 
 from __future__ import annotations
 
-import functools
-import inspect
-import json
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Tuple
@@ -31,10 +28,9 @@ from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, optimizeconst
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import _PassArg
 
-from launcher.data.text import bounds
-from launcher.data.text.bounds import Meter, TemplateBound
+from launcher.data.text import bounds, filters
+from launcher.data.text.bounds import Meter
 
 COMPILING = Meter(bounds.FLOOR, bounds.BUDGET * bounds.FLOOR, bounds.STEPS)  # the bounds while a template compiles
 
@@ -142,126 +138,6 @@ def _finalize(eval_ctx, value: Any) -> Any:
     return value
 
 
-def _checked(name: str, check, filter):
-    """The filter, its result measured, and checked before where `check` (its arguments by name) says."""
-    passes = _PassArg.from_obj(filter) is not None
-    signature = inspect.signature(filter) if check else None
-    # Jinja's async variants take the context their sync function's signature does not show
-    skip = int(passes and check is not None and next(iter(signature.parameters)) not in CONTEXTS)
-
-    @functools.wraps(filter)
-    def checked(*args, **kwargs):
-        meter = bounds.current()
-        meter.step()
-        if check:
-            named = signature.bind(*args[skip:], **kwargs)
-            named.apply_defaults()
-            args, kwargs = check(meter, named.arguments, args, kwargs, passes)
-        return meter.made(filter(*args, **kwargs))
-
-    return checked
-
-
-CONTEXTS = ("eval_ctx", "environment", "env", "context")
-
-
-def _value(named: dict) -> Any:
-    return next(v for k, v in named.items() if k not in CONTEXTS)
-
-
-def _padded(meter, named, args, kwargs, passes):
-    meter.fits(max(meter.size(_value(named)), bounds._int(named["width"])), "a centered string")
-    return args, kwargs
-
-
-def _indented(meter, named, args, kwargs, passes):
-    text, width = named["s"], named["width"]
-    lines = str(text).count("\n") + 1 if meter.size(text) else 1
-    meter.fits(meter.size(text) + lines * (len(width) if isinstance(width, str) else bounds._int(width)),
-               "an indented string")
-    return args, kwargs
-
-
-def _formatted(meter, named, args, kwargs, passes):
-    bounds.percent(meter, str(named["value"]), tuple(named["args"]) or dict(named["kwargs"]))
-    return args, kwargs
-
-
-def _joined(meter, named, args, kwargs, passes):
-    items = list(named["value"])  # a generator is read once, here: the filter gets the list
-    meter.fits(sum(meter.size(item) for item in items) + meter.size(named["d"]) * len(items), "a joined string")
-    at = 1 if passes else 0
-    return (*args[:at], items, *args[at + 1:]), kwargs
-
-
-def _replaced(meter, named, args, kwargs, passes):
-    count = -1 if named["count"] is None else named["count"]
-    text, old, new = (str(value) if meter.size(value) else "" for value in (named["s"], named["old"], named["new"]))
-    bounds.replaced(meter, text, old, new, count)
-    return args, kwargs
-
-
-def _wrapped(meter, named, args, kwargs, passes):
-    text, width, wrap = str(named["s"]) if meter.size(named["s"]) else "", named["width"], named["wrapstring"]
-    breaks = len(text) // max(bounds._int(width), 1) + text.count("\n") + 1
-    meter.fits(len(text) + breaks * (meter.size(wrap) if wrap is not None else 1), "a wrapped string")
-    return args, kwargs
-
-
-def _grouped(meter, named, args, kwargs, passes):
-    count = named.get("linecount", named.get("slices"))
-    meter.fits(bounds._int(count), "a list of groups")
-    return args, kwargs
-
-
-def _printed(meter, named, args, kwargs, passes):
-    meter.fits(6 * meter.size(_value(named)), "a printed value")  # an escape is at most 6 characters
-    return args, kwargs
-
-
-def _json(meter, named, args, kwargs, passes):
-    value, indent, separators = named["x"], named["indent"], named["separators"]
-    # the encoder makes each line's indentation before writing it
-    meter.fits((len(indent) if isinstance(indent, str) else bounds._int(indent)) * bounds.MAX_DEPTH, "a JSON indentation")
-    if indent is None and separators is None and 6 * meter.size(value) <= meter.limit:
-        return args, kwargs  # an escape is at most 6 characters, a separator 2 and an element counts 1
-    written = 0  # else written a piece at a time (iterencode: the pure-Python encoder), each counted
-    for piece in json.JSONEncoder(ensure_ascii=named["ensure_ascii"], indent=indent, separators=separators,
-                                  sort_keys=named["sort_keys"]).iterencode(value):
-        written += len(piece)
-        meter.fits(written, "a JSON text")
-    return args, kwargs
-
-
-@jinja2.pass_environment
-def _sum(environment, iterable, attribute=None, start=0):
-    """Jinja's sum, of lists and tuples joined at once: sum() copies the total at each item."""
-    from jinja2.filters import make_attrgetter, sync_do_sum
-
-    if not isinstance(start, (list, tuple)):
-        return sync_do_sum(environment, iterable, attribute, start)
-    items = list(iterable if attribute is None else map(make_attrgetter(environment, attribute), iterable))
-    meter = bounds.current()
-    meter.fits(meter.size(start) + sum(meter.size(item) for item in items), "a summed list")
-    for item in items:
-        if type(item) is not type(start):
-            raise TypeError(f"can only concatenate {type(start).__name__} (not {type(item).__name__}) to it")
-    return type(start)(value for part in (start, *items) for value in part)
-
-
-FILTERS = {"center": _padded, "indent": _indented, "format": _formatted, "join": _joined, "replace": _replaced,
-           "wordwrap": _wrapped, "batch": _grouped, "slice": _grouped, "tojson": _json, "string": _printed,
-           "pprint": _printed, "urlencode": _printed, "xmlattr": _printed, "e": _printed, "escape": _printed,
-           "forceescape": _printed, "urlize": _printed}
-
-
-def _lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002 (Jinja's names)
-    from jinja2.utils import generate_lorem_ipsum
-
-    bounds.current().fits(bounds._int(n) * bounds._int(max) * 16, "lorem ipsum")
-    return generate_lorem_ipsum(n, html, min, max)
-
-
 @lru_cache(maxsize=None)
 def environment() -> Metered:
     """transformers' chat template environment, metered: its options, filters, globals and extensions."""
@@ -272,8 +148,8 @@ def environment() -> Metered:
     ours = Metered(trim_blocks=theirs.trim_blocks, lstrip_blocks=theirs.lstrip_blocks, optimized=False,
                    extensions=[*extensions, Generation], finalize=_finalize)
     ours.globals.update(theirs.globals)
-    ours.globals["lipsum"] = _lipsum
-    ours.filters.update({name: _checked(name, FILTERS.get(name), f) for name, f in {**theirs.filters, "sum": _sum}.items()})
+    ours.globals["lipsum"] = filters.lipsum
+    ours.filters.update(filters.metered(theirs.filters))
     return ours
 
 
