@@ -80,14 +80,15 @@ class Meter:
     def made(self, value: Any) -> Any:
         """`value`, a result: its size within the limit, and its new characters spent of the budget."""
         self.size(value)
-        self.spent += len(value) if isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)) else 1
-        if self.spent > self.budget:
-            raise TemplateBound(f"made more than {self.budget:,} characters of values in all")
+        self.spend(len(value) if isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)) else 1)
         return value
 
     def wrote(self, characters: int) -> None:
         """Template text written (where a block may keep it): a step, and spent."""
         self.step()
+        self.spend(characters)
+
+    def spend(self, characters: int) -> None:
         self.spent += characters
         if self.spent > self.budget:
             raise TemplateBound(f"made more than {self.budget:,} characters of values in all")
@@ -99,29 +100,31 @@ class Meter:
             if len(value) > self.limit:
                 self.fits(len(value), "a string")
             return len(value)
-        if isinstance(value, bool) or not isinstance(value, (int, range, list, tuple, dict, set, frozenset, Mapping,
-                                                             KeysView, ItemsView, ValuesView)) \
-                and type(value).__name__ not in NAMESPACES:
-            return 1
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return 1 + value.bit_length() // 8
         if isinstance(value, range):
             return len(value)
-        known = self._sizes.get(id(value))
+        # the parts of a container, each a tuple of what it holds; and whether its size can be kept by its id (a
+        # list or dict is not changed in the sandbox; a namespace's attributes are, a dict's view is made anew)
+        if type(value).__name__ in NAMESPACES:
+            parts, kept = object.__getattribute__(value, "_Namespace__attrs").items(), False
+        elif isinstance(value, (Mapping, ItemsView)):
+            parts, kept = value.items() if isinstance(value, Mapping) else value, not isinstance(value, ItemsView)
+        elif isinstance(value, (list, tuple, set, frozenset, KeysView, ValuesView)):
+            parts, kept = ((item,) for item in value), not isinstance(value, (KeysView, ValuesView))
+        else:
+            return 1  # a number, None, a loop, a macro, an undefined value
+        known = self._sizes.get(id(value)) if kept else None
         if known is not None:
             return known
         if depth > MAX_DEPTH:
             raise TemplateBound(f"nests values more than {MAX_DEPTH} levels deep")
-        namespace = type(value).__name__ in NAMESPACES
-        items = object.__getattribute__(value, "_Namespace__attrs").items() if namespace else \
-            value.items() if isinstance(value, Mapping) else value
         total = 1
-        for item in items:
-            total += 1 + (self.size(item[0], depth + 1) + self.size(item[1], depth + 1)
-                          if namespace or isinstance(value, Mapping) else self.size(item, depth + 1))
+        for part in parts:
+            total += 1 + sum(self.size(item, depth + 1) for item in part)
             if total > self.limit:
                 self.fits(total, "a value")
-        if not namespace:  # a namespace's attributes change; a list or dict does not in the sandbox
+        if kept:
             self._sizes[id(value)] = total
             self._held.append(value)
         return total

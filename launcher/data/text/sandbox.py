@@ -134,7 +134,7 @@ def _finalize(eval_ctx, value: Any) -> Any:
     """Each `{{ ... }}`: its value printable within the limit (a list printed is its elements printed)."""
     meter = bounds.current()
     meter.step()
-    meter.spent += meter.size(value)
+    meter.spend(meter.size(value))
     return value
 
 
