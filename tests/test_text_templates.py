@@ -105,7 +105,8 @@ def test_a_template_past_its_bounds_on_one_row_names_the_row_and_the_template_wh
     ("{{ lipsum(100) }}", "would make lorem ipsum of 160,000 characters"),
     ("{% set y %}{% for i in range(1000) %}{{ 'ab' * 400 }}{% endfor %}{% endset %}",
      "made more than 16,000 characters of values in all"),
-    ("{% for i in range(1000) %}{{ 'ab' * 400 }}{% endfor %}", "would make an output of 1,6"),
+    ("{% for i in range(1000) %}{{ 'ab' * 400 }}{% endfor %}", "made more than 16,000 characters of values in all"),
+    ("{% for i in range(4) %}{{ 'ab' * 200 }}{% endfor %}", "would make an output of 1,600 characters"),
 ])
 def test_each_way_to_grow_a_value_is_refused_before_it_is_made(template, says):
     """Within a meter of 1,000 characters a value and 16,000 in all, 5,000 steps: what each would make is

@@ -59,7 +59,8 @@ class Code(CodeGenerator):
 
     def visit_Output(self, node: nodes.Output, frame) -> None:
         text = sum(len(child.data) for child in node.nodes if isinstance(child, nodes.TemplateData))
-        self.writeline(f"environment.wrote({text})")
+        if text:  # (what {{ }} writes is finalize's to count)
+            self.writeline(f"environment.wrote({text})")
         super().visit_Output(node, frame)
 
     def _literal(self, visit, node, frame) -> None:
@@ -134,7 +135,7 @@ def _finalize(eval_ctx, value: Any) -> Any:
     """Each `{{ ... }}`: its value printable within the limit (a list printed is its elements printed)."""
     meter = bounds.current()
     meter.step()
-    meter.spend(meter.size(value))
+    meter.spend(len(value) if type(value) is str and len(value) <= meter.limit else meter.size(value))
     return value
 
 
@@ -190,12 +191,17 @@ def render(template: str, messages: List[Dict[str, Any]], tools: Optional[list],
     meter.spans = [] if marked else None
     token = bounds.metering(meter)
     try:
-        pieces = []
-        for piece in compiled(template).generate(messages=chat, tools=plain(tools), documents=None,
-                                                 add_generation_prompt=prompt, **plain(variables)):
+        pieces = compiled(template).generate(messages=chat, tools=plain(tools), documents=None,
+                                             add_generation_prompt=prompt, **plain(variables))
+        if not marked:  # every piece was spent of the budget as it was written: the output is joined after
+            text = "".join(pieces)
+            meter.fits(len(text), "an output")
+            return text, []
+        written = []
+        for piece in pieces:  # the generation blocks' spans are counted from the characters written so far
             meter.written += len(piece)
             meter.fits(meter.written, "an output")
-            pieces.append(piece)
-        return "".join(pieces), meter.spans or []
+            written.append(piece)
+        return "".join(written), meter.spans
     finally:
         bounds.stop_metering(token)
