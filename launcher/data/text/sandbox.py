@@ -25,18 +25,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import jinja2
 from jinja2 import nodes
-from jinja2.compiler import CodeGenerator, optimizeconst
+from jinja2.compiler import CodeGenerator
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from launcher.data.text import bounds, filters
 from launcher.data.text.bounds import Meter
 
-COMPILING = Meter(bounds.FLOOR, bounds.BUDGET * bounds.FLOOR, bounds.STEPS)  # the bounds while a template compiles
-
-
 class Code(CodeGenerator):
-    @optimizeconst
+    """Jinja's Python code for a template, with the hooks Metered counts by (the optimizer is off: no folding)."""
+
     def visit_Concat(self, node: nodes.Concat, frame) -> None:
         joined = ("(markup_join if context.eval_ctx.volatile else str_join)" if frame.eval_ctx.volatile else
                   "markup_join" if frame.eval_ctx.autoescape else "str_join")
@@ -105,9 +103,9 @@ class Metered(ImmutableSandboxedEnvironment):
             mapping = wrapped.__name__ == "format_map" and args and isinstance(args[0], Mapping)
             bounds.braces(meter, wrapped.__self__, () if mapping else args, dict(args[0]) if mapping else kwargs)
         elif getattr(__obj, "__name__", "") == "join" and isinstance(getattr(__obj, "__self__", None), (str, bytes)):
-            items = list(args[0]) if args else []
+            items = list(args[0]) if args else []  # a generator is read once, here: join gets the list
             meter.fits(sum(meter.size(item) for item in items) + len(__obj.__self__) * len(items), "a joined string")
-            args = (items,)
+            args = (items, *args[1:]) if args else args
         else:
             bounds.method(meter, __obj, args, kwargs)
         return meter.made(super().call(__context, __obj, *args, **kwargs))
@@ -157,7 +155,7 @@ def environment() -> Metered:
 @lru_cache(maxsize=8)
 def compiled(template: str) -> jinja2.Template:
     """The template compiled (jinja2.TemplateSyntaxError where it is not Jinja; TemplateBound past bounds)."""
-    token = bounds.metering(Meter(COMPILING.limit, COMPILING.budget, COMPILING.most_steps))
+    token = bounds.metering(Meter(bounds.FLOOR, bounds.BUDGET * bounds.FLOOR, bounds.STEPS))
     try:
         tree = environment().parse(template)
         for loop in list(tree.find_all(nodes.For)):  # each iteration a step
