@@ -1,7 +1,8 @@
 """Hostile model files for tests/test_hostile_weights.py: safetensors headers, indexes and config.json
 that the safetensors library refuses, each a copy of a good folder's file with one thing wrong, so that
 a reader that does not refuse it goes on to read, allocate or train (python -m tests.hostile FOLDER
-writes them, to look at); and the commands run on them, several in one process (run)."""
+writes them, to look at); chat templates that would take a machine's memory or time (templates, for
+tests/test_text_templates.py); and the commands run on them, several in one process (run)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,37 @@ def folders(good: Path, out: Path) -> Dict[str, Tuple[Path, Path, str]]:
         (folder / file).write_bytes(deep())
         made[name] = (folder, folder / file, "nested deeper than Python's JSON parser goes")
     return made
+
+
+# Chat templates that render a conversation in the sandbox transformers renders it in (jinja2's
+# ImmutableSandboxedEnvironment) and would take a machine: name -> (the template, what the line about it says).
+# Each comes before a working ChatML template, so that a template check that runs it meets it.
+TEMPLATES = {
+    "3-GB-string": ("{% set x = 'a' * 3000000000 %}", "would make a repeated value of 3,000,000,000 characters"),
+    "terabyte-string": ("{{ 'a' * 10**12 }}", "would make a repeated value of 1,000,000,000,000 characters"),
+    "nested-ranges": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                      "ran more than 1,000,032 steps"),
+    "doubled-string": ("{% set ns = namespace(x='a') %}{% for i in range(64) %}{% set ns.x = ns.x ~ ns.x %}"
+                       "{% endfor %}", "would make a joined string (~) of 2,097,152 characters"),
+    "nested-lists": ("{% set ns = namespace(x=['a']) %}{% for i in range(64) %}{% set ns.x = [ns.x, ns.x] %}"
+                     "{% endfor %}{{ ns.x }}", "would make a value of"),
+    "centered": ("{{ 'a' | center(3000000000) }}", "would make a centered string of 3,000,000,000 characters"),
+    "padded-format": ("{{ '%0999999999d' % 1 }}", "would make a formatted string of 1,000,000,011 characters"),
+    "branching-macro": ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}",
+                        "ran more than 1,000,032 steps"),
+    "kept-in-a-block": ("{% set ns = namespace(x='a' * 1000000) %}{% set y %}{% for i in range(100000) %}{{ ns.x }}"
+                        "{% endfor %}{% endset %}", "made more than 16,777,472 characters of values in all"),
+    "huge-integer": ("{{ (2 ** 100) ** 100 }}", "would make an integer of more than 8,192 bits"),
+}
+
+
+def template_folder(good: Path, name: str, out: Path) -> Path:
+    """A copy of the model folder `good` whose chat_template.jinja starts with TEMPLATES[name]'s."""
+    folder = out / name
+    shutil.copytree(good, folder)
+    template = folder / "chat_template.jinja"
+    template.write_text(TEMPLATES[name][0] + template.read_text())
+    return folder
 
 
 def run(jobs: list) -> None:

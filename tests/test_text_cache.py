@@ -328,3 +328,16 @@ def test_a_progress_bar_only_for_large_files_on_a_terminal_on_rank_0(tmp_path, m
     if rank is not None:
         monkeypatch.setenv("RANK", rank)
     assert text_dataset._progress(text_dataset._size([data])) is shown
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_an_entry_is_written_with_the_mode_the_umask_gives(made, umask):
+    """A cache a team shares (umask 002, a group-writable folder) serves every reader: an entry's mode is what
+    open() gives a new file, not mkstemp's 0600, which only its writer could read."""
+    folder, data, where = made
+    before = os.umask(umask)
+    try:
+        build(folder, data, where)
+    finally:
+        os.umask(before)
+    assert entry(where).stat().st_mode & 0o777 == 0o666 & ~umask

@@ -106,7 +106,8 @@ CONVERSATION = ROWS[0]["messages"]
     ("wrong-role", json.dumps({"messages": [CONVERSATION[0], {"role": "bot", "content": "hi"}]}).encode(),
      "message 2 has the role 'bot'; a role is one of system, user, assistant, tool"),
     ("no-content", json.dumps({"messages": [CONVERSATION[0], {"role": "assistant", "content": None}]}).encode(),
-     "message 2 (assistant) has the content None; a content is a string"),
+     "message 2 (assistant) has no content; a content is a string (or a list of text parts), and an assistant's "
+     "may be left out where it holds tool_calls"),
     ("empty", b'{"messages": []}', "an empty conversation; a chat row holds a list of {role, content} messages, an "
                                    "assistant's among them"),
     ("no-answer", json.dumps({"messages": CONVERSATION[:1]}).encode(),

@@ -190,11 +190,12 @@ def _fused_kernel_shards(target: type) -> bool:
 
 
 def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int, device: torch.device,
-             world: Optional[int] = None):
+             world: Optional[int] = None, model: Optional[torch.nn.Module] = None):
     """The training stream of this rank, its validation batches (or None), and the datasets' lines for the
     console: its share of each batch, one of `share` = (how many ranks read their own, this rank's place among
     them), of `world` processes. A dataset with `notes` (a list of lines: what it read and made, as
-    launcher.data.text.TextDataset has) gets them said at start, under its key."""
+    launcher.data.text.TextDataset has) gets them said at start, under its key; one with `check_vocabulary`
+    is given `model`'s input embedding rows, and what it says is wrong is one line before the first step."""
     replicas, rank = share
     data.check_batch(cfg.batch_size, replicas, world)
     collate = Collate(component(cfg.collate, "data.collate")) if cfg.collate else None
@@ -216,7 +217,25 @@ def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int
                                device, seed, collate)
     notes = [f"{key}: {line}" for key, built in (("data.train", dataset), ("data.val", val_set))
              for line in _notes(built)]
+    rows = _embedding_rows(model)
+    for key, built in (("data.train", dataset), ("data.val", val_set)):
+        check = getattr(built, "check_vocabulary", None)
+        problem = check(rows) if rows is not None and callable(check) else None
+        if problem:
+            raise UserError(f"{key}: {problem}")
     return train, val, notes
+
+
+def _embedding_rows(model: Optional[torch.nn.Module]) -> Optional[int]:
+    """The rows of the model's input embedding (the token ids it takes), where it says (transformers' models,
+    peft's): None otherwise."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    weight = getattr(embedding, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def _notes(dataset: Any) -> list:

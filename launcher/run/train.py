@@ -145,7 +145,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     model = assemble.built(recipe, strategy, run_dir, console, init_from)
     cfg = recipe.data
     train_data, val, notes = build.data_for(cfg, recipe.trainer.grad_accum_steps, strategy.data_share(), recipe.seed,
-                                             device, placement.world_size)
+                                             device, placement.world_size, model)
     for note in notes:
         console.info(note)
     precision = Precision(recipe.precision, device)

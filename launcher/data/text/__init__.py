@@ -5,6 +5,9 @@ the loss on the answers. Each piece is one file, swappable on its own:
     tokenizer.py  the model folder's tokenizer, its files checked as untrusted input, nothing in it run
     formats.py    text (continued pretraining) and prompt_completion; labels from token offsets
     chat.py       chat: conversations rendered by a chat template, the assistant turns as answers
+    conversation.py  a chat row's messages and tools, read as apply_chat_template reads them (tool calls, parts)
+    sandbox.py    the chat template compiled and rendered in transformers' sandbox, metered (filters.py: its filters)
+    bounds.py     what a rendering may spend (characters a value, all it makes, steps, time), and the checks
     samples.py    rows into samples one at a time (max_len applied, text cut into rows), each with its place;
                   in several spawned processes for large files (TextDataset's num_proc)
     dataset.py    TextDataset: the pieces joined into a map-style dataset, for data.train / data.val

@@ -14,12 +14,15 @@ size and mtime were put back (os.utime), and one only touched (a git checkout, a
 every file once per run on every rank (SHA-256: hundreds of MB/s on one core): seconds for gigabytes, where
 tokenizing them takes minutes.
 
-The folder is untrusted input (DESIGN, invariant 13): safetensors checks the header (its size, every tensor's
-dtype, shape and offsets inside the file) before anything is read, nothing in it is code, and the arrays'
-dtypes, shapes, sums and CRC are checked before one sample is made. An entry that fails is said in one line
-and rebuilt. Entries are written to a temporary file and renamed into place (os.replace), so ranks writing at
-once, or a run killed mid-write, never leave half an entry (at most a `.partial` file); ranks wait on a lock
-(flock, beside the entry) while one of them tokenizes, then read what it wrote."""
+An entry is read as untrusted input (DESIGN, invariant 13): safetensors checks the header (its size, every
+tensor's dtype, shape and offsets inside the file) before anything is read, nothing in it is code, and the
+arrays' dtypes, shapes, sums and CRC are checked before one sample is made. An entry that fails is said in one
+line and rebuilt. The folder is trusted for its contents all the same: the CRC-32 detects damage, not
+forgery, and an entry written under the right key with a valid CRC is used, as the data files are; whoever may
+write the folder decides what a run trains on. Entries are written to a temporary file and renamed into place
+(os.replace), so ranks writing at once, or a run killed mid-write, never leave half an entry (at most a
+`.partial` file), with the mode a new file gets from the umask (a team's shared folder, umask 002, serves every
+member); ranks wait on a lock (flock, beside the entry) while one of them tokenizes, then read what it wrote."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 import zlib
 from dataclasses import dataclass
 from importlib import metadata
@@ -36,7 +39,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from launcher.errors import first_line
 
-VERSION = 1  # of the entry's layout and of what a sample is made of: a change here invalidates every entry
+# of the entry's layout and of what a sample is made of: a change here invalidates every entry (2: a row's tools
+# passed to the chat template, weights, text parts, rows over max_len's characters refused; counts of rows with
+# nothing to learn, what the template never reads, the largest token)
+VERSION = 2
 ARRAYS = {"input_ids": "I32", "labels": "I32", "lengths": "I64"}
 LIBRARIES = ("tokenizers", "transformers", "jinja2")  # whose versions may change a token or a rendered text
 CHANGED = {"files": "the files changed", "tokenizer": "the tokenizer changed",
@@ -146,10 +152,13 @@ def write(path: Path, under: Key, samples: Samples, counts: Dict[str, Any]) -> N
               "labels": np.array([t for s in samples for t in s["labels"]], dtype=np.int32),
               "lengths": np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)}
     meta = {"key": under.as_json(), "counts": json.dumps(counts), "crc32": str(_crc(arrays))}
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".partial")
-    os.close(handle)
+    # the mode open() gives a new file here (the umask's): safetensors writes 0600, which serves its writer alone
+    temporary = str(path.parent / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    mode = os.stat(temporary).st_mode & 0o777
     try:
         save_file(arrays, temporary, metadata=meta)
+        os.chmod(temporary, mode)
         with open(temporary, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temporary, path)
@@ -173,9 +182,11 @@ def _whole(arrays: Dict[str, Any], counts: Any, crc: Optional[str]) -> None:
     """The arrays and counts are an entry's as written: the counts of the lines at start, the samples' lengths
     adding up to the tokens, the CRC-32 of the arrays."""
     lengths = arrays["lengths"]
-    numbers = ("rows", "skipped", "over", "lost", "samples")
-    if not isinstance(counts, dict) or set(counts) != {*numbers, "first"} or not isinstance(counts["first"], str) \
-            or not all(type(counts[n]) is int and counts[n] >= 0 for n in numbers):
+    numbers = ("rows", "skipped", "over", "lost", "empty", "samples", "largest")
+    if not isinstance(counts, dict) or set(counts) != {*numbers, "first", "unread"} \
+            or not isinstance(counts["first"], str) or not isinstance(counts["unread"], list) \
+            or not all(type(counts[n]) is int and counts[n] >= 0 for n in numbers) \
+            or not all(isinstance(u, str) for u in counts["unread"]):
         raise ValueError(f"its counts ({str(counts)[:80]}) are not those an entry holds")
     if counts["samples"] != len(lengths):
         raise ValueError(f"its counts say {counts['samples']} samples; it holds {len(lengths)}")
@@ -184,6 +195,9 @@ def _whole(arrays: Dict[str, Any], counts: Any, crc: Optional[str]) -> None:
         raise ValueError("its lengths do not add up to its tokens")
     if crc != str(_crc(arrays)):
         raise ValueError("its arrays do not match their CRC-32")
+    if int(arrays["input_ids"].max()) != counts["largest"]:
+        raise ValueError(f"its counts say its largest token is {counts['largest']}; it holds "
+                         f"{int(arrays['input_ids'].max())}")
 
 
 def _samples(arrays: Dict[str, Any]) -> Samples:

@@ -68,8 +68,7 @@ class TextDataset(Dataset):
         self.tokenizer = tokenizers.load(tokenizer)
         self.pad_id = tokenizers.pad_id(self.tokenizer)  # what a packer fills a row's end with
         columns = making.columns(format, columns)
-        used = making.template_used(self.tokenizer, format, chat_template, tokenizer)
-        make = making.make(format, self.tokenizer, columns, loss_on, template, used)
+        make, used = making.maker(format, self.tokenizer, tokenizer, columns, loss_on, template, chat_template, max_len)
         # everything that changes a sample (packing does not: its rows are drawn below, from the lengths)
         settings = {"format": format, "columns": columns, "template": template, "chat_template": used,
                     "max_len": max_len, "loss_on": loss_on, "overlong": overlong, "bad_rows": bad_rows,
@@ -78,7 +77,8 @@ class TextDataset(Dataset):
         # the lines the run says at start, under this dataset's key (data.train: ...), on rank 0: the same
         # whether the samples were tokenized now or read from the cache, but the last, which says which
         self.notes = [making.tokenizer_line(self.tokenizer, tokenizer, format, make, chat_template),
-                      _summary(files, format, counts["rows"], self.samples, loss_on)]
+                      _summary(files, format, counts["rows"], self.samples, loss_on),
+                      *making.unread(making.Counts(unread=set(counts["unread"])))]
         if counts["over"]:
             over, lost = counts["over"], counts["lost"]
             then = f"truncated at it{f' ({lost} of them, left with no answer token, dropped)' if lost else ''}"
@@ -87,6 +87,7 @@ class TextDataset(Dataset):
         if counts["skipped"]:
             self.notes.append(f"{_count(counts['skipped'], 'malformed row')} skipped (bad_rows: skip); the first: "
                               f"{counts['first']}")
+        self.largest = counts["largest"]  # token id, for the model's embedding rows (check_vocabulary)
         # which samples make each item: one each, or packed several to a row (packing.py, from the seed alone)
         lengths = [len(sample["input_ids"]) for sample in self.samples]
         self.rows, self.packed = [[i] for i in range(len(self.samples))], packing
@@ -98,6 +99,10 @@ class TextDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def check_vocabulary(self, rows: int) -> Optional[str]:
+        """What is wrong where the model's input embedding has `rows` rows and a sample a token beyond them."""
+        return making.beyond(self.tokenizer, self.largest, rows) if self.largest >= rows else None
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         """A sample with its attention_mask (ones: the collate's padding adds the zeros), or a packed row:
@@ -143,9 +148,9 @@ def _tokenized(files, make, settings: Dict[str, Any], progress: bool,
     else:
         samples = [sample for _, sample in making.fit(read, max_len, settings["overlong"], counts)]
     if not samples:
-        raise UserError(f"files: {_named(files)}: no samples in them ({counts.rows} rows taken as {format}, "
-                        f"{counts.skipped} skipped)")
-    return samples, {**asdict(counts), "samples": len(samples)}
+        raise UserError(making.empty(_named(files), format, max_len, settings["overlong"], counts))
+    largest = max(max(sample["input_ids"]) for sample in samples)
+    return samples, {**asdict(counts), "unread": sorted(counts.unread), "samples": len(samples), "largest": largest}
 
 
 def _check_num_proc(num_proc) -> None:

@@ -14,6 +14,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from launcher.errors import short
 
 IGNORE = -100  # what torch's cross-entropy and HF's models leave out of the loss
+# The characters a token of max_len may stand for in a row that is rendered and truncated (chat,
+# prompt_completion): a row of more is refused before it is rendered or tokenized, since all of it would be
+# (tokens a few characters long: a row 64 times max_len's tokens keeps a 16th of itself at most).
+ROW_CHARACTERS = 64
 LOSS_ON = ("answers", "all")
 Sample = Dict[str, List[int]]
 Span = Tuple[int, int]  # characters [start, end) of a rendered text
@@ -26,12 +30,23 @@ class BadRow(Exception):
 
 def column(row: Dict[str, Any], name: str, kind: type, what: str) -> Any:
     """row[name], which must be a `kind`; BadRow otherwise."""
-    if name not in row or row[name] is None:
+    if name not in row:
         raise BadRow(f"no column {name!r} ({what}); it has {', '.join(map(repr, row)) or 'none'}")
+    if row[name] is None:
+        raise BadRow(f"column {name!r} is null; it holds {what}")
     value = row[name]
     if not isinstance(value, kind):
         raise BadRow(f"column {name!r} holds {type(value).__name__} {short(value)}; {what} is a {kind.__name__}")
     return value
+
+
+def sized(characters: int, max_len: Optional[int]) -> int:
+    """A row's size in characters, where it is within what max_len tokens can use; BadRow otherwise."""
+    if max_len is not None and characters > ROW_CHARACTERS * max_len:
+        raise BadRow(f"{characters:,} characters, more than a row of max_len {max_len} tokens may hold "
+                     f"({ROW_CHARACTERS} characters a token: {ROW_CHARACTERS * max_len:,}): it would be rendered and "
+                     f"tokenized whole to keep its first {max_len} tokens; split it, or raise max_len")
+    return characters
 
 
 def labelled(tokenizer: Any, text: str, spans: Sequence[Span], loss_on: str, special: bool = False) -> Sample:
@@ -87,16 +102,18 @@ class PromptCompletion:
 
     roles = {"prompt": "the prompt", "completion": "the completion"}
 
-    def __init__(self, tokenizer: Any, columns: Dict[str, str], loss_on: str, template: Optional[str] = None):
+    def __init__(self, tokenizer: Any, columns: Dict[str, str], loss_on: str, template: Optional[str] = None,
+                 max_len: Optional[int] = None):
         template = "{prompt}{completion}" if template is None else template
         check_template(template)
-        self.tokenizer, self.columns, self.loss_on = tokenizer, columns, loss_on
+        self.tokenizer, self.columns, self.loss_on, self.max_len = tokenizer, columns, loss_on, max_len
         self.before, rest = template.split("{prompt}")
         self.between, self.after = rest.split("{completion}")
 
     def __call__(self, row: Dict[str, Any]) -> Sample:
         prompt = column(row, self.columns["prompt"], str, "the prompt")
         completion = column(row, self.columns["completion"], str, "the completion")
+        sized(len(prompt) + len(completion), self.max_len)
         head = self.before + prompt + self.between
         text = head + completion + self.after
         sample = labelled(self.tokenizer, text, [(len(head), len(text))], self.loss_on, special=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import islice
-from dataclasses import dataclass
-from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -32,13 +32,16 @@ Place = Tuple[int, int]  # (rows read before the next sample's first token, that
 @dataclass
 class Counts:
     """What passed: rows made into samples, rows skipped (and the first), samples over max_len, and those of
-    them truncated to no target (dropped)."""
+    them truncated to no target (dropped); rows with nothing to learn (an empty text, every answer of weight
+    0); what rows held that the chat template never reads."""
 
     rows: int = 0
     skipped: int = 0
     first: str = ""
     over: int = 0
     lost: int = 0
+    empty: int = 0
+    unread: Set[str] = field(default_factory=set)
 
 
 def check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, template, chat_template) -> None:
@@ -76,15 +79,60 @@ def template_used(tokenizer: Any, format: str, chat_template: Optional[str], fol
     return tokenizers.chat_template(tokenizer, chat_template, folder) if format == "chat" else None
 
 
+def maker(format: str, tokenizer: Any, folder: str, columns: Dict[str, str], loss_on: str, template: Optional[str],
+          chat_template: Optional[str], max_len: int):
+    """The format's maker, with the chat template used (`template_used`); and that template."""
+    used = template_used(tokenizer, format, chat_template, folder)
+    origin = tokenizers.template_origin(chat_template, folder)
+    return make(format, tokenizer, columns, loss_on, template, used, max_len, origin), used
+
+
 def make(format: str, tokenizer: Any, columns: Dict[str, str], loss_on: str, template: Optional[str],
-         chat_template: Optional[str]):
-    """The format's maker (chat_template: the one used, `template_used`): a row's columns in, a sample (or None:
-    nothing to learn) out."""
+         chat_template: Optional[str], max_len: int, origin: str = "the chat template"):
+    """The format's maker (chat_template: the one used, `template_used`; origin: where it is from,
+    tokenizer.template_origin): a row's columns in, a sample (or None: nothing to learn) out."""
     if format == "chat":
-        return Chat(tokenizer, columns, loss_on, chat_template)
+        return Chat(tokenizer, columns, loss_on, chat_template, origin=origin, max_len=max_len)
     if format == "prompt_completion":
-        return PromptCompletion(tokenizer, columns, loss_on, template)
+        return PromptCompletion(tokenizer, columns, loss_on, template, max_len)
     return Text(tokenizer, columns, loss_on)
+
+
+def empty(files: str, format: str, max_len: int, overlong: str, counts: Counts) -> str:
+    """The line that says why files gave no sample, with the counts."""
+    taken = f"{counts.rows} rows taken as {format}"
+    if counts.rows and counts.over == counts.rows and overlong == "drop":
+        why = f"all {taken} are longer than max_len {max_len} tokens, and overlong: drop drops them"
+    elif counts.rows and counts.lost == counts.rows:
+        why = (f"all {taken} are longer than max_len {max_len} tokens, and truncated at it none keeps an answer "
+               f"token (their answers start after token {max_len})")
+    elif counts.rows:
+        why = f"the {taken} hold fewer than 2 tokens in all"
+    else:
+        why = "no row made a sample"
+    said = [why]
+    if counts.skipped:
+        said.append(f"{counts.skipped} skipped as malformed (bad_rows: skip), the first: {counts.first}")
+    if counts.empty:
+        said.append(f"{counts.empty} with nothing to learn (an empty text, or every answer of weight 0)")
+    fix = "raise max_len, or give rows whose answers come sooner" if counts.over else "fix the rows"
+    return f"files: {files}: no samples in them: {'; '.join(said)}; {fix}"
+
+
+def beyond(tokenizer: Any, token: int, rows: int) -> str:
+    """What is wrong where a sample holds `token`, and the model's input embedding has `rows` rows."""
+    return (f"token {token} ({tokenizer.convert_ids_to_tokens(token)!r}) of the tokenizer ({len(tokenizer)} tokens) is "
+            f"in the samples, and the model's input embedding has {rows} rows (ids 0 to {rows - 1}): a tokenizer "
+            f"grown by added tokens needs the model's embedding resized to it (model.resize_token_embeddings("
+            f"{len(tokenizer)}), then saved), or the model folder whose tokenizer it is")
+
+
+def unread(counts: Counts) -> List[str]:
+    """The line on what rows held that the chat template never reads, where they held any."""
+    if not counts.unread:
+        return []
+    return [f"rows hold what the chat template never reads, so that no sample shows it: "
+            f"{', '.join(sorted(counts.unread))}"]
 
 
 def tokenizer_line(tokenizer: Any, folder: str, format: str, maker, chat_template: Optional[str]) -> str:
@@ -94,23 +142,30 @@ def tokenizer_line(tokenizer: Any, folder: str, format: str, maker, chat_templat
 
 
 def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip: int = 0,
-         processes: int = 1) -> Iterator[tuple]:
+         processes: int = 1, vocabulary: Optional[int] = None) -> Iterator[tuple]:
     """(rows read through this one, its sample) for each row that makes one; a bad row raises one line, or
     (bad_rows: skip) is counted. The first `skip` rows are passed over unmade (a resumed stream).
     `processes` > 1 makes the samples in that many processes (`in_processes`): the same samples, counts and
-    lines, in the same order."""
+    lines, in the same order. `vocabulary`: the model's embedding rows, which no token may reach (one line)."""
     read_rows = ((read, row) for read, row in enumerate(rows, 1) if read > skip)
     outcomes = in_processes(read_rows, maker, processes) if processes > 1 else (
         (read, row, _outcome(maker, row.value, row.problem)) for read, row in read_rows)
+    unread = getattr(maker, "unread", None)
     for read, row, outcome in outcomes:
+        if unread is not None and row.value is not None:
+            counts.unread |= unread(row.value)
         if isinstance(outcome, BadRow):
             if bad_rows == "error":
                 raise UserError(f"{row.where}: {outcome} (bad_rows: skip would skip such rows and count them)")
             counts.skipped, counts.first = counts.skipped + 1, counts.first or f"{row.where}: {outcome}"
         elif isinstance(outcome, BadTemplate):
             raise UserError(f"{row.where}: {outcome}")
-        elif outcome is not None:
+        elif outcome is None:
+            counts.empty += 1
+        else:
             counts.rows += 1
+            if vocabulary is not None and max(outcome["input_ids"]) >= vocabulary:
+                raise UserError(f"{row.where}: {beyond(maker.tokenizer, max(outcome['input_ids']), vocabulary)}")
             yield read, outcome
 
 

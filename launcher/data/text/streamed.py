@@ -54,8 +54,9 @@ class TextStream(IterableDataset):
         # every name resolved once, at start: a mistake is one line before a step, and each epoch reads these
         self.files = [str(path) for path in sources.paths(files)]
         self.tokenizer = tokenizers.load(tokenizer)
-        used = making.template_used(self.tokenizer, format, chat_template, tokenizer)
-        self.make = making.make(format, self.tokenizer, making.columns(format, columns), loss_on, template, used)
+        self.make, _ = making.maker(format, self.tokenizer, tokenizer, making.columns(format, columns), loss_on,
+                                    template, chat_template, max_len)
+        self.vocabulary: Optional[int] = None  # the model's embedding rows, which no token may reach
         self.format, self.max_len, self.overlong, self.bad_rows = format, max_len, overlong, bad_rows
         self.split, self.text_rows = split, text_rows
         self.packing, self.seed, self.buffer = packing, seed, packing_buffer
@@ -82,9 +83,14 @@ class TextStream(IterableDataset):
             self.place = (rows, drop, 0, 0)  # before the item goes: state_dict() is asked for once it is taken
             yield making.item(sample)
 
+    def check_vocabulary(self, rows: int) -> None:
+        """Each sample is checked as it comes against the model's `rows` embedding rows (one line naming the
+        row of a token beyond them); the stream does not know its tokens ahead."""
+        self.vocabulary = rows
+
     def _samples(self, skip: int, drop: int) -> Iterator[tuple]:
         rows = sources.rows(self.files, self.split, self.text_rows)
-        read = making.made(rows, self.make, self.bad_rows, self.counts, skip)
+        read = making.made(rows, self.make, self.bad_rows, self.counts, skip, vocabulary=self.vocabulary)
         if self.format == "text":
             return making.cut(read, self.max_len, drop)
         return making.fit(read, self.max_len, self.overlong, self.counts)

@@ -110,6 +110,16 @@ def chat_template(tokenizer: Any, given: Optional[str], folder: str) -> str:
     return own
 
 
+def template_origin(given: Optional[str], folder: str) -> str:
+    """Where the template used comes from, for a line: its file, or the recipe's chat_template."""
+    if given is not None:
+        return given if given.endswith(".jinja") and "{" not in given else "the recipe's chat_template"
+    path = Path(folder).expanduser()
+    found = [path / name for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+             if (path / name).is_file()]
+    return str(found[0]) if found else str(path)
+
+
 def _instead(path: Path) -> str:
     found = [name for name in ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt") if (path / name).is_file()]
     return f" (it has {', '.join(found)}: a slow tokenizer's files, which the launcher does not convert)" if found else ""
