@@ -1,7 +1,9 @@
 """The run folder, owned by global rank 0: one run at a time, and one run's history in it.
 
 - A lock (`<run_dir>/.lock`, a POSIX record lock) held for the whole run: a second run started on the same folder
-  is refused with one line instead of interleaving its checkpoints with the first one's.
+  is refused with one line instead of interleaving its checkpoints with the first one's. A checkpoint.dir
+  outside the run folder is locked too: a folder by its own `.lock`, an object store's prefix by a lock object
+  (checkpoint/prefix_lock.py).
 - A run that does not continue the history it finds (`checkpoint.resume=never`, a checkpoint from
   elsewhere, or an earlier checkpoint of this folder) moves what would be mixed with its own into
   `<run_dir>/replaced/<time>/`: nothing is deleted, and `checkpoints/` and `latest` only ever hold

@@ -119,6 +119,10 @@ def test_the_heartbeat_rewrites_the_lock_and_a_lock_taken_over_fails_every_later
             assert time.monotonic() < deadline
             time.sleep(0.05)
         layout.prepare(folder, 10)  # held: a save goes on
+        s3.client.delete_object(Bucket=BUCKET, Key="beating/.lock")  # deleted by hand: made again by the next beat
+        while lock_of(s3, "beating") is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         locked_by(s3, "beating", pid=2)  # another run took it over
         while lock.lost is None:
             assert time.monotonic() < deadline
@@ -150,3 +154,23 @@ def test_a_local_checkpoint_dir_in_use_by_another_run_is_refused(tmp_path, capsy
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and len(err) == 1 and f"checkpoint.dir: {elsewhere} is in use by another run (pid " in err[0], err
     assert "give this one its own folder (checkpoint.dir=...)" in err[0]
+
+
+def test_a_store_that_refuses_the_lock_is_one_line_before_training(s3, tmp_path, capsys, monkeypatch):
+    """Credentials that may read the bucket but not write it: the lock's write is refused, exit 2, one line,
+    before the first step (not a traceback, nor three failed saves at the end)."""
+    from tests.flaky_store import FlakyStore
+
+    store = FlakyStore(os.environ["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    store.rules = {r"/\.lock": "refuse"}
+    url = f"s3://{BUCKET}/read-only"
+    try:
+        code = main([str(QUICKSTART), *SMALL, f"checkpoint.dir={url}", f"run_dir={tmp_path}"])
+    finally:
+        store.close()
+    out, err = capsys.readouterr()
+    assert code == 2 and "training" not in out and len(err.strip().splitlines()) == 1, out + err
+    assert (f"checkpoint.dir: cannot write {url}/.lock, the lock that keeps a second run out of {url} (Access Denied); "
+            f"check the credentials' rights on the bucket") in err, err

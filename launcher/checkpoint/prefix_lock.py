@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from launcher.checkpoint import storage
 from launcher.errors import UserError, first_line
 
 NAME = ".lock"
@@ -48,40 +49,54 @@ class Lock:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT):
             try:
-                self.etag = _put(self.folder, {**self.about, "heartbeat": _now()}, IfMatch=self.etag)
+                try:
+                    self.etag = _put(self.folder, self._now(), IfMatch=self.etag)
+                except FileNotFoundError:  # deleted by hand: this run's again, unless another has made it since
+                    self.etag = _put(self.folder, self._now(), IfNoneMatch="*")
             except Exception as e:  # noqa: BLE001 - the store out of reach: the next beat tries again
                 if _conflict(e):
-                    found = _read(self.folder)
-                    self.lost = _holder(found[0]) if found else "a run that has removed it since"
+                    self.lost = _holder_now(self.folder)
                     return
+
+    def _now(self) -> Dict[str, Any]:
+        return {**self.about, "heartbeat": _now()}
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still this run's (a store out of reach keeps it: the
         rules above free it)."""
         self._stop.set()
-        self._beating.join()
+        self._beating.join(timeout=10)  # a beat still waiting on a store gone: its lock stays, for the rules above
         _held.pop(str(self.folder), None)
         try:
-            found = _read(self.folder)
-            if found and found[1] == self.etag:
+            if _s3(self.folder, "head_object")["ETag"] == self.etag:  # (a HEAD: nothing of it fetched)
                 _s3(self.folder, "delete_object")
-        except Exception:  # noqa: BLE001 - boto's, fsspec's: told apart by nothing, all leave the lock behind
+        except Exception:  # noqa: BLE001 - gone already, or the store out of reach: left to the rules above
             pass
 
 
 def take(folder: Any, run_dir: str) -> Tuple[Lock, Optional[str]]:
     """The lock of `folder` (a Remote of s3://), held by this run until released, and a line to say where a gone
-    run's lock was taken over (else None). A UserError where a live run holds it."""
+    run's lock was taken over (else None). A UserError where a live run holds it, or the store refuses it."""
+    try:
+        return _take(folder, run_dir)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - boto's and fsspec's errors, told apart by storage.store_error
+        cause = storage.store_error(e)
+        if cause is None:
+            raise
+        raise UserError(f"checkpoint.dir: cannot write {folder / NAME}, the lock that keeps a second run out of "
+                        f"{folder} ({cause.strerror or first_line(cause)}); check the credentials' rights on the "
+                        f"bucket (writes, and conditional ones: If-None-Match)") from None
+
+
+def _take(folder: Any, run_dir: str) -> Tuple[Lock, Optional[str]]:
     about = {"host": socket.gethostname(), "pid": os.getpid(), "run_dir": str(run_dir),
-             "slurm_job": os.environ.get("SLURM_JOB_ID"), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+             "slurm_job": os.environ.get("SLURM_JOB_ID"), "since": _now()}
     for _ in range(3):  # another run may create or take it between our look and our write: look again
-        try:
-            lock = Lock(folder, _put(folder, {**about, "heartbeat": _now()}, IfNoneMatch="*"), about)
-            _held[str(folder)] = lock
-            return lock, None
-        except Exception as e:  # noqa: BLE001 - boto's ClientError behind s3fs's OSError
-            if not _conflict(e):
-                raise
+        held = _hold(folder, about, IfNoneMatch="*")
+        if held is not None:
+            return held, None
         found = _read(folder)
         if found is None:
             continue  # removed since: create it again
@@ -91,17 +106,24 @@ def take(folder: Any, run_dir: str) -> Tuple[Lock, Optional[str]]:
             raise UserError(f"checkpoint.dir: {folder} is in use by another run ({_holder(holder)}, heard from {age:.0f} s "
                             f"ago); wait for it to end, or give this run its own checkpoint.dir. HINT: a lock whose "
                             f"run died elsewhere is taken over once {STALE:.0f} s pass without its heartbeat")
-        try:
-            lock = Lock(folder, _put(folder, {**about, "heartbeat": _now()}, IfMatch=etag), about)
-        except Exception as e:  # noqa: BLE001 - as above
-            if not _conflict(e):
-                raise
-            continue
-        _held[str(folder)] = lock
-        return lock, (None if gone == "this process" else
-                      f"checkpoint.dir: {folder} was locked by {_holder(holder)}, {gone}: taken over by this run")
+        held = _hold(folder, about, IfMatch=etag)
+        if held is not None:
+            return held, (None if gone == "this process" else
+                          f"checkpoint.dir: {folder} was locked by {_holder(holder)}, {gone}: taken over by this run")
     raise UserError(f"checkpoint.dir: {folder}: its lock ({NAME}) changed hands three times while this run tried to "
                     f"take it; another run is starting there: give this run its own checkpoint.dir")
+
+
+def _hold(folder: Any, about: Dict[str, Any], **condition: str) -> Optional[Lock]:
+    """The lock written where `condition` holds, and held from now on; None where it does not."""
+    try:
+        etag = _put(folder, {**about, "heartbeat": _now()}, **condition)
+    except Exception as e:  # noqa: BLE001 - boto's ClientError behind s3fs's OSError
+        if _conflict(e):
+            return None
+        raise
+    _held[str(folder)] = lock = Lock(folder, etag, about)
+    return lock
 
 
 def check(folder: Any) -> None:
@@ -141,6 +163,15 @@ def _holder(holder: Dict[str, Any]) -> str:
     job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
     return (f"pid {holder.get('pid')} on {holder.get('host')}, run folder {holder.get('run_dir')}{job}, "
             f"since {holder.get('since')}")
+
+
+def _holder_now(folder: Any) -> str:
+    """Who holds the lock now, as a phrase (a store out of reach: "another run")."""
+    try:
+        found = _read(folder)
+    except Exception:  # noqa: BLE001 - the store out of reach
+        found = None
+    return _holder(found[0]) if found else "another run"
 
 
 def _now() -> str:

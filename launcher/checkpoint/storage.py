@@ -236,8 +236,9 @@ def supported(folder: Remote, key: str) -> None:
     checkpoint would end with it), and an S3 key that the two clients would read differently."""
     scheme = folder.protocol
     if scheme == "memory":
-        raise UserError(f"{key}: {folder}: memory:// lives in this process alone, and every checkpoint in it would "
-                        f"be lost when the run ends; {USE}")
+        lost = ("every checkpoint in it would be lost when the run ends" if key == "checkpoint.dir"
+                else "it holds nothing another process wrote")
+        raise UserError(f"{key}: {folder}: memory:// lives in this process alone, and {lost}; {USE}")
     if scheme not in STORES:
         raise UserError(f"{key}: {folder}: {scheme}:// is not a place for checkpoints; {USE}")
     prefix = folder.key.partition("/")[2]
