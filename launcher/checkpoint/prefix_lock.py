@@ -4,7 +4,8 @@ checkpoint.dir=s3://...: one live run writes there, a second is refused with one
 An object store has no record locks, so the lock is an object created by a conditional write (PutObject with
 `If-None-Match: *`: AWS S3, MinIO, Ceph and moto store it only where no object is): whoever creates it holds it.
 It names its holder (host, pid, run folder, Slurm job) and the run rewrites it every HEARTBEAT seconds (with
-`If-Match` its own ETag: a lock another run took over is never written over). A run that ends removes it.
+`If-Match` its own ETag: a lock another run took over is never written over). A run that ends removes it. (A
+store that ignores the condition lets two runs create it: the lock is as good as the store's conditional writes.)
 
 A run killed cannot remove it, so a lock is taken over, with one line saying so, where its holder is gone:
   - its pid has ended on this host (a rerun after a crash, torchrun restarting its workers), or is this process;
@@ -103,9 +104,9 @@ def _take(folder: Any, run_dir: str) -> Tuple[Lock, Optional[str]]:
         holder, etag, age = found
         gone = _gone(holder, age)
         if gone is None:
-            raise UserError(f"checkpoint.dir: {folder} is in use by another run ({_holder(holder)}, heard from {age:.0f} s "
-                            f"ago); wait for it to end, or give this run its own checkpoint.dir. HINT: a lock whose "
-                            f"run died elsewhere is taken over once {STALE:.0f} s pass without its heartbeat")
+            raise UserError(f"checkpoint.dir: {folder} is in use by another run ({_holder(holder)}, heard from "
+                            f"{age:.0f} s ago); wait for it to end, or give this run its own checkpoint.dir. HINT: a "
+                            f"lock whose run died elsewhere is taken over once {STALE:.0f} s pass without its heartbeat")
         held = _hold(folder, about, IfMatch=etag)
         if held is not None:
             return held, (None if gone == "this process" else
@@ -130,8 +131,8 @@ def check(folder: Any) -> None:
     """A UserError where this process held `folder`'s lock and another run has taken it over since."""
     lock = _held.get(str(folder))
     if lock is not None and lock.lost:
-        raise UserError(f"checkpoint.dir: {folder} was taken over by another run ({lock.lost}) after this run's heartbeat "
-                        f"stopped for {STALE:.0f} s; this run writes nothing more there")
+        raise UserError(f"checkpoint.dir: {folder} was taken over by another run ({lock.lost}) after this run's "
+                        f"heartbeat stopped for {STALE:.0f} s; this run writes nothing more there")
 
 
 def _gone(holder: Dict[str, Any], age: float) -> Optional[str]:
@@ -197,7 +198,8 @@ def _s3(folder: Any, method: str, **kwargs: Any) -> Dict[str, Any]:
 
 def _put(folder: Any, holder: Dict[str, Any], **condition: str) -> str:
     """The lock written, where `condition` holds: its new ETag."""
-    return _s3(folder, "put_object", Body=json.dumps(holder).encode(), ContentType="application/json", **condition)["ETag"]
+    body = json.dumps(holder).encode()
+    return _s3(folder, "put_object", Body=body, ContentType="application/json", **condition)["ETag"]
 
 
 def _read(folder: Any) -> Optional[Tuple[Dict[str, Any], str, float]]:
