@@ -36,7 +36,7 @@ class RunFolder:
         self.own = self.path / "checkpoints"
         self.checkpoints = checkpoint.folder_of(self.path, checkpoints)
         self._lock: Optional[int] = None
-        self._locks: list = []  # checkpoint.dir's, a local folder outside the run folder
+        self._checkpoints_lock: Optional[int] = None  # checkpoint.dir's, a local folder outside the run folder
         self._prefix: Optional[prefix_lock.Lock] = None  # checkpoint.dir's, an object store's prefix
 
     def open(self, recipe_yaml: str, resume: str, init_from: Optional[str] = None) -> tuple:
@@ -84,19 +84,19 @@ class RunFolder:
             return [said] if said else []
         try:
             self.checkpoints.mkdir(parents=True, exist_ok=True)  # as the run folder's own would be
-            self._locks.append(folder_lock.take(self.checkpoints, "checkpoint.dir"))
+            self._checkpoints_lock = folder_lock.take(self.checkpoints, "checkpoint.dir")
         except OSError as e:
             raise UserError(f"checkpoint.dir: cannot write {self.checkpoints}: {e.strerror or e}; name a writable "
                             f"folder") from None
         return []
 
     def close(self) -> None:
-        """Release the locks (the process's exit releases the folders' too, however it ends; a prefix's stays
-        until a run takes it over: prefix_lock.py)."""
-        for fd in [self._lock, *self._locks]:
+        """Release the locks (the process's exit releases a folder's too, however it ends; a prefix's, left by a
+        run that died, is taken over by the next: prefix_lock.py)."""
+        for fd in (self._lock, self._checkpoints_lock):
             if fd is not None:
                 os.close(fd)
-        self._lock, self._locks = None, []
+        self._lock = self._checkpoints_lock = None
         if self._prefix is not None:
             self._prefix.release()
             self._prefix = None
