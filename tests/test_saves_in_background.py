@@ -150,15 +150,19 @@ def test_the_benchmarks_checkpoint_row(monkeypatch, capsys):
             assert re.search(rf"^{fmt} / s3fs over s3tc +(\d+\.\d\dx *){{5}}$", out, re.M), out
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+KILLED = {"between": r"/step_10/manifest\.json", "inside": r"/step_20/model\.pt"}  # the store dies after it
+
+
+@pytest.mark.parametrize("background, killed", [(False, "between"), (True, "between"), (False, "inside")],
+                         ids=["sync", "async", "sync-inside-an-upload"])
 def test_a_store_killed_mid_run_fails_each_save_in_one_line_and_stops_with_exit_7(s3, flaky, tmp_path, capsys,
-                                                                                   monkeypatch, background):
-    """The store's process killed once step 10 is sealed (every connection refused or closed from then on): each
-    save after it fails with one line (the first one meets the dead store deleting what a re-save of its step
-    would replace), training goes on, and the final save makes three: exit 7 naming step 10, no traceback. With
-    the store back the same command resumes from step 10 bitwise."""
-    flaky.rules = {r"/step_10/manifest\.json": "die"}
-    url = f"s3://{BUCKET}/killed-{'async' if background else 'sync'}"
+                                                                                   monkeypatch, background, killed):
+    """The store's process killed once step 10 is sealed, or inside step 20's upload of model.pt (every connection
+    refused or closed from then on): each save after it fails with one line (between saves, the first one meets
+    the dead store deleting what a re-save of its step would replace), training goes on, and the final save makes
+    three: exit 7 naming step 10, no traceback. With the store back the same command resumes from step 10 bitwise."""
+    flaky.rules = {KILLED[killed]: "die"}
+    url = f"s3://{BUCKET}/killed-{'async' if background else 'sync'}-{killed}"
     args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40", "checkpoint.every=10",
             f"checkpoint.dir={url}", NO_PLAN, f"checkpoint.async_save={str(background).lower()}"]
     assert main(args) == 7
