@@ -14,10 +14,10 @@ from pathlib import Path
 from launcher.errors import UserError
 
 
-def take(folder: Path) -> int:
+def take(folder: Path, key: str = "run_dir") -> int:
     """The lock's descriptor, held until it is closed or the process ends, however it ends (on a file system
     without locks, some network mounts, the run goes unguarded). OSError when the folder cannot be written;
-    UserError when another run holds it."""
+    UserError, naming the recipe's `key` (run_dir, checkpoint.dir), when another run holds it."""
     fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         # Held by this process alone: a forked DataLoader worker does not inherit it, as it would an flock.
@@ -25,8 +25,9 @@ def take(folder: Path) -> int:
     except (BlockingIOError, PermissionError):
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise UserError(f"run_dir: {folder} is in use by another run ({holder}); wait for it to end, or give "
-                        f"this one its own folder (name=... or run_dir=...)") from None
+        own = "name=... or run_dir=..." if key == "run_dir" else f"{key}=..."
+        raise UserError(f"{key}: {folder} is in use by another run ({holder}); wait for it to end, or give "
+                        f"this one its own folder ({own})") from None
     except OSError as e:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
             os.close(fd)

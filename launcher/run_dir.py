@@ -1,7 +1,9 @@
 """The run folder, owned by global rank 0: one run at a time, and one run's history in it.
 
 - A lock (`<run_dir>/.lock`, a POSIX record lock) held for the whole run: a second run started on the same folder
-  is refused with one line instead of interleaving its checkpoints with the first one's.
+  is refused with one line instead of interleaving its checkpoints with the first one's. A checkpoint.dir
+  outside the run folder is locked too: a folder by its own `.lock`, an object store's prefix by a lock object
+  (checkpoint/prefix_lock.py).
 - A run that does not continue the history it finds (`checkpoint.resume=never`, a checkpoint from
   elsewhere, or an earlier checkpoint of this folder) moves what would be mixed with its own into
   `<run_dir>/replaced/<time>/`: nothing is deleted, and `checkpoints/` and `latest` only ever hold
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher import checkpoint, folder_lock
-from launcher.checkpoint import storage
+from launcher.checkpoint import prefix_lock, storage
 from launcher.errors import UserError
 
 # What a run writes that belongs to its history (the recipe.yaml of the run that wrote them too).
@@ -34,6 +36,8 @@ class RunFolder:
         self.own = self.path / "checkpoints"
         self.checkpoints = checkpoint.folder_of(self.path, checkpoints)
         self._lock: Optional[int] = None
+        self._checkpoints_lock: Optional[int] = None  # checkpoint.dir's, a local folder outside the run folder
+        self._prefix: Optional[prefix_lock.Lock] = None  # checkpoint.dir's, an object store's prefix
 
     def open(self, recipe_yaml: str, resume: str, init_from: Optional[str] = None) -> tuple:
         """Lock the folder, settle which checkpoint this run continues (None: it starts over), move
@@ -48,6 +52,7 @@ class RunFolder:
         if not storage.is_remote(self.checkpoints) and self.checkpoints.exists() and not self.checkpoints.is_dir():
             raise UserError(f"run_dir: {self.checkpoints} is a file, where the run keeps its checkpoints folder; "
                             f"move it away, or point run_dir=... at another folder")
+        said += self.lock_checkpoints()
         found, notes = checkpoint.choose(self.checkpoints, resume)
         notes = said + notes
         moved = self._set_aside(found)
@@ -69,11 +74,32 @@ class RunFolder:
         except OSError as e:
             raise _unwritable(self.path, e) from None
 
+    def lock_checkpoints(self) -> list:
+        """checkpoint.dir outside the run folder: its own lock, as the run folder's (a prefix's: an object,
+        prefix_lock.py). Returns the line to say where a gone run's lock was taken over."""
+        if storage.same(self.checkpoints, self.own):
+            return []
+        if storage.is_remote(self.checkpoints):
+            self._prefix, said = prefix_lock.take(self.checkpoints, os.path.abspath(self.path))
+            return [said] if said else []
+        try:
+            self.checkpoints.mkdir(parents=True, exist_ok=True)  # as the run folder's own would be
+            self._checkpoints_lock = folder_lock.take(self.checkpoints, "checkpoint.dir")
+        except OSError as e:
+            raise UserError(f"checkpoint.dir: cannot write {self.checkpoints}: {e.strerror or e}; name a writable "
+                            f"folder") from None
+        return []
+
     def close(self) -> None:
-        """Release the lock (the process's exit releases it too, however it ends)."""
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        """Release the locks (the process's exit releases a folder's too, however it ends; a prefix's, left by a
+        run that died, is taken over by the next: prefix_lock.py)."""
+        for fd in (self._lock, self._checkpoints_lock):
+            if fd is not None:
+                os.close(fd)
+        self._lock = self._checkpoints_lock = None
+        if self._prefix is not None:
+            self._prefix.release()
+            self._prefix = None
 
     def _set_aside(self, found: Optional[Path]) -> list:
         """Move what is not this run's history into replaced/<time>/. Returns a line that says so,

@@ -5,6 +5,8 @@ rule, which it answers as a failing store would:
     refuse   403 AccessDenied, as a bucket whose policy denies writes (s3fs: PermissionError)
     drop     the connection closed without an answer, as a store that went away mid-upload
     slow     passed through after a delay (seconds in `delay`)
+    die      passed through, and then the store is gone: every later request's connection closed, every new
+             one refused (the store's process killed)
 
 Rules change while a run uses the store (`store.rules = {...}`), so a test chooses which saves fail."""
 
@@ -27,6 +29,7 @@ class FlakyStore:
         self.rules: Dict[str, str] = {}  # regex on the request's path (writes only) -> refuse | drop | slow
         self.delay = 1.0
         self.failed: List[str] = []  # "METHOD path" of each request failed on purpose
+        self.dead = False  # after a `die` rule's request: nothing answered any more
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -39,6 +42,12 @@ class FlakyStore:
             if re.search(pattern, path):
                 return rule
         return ""
+
+    def die(self) -> None:
+        """Gone: the listening socket closed (new connections refused), open ones closed at their next request."""
+        if not self.dead:
+            self.dead = True
+            threading.Thread(target=self.close, daemon=True).start()  # shutdown() waits for serve_forever's loop
 
     def close(self) -> None:
         self.server.shutdown()
@@ -66,8 +75,8 @@ def _handler(store: FlakyStore):
 
         def _any(self) -> None:
             body = self._body()
-            rule = store.rule_for(self.command, self.path)
-            if rule:
+            rule = "drop" if store.dead else store.rule_for(self.command, self.path)
+            if rule and rule != "die":
                 store.failed.append(f"{self.command} {self.path}")
             if rule == "drop":
                 self.close_connection = True
@@ -102,6 +111,8 @@ def _handler(store: FlakyStore):
                     self.wfile.write(data)
             finally:
                 upstream.close()
+            if rule == "die":
+                store.die()
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 

@@ -108,7 +108,8 @@ CASES = [
     ("damaged-checkpoint", [Q, "checkpoint.resume={t}/damaged/checkpoints/step_1"], "step_1 is damaged (model.pt: CRC-32"),
     ("damaged-init-from", [Q, "checkpoint.init_from={t}/damaged/checkpoints/step_1/model.pt"], "damaged: its CRC-32 differs"),
     ("resume-a-system-folder", [Q, "checkpoint.resume=/etc"], "checkpoint.resume: /etc is incomplete (no valid manifest.json)"),
-    ("unknown-store", [Q, "checkpoint.dir=nope://bucket/run"], "checkpoint.dir: nope://bucket/run: Protocol not known: nope"),
+    ("unknown-store", [Q, "checkpoint.dir=nope://bucket/run"],
+     "checkpoint.dir: nope://bucket/run: nope:// is not a place for checkpoints; use a local folder"),
     # Recipe files that are not YAML text, and YAML that loses what matters
     ("recipe-utf16", ["{t}/utf16.yaml"], "utf16.yaml: UTF-16 or UTF-32 text; save the recipe as UTF-8"),
     ("recipe-latin1", ["{t}/latin1.yaml"], "latin1.yaml:2: byte 0xe9 is not UTF-8"),

@@ -273,7 +273,7 @@ def test_a_local_checkpoint_dir_outside_the_run_folder(tmp_path, whole):
     resumed from there, and not moved aside when another run would start over in it."""
     elsewhere = tmp_path / "elsewhere"
     train(tmp_path / "a", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir={elsewhere}")
-    assert sorted(p.name for p in elsewhere.iterdir()) == ["latest", "step_10", "step_20"]
+    assert sorted(p.name for p in elsewhere.iterdir()) == [".lock", "latest", "step_10", "step_20"]  # .lock: its lock
     assert not (tmp_path / "a" / "checkpoints").exists()
     train(tmp_path / "b", "trainer.max_steps=40", "checkpoint.every=10", f"checkpoint.dir={elsewhere}")
     assert_same_weights(whole, tmp_path / "b" / "model.pt")
@@ -355,3 +355,54 @@ def test_dcp_through_s3fs_goes_to_the_endpoint_of_now_not_to_an_earlier_file_sys
     state = {"w": torch.zeros(4)}
     sharded.read(folder, state)
     assert torch.equal(state["w"], torch.arange(4.0))
+
+
+KEYS = "name a prefix of letters, digits and _ - . ! ' ( ) = , + between slashes"
+USE = "use a local folder (a path, or file:///path) or s3://bucket/prefix (S3 and S3-compatible stores)"
+NOT_A_STORE = [  # checkpoint.dir, the end of its one line
+    ("http://127.0.0.1:9/ckpt", f"http:// is not a place for checkpoints; {USE}"),
+    ("memory://bucket/run", f"memory:// lives in this process alone, and every checkpoint in it would be lost when the "
+                            f"run ends; {USE}"),
+    (f"s3://{BUCKET}/p#1?versionId=2", f"the key holds # ?; {KEYS}, which both S3 clients read as written (s3fs takes "
+                                       f"?versionId= as a version and ? * [ as a glob)"),
+    (f"s3://{BUCKET}/runs/lr*[2]", "the key holds * [ ]; "),
+    (f"s3://{BUCKET}/a::b", "the key holds :; "),
+    (f"s3://{BUCKET}/a//b", f"the key has an empty part (//), or . or .. between slashes, which some S3 clients "
+                            f"rewrite; {KEYS}"),
+    (f"s3://{BUCKET}/a/../b", "the key has an empty part (//), or . or .. between slashes"),
+]
+
+
+@pytest.mark.parametrize("url, line", NOT_A_STORE, ids=[u.split("://")[0] + "-" + str(i) for i, (u, _) in enumerate(NOT_A_STORE)])
+def test_a_checkpoint_dir_that_cannot_hold_checkpoints_is_one_line_before_training(s3, tmp_path, capsys, url, line):
+    """A scheme of no store (http://, memory://, gone with the process), or an S3 key that s3fs and
+    s3torchconnector read differently (so that saves look fine and none resumes): exit 2, one line, nothing
+    written."""
+    from launcher.cli import main as launcher_main
+
+    code = launcher_main([str(QUICKSTART), *SMALL, f"run_dir={tmp_path}", f"checkpoint.dir={url}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "training" not in out and len(err.strip().splitlines()) == 1, out + err
+    assert f"checkpoint.dir: {url.rstrip('/')}: {line}" in err, err
+    assert not (tmp_path / "recipe.yaml").exists() and not s3.objects("p#1")
+
+
+def test_a_checkpoint_dir_of_no_store_stops_every_rank_of_ddp_x2_with_its_line(s3, tmp_path):
+    from tests.several_runs import several
+
+    ranks = several({"memory": [str(QUICKSTART), *SMALL, "strategy=ddp", f"run_dir={tmp_path}",
+                                "checkpoint.dir=memory://bucket/run"]}, tmp_path)
+    assert [rank["memory"]["error"] for rank in ranks] == [
+        "UserError: checkpoint.dir: memory://bucket/run: memory:// lives in this process alone, and every checkpoint "
+        f"in it would be lost when the run ends; {USE}"] * 2, ranks
+
+
+def test_a_file_url_is_a_local_folder_made_where_missing(tmp_path, whole):
+    """checkpoint.dir=file:///path is the folder /path, made where it is missing, as a path would be: checkpoints
+    renamed into place with `latest`, resumed from there."""
+    folder = tmp_path / "missing" / "checkpoints"
+    train(tmp_path / "a", "trainer.max_steps=20", "checkpoint.every=10", f"checkpoint.dir=file://{folder}")
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "latest", "step_10", "step_20"]
+    assert (tmp_path / "a" / "model.pt").exists()
+    train(tmp_path / "a", "trainer.max_steps=40", "checkpoint.every=10", f"checkpoint.dir=file://localhost{folder}")
+    assert_same_weights(whole, tmp_path / "a" / "model.pt")

@@ -148,3 +148,55 @@ def test_the_benchmarks_checkpoint_row(monkeypatch, capsys):
             for client in ("s3fs", "s3torchconnector"):
                 assert re.search(rf"^{fmt} / {client} +(\d+\.\d\ds *){{4}} *\d+ MiB$", out, re.M), out
             assert re.search(rf"^{fmt} / s3fs over s3tc +(\d+\.\d\dx *){{5}}$", out, re.M), out
+
+
+KILLED = {"between": r"/step_10/manifest\.json", "inside": r"/step_20/model\.pt"}  # the store dies after it
+
+
+@pytest.mark.parametrize("background, killed", [(False, "between"), (True, "between"), (False, "inside")],
+                         ids=["sync", "async", "sync-inside-an-upload"])
+def test_a_store_killed_mid_run_fails_each_save_in_one_line_and_stops_with_exit_7(s3, flaky, tmp_path, capsys,
+                                                                                   monkeypatch, background, killed):
+    """The store's process killed once step 10 is sealed, or inside step 20's upload of model.pt (every connection
+    refused or closed from then on): each save after it fails with one line (between saves, the first one meets
+    the dead store deleting what a re-save of its step would replace), training goes on, and the final save makes
+    three: exit 7 naming step 10, no traceback. With the store back the same command resumes from step 10 bitwise."""
+    flaky.rules = {KILLED[killed]: "die"}
+    url = f"s3://{BUCKET}/killed-{'async' if background else 'sync'}-{killed}"
+    args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40", "checkpoint.every=10",
+            f"checkpoint.dir={url}", NO_PLAN, f"checkpoint.async_save={str(background).lower()}"]
+    assert main(args) == 7
+    out, err = capsys.readouterr()
+    assert flaky.dead and "Traceback" not in out + err, out + err
+    assert out.count("was not saved (cannot write") == 2 and err.strip().count("\n") == 0, out + err
+    assert (f"checkpoint: 3 saves in a row failed, the last at step 40 (cannot write {url}: " in err
+            and f"The newest sealed checkpoint: {url}/step_10 (step 10); the same command resumes from it" in err), err
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.env["AWS_ENDPOINT_URL"])  # the store back
+    assert main(args) == 0
+    assert f"resumed from {url}/step_10 (step 10" in capsys.readouterr().out
+    train(tmp_path / "whole", "trainer.max_steps=40", NO_PLAN)
+    assert_same_weights(tmp_path / "whole" / "model.pt", tmp_path / "run" / "model.pt")
+
+
+@pytest.mark.slow  # two torchrun launches of fsdp x 2
+def test_a_store_killed_under_fsdp_x2_stops_every_rank_with_exit_7_and_the_rerun_resumes(s3, flaky, tmp_path, monkeypatch):
+    """fsdp x 2 (torchrun, gloo), background saves of DCP's shards: the store killed once step 10 is sealed fails
+    the saves of steps 20, 30 and 40 on both ranks, each said once by rank 0, and every rank stops with the one
+    line of exit 7, no traceback; with the store back the same command resumes from step 10 on both ranks."""
+    from tests.several_runs import several
+    from tests.test_fsdp import FSDP, QUICK
+
+    flaky.rules = {r"/step_10/manifest\.json": "die"}
+    url = f"s3://{BUCKET}/killed-fsdp"
+    case = [*QUICK, *FSDP, NO_PLAN, "trainer.max_steps=40", "checkpoint.every=10", "checkpoint.async_save=true",
+            f"checkpoint.dir={url}", f"run_dir={tmp_path / 'run'}"]
+    ranks = several({"killed": case}, tmp_path)
+    assert flaky.dead
+    stopped = f"CheckpointsFailed: checkpoint: 3 saves in a row failed, the last at step 40 (cannot write {url}: "
+    assert all(rank["killed"]["error"].startswith(stopped) for rank in ranks), ranks
+    assert f"The newest sealed checkpoint: {url}/step_10 (step 10)" in ranks[0]["killed"]["error"]
+    assert ranks[0]["killed"]["said"].count("was not saved (cannot write") == 2, ranks[0]["killed"]["said"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.env["AWS_ENDPOINT_URL"])  # the store back
+    ranks = several({"again": case}, tmp_path)
+    assert [rank["again"]["error"] for rank in ranks] == [None, None], ranks
+    assert f"resumed from {url}/step_10 (step 10" in ranks[0]["again"]["said"]

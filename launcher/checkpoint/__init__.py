@@ -14,7 +14,8 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     layout.py     step folders, `latest`, choosing one to resume, sealing, retention
     manifest.py   manifest.json: complete and undamaged
     files.py      atomic writes with CRC-32 and fsync; weights-only reads
-    storage.py    where checkpoints live: a local folder, or an object store's by URL (s3://, fsspec's)
+    storage.py    where checkpoints live: a local folder, or an object store's by URL (s3://, checked)
+    prefix_lock.py one live run on an object store's prefix, as a run folder's lock keeps a folder
     run_state.py  the run state beside the model and optimizer, checked field by field
     weights.py    the plain model's weights from any checkpoint, run folder or file (export, init_from)
     sliced.py     the same read into a sharded model, each rank its own slices (init_from under fsdp)

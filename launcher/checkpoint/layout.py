@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-from launcher.checkpoint import files, manifest, storage
+from launcher.checkpoint import files, manifest, prefix_lock, storage
 from launcher.errors import UserError, first_line
 
 _STEP = re.compile(r"step_(\d+)")
@@ -107,7 +107,14 @@ def prepare(folder: Path, step: int) -> Path:
     first loses the old one's manifest, so that it never counts as complete while half replaced)."""
     where = partial(folder, step)
     if storage.is_remote(folder):
-        _remove(where)
+        prefix_lock.check(folder)  # another run took the prefix over: nothing written over its checkpoints
+        try:
+            _remove(where)
+        except Exception as e:  # noqa: BLE001 - the store gone, refusing, timing out: a failed save, not a crash
+            cause = storage.store_error(e)
+            if cause is None:
+                raise
+            raise files.cannot_write(folder, cause) from None
         return where
     shutil.rmtree(where, ignore_errors=True)
     try:
@@ -179,6 +186,16 @@ def seal(folder: Path, step: int, listed: Dict[str, Any], keep: int, **about: An
 
 
 def _retain(folder: Path, written: Path, keep: int) -> None:
+    """The old checkpoints removed once `written` is sealed; a store that fails now leaves them to the next
+    save's retention (the save itself is complete)."""
+    try:
+        _retained(folder, written, keep)
+    except Exception as e:  # noqa: BLE001 - boto's and fsspec's errors, told apart by storage.store_error
+        if not storage.is_remote(folder) or storage.store_error(e) is None:
+            raise
+
+
+def _retained(folder: Path, written: Path, keep: int) -> None:
     # The run folder holds one history (run_dir.py moves any other aside), so the highest steps are the
     # newest; the checkpoint just written is never deleted, whatever else is there.
     for old in complete(folder)[:-keep]:

@@ -1,5 +1,6 @@
-"""Where checkpoints live: a local folder, a pathlib.Path, or a folder of an object store named by a URL
-(s3://bucket/prefix, or any fsspec URL: memory:// in tests), a Remote.
+"""Where checkpoints live: a local folder, a pathlib.Path (a file:// URL names one too), or a folder of an
+object store named by a URL, s3://bucket/prefix, a Remote (fsspec's other URLs too: memory:// in tests; a run
+names s3:// alone, checked by `reachable`).
 
 A Remote offers the few Path methods that checkpoints use (/, name, parent, suffix, exists, is_file, is_dir,
 iterdir, glob, open, read_text, read_bytes, write_bytes), plus size(), listing() (sizes and ETags) and remove(),
@@ -18,6 +19,7 @@ from __future__ import annotations
 import errno
 import fnmatch
 import posixpath
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
@@ -25,14 +27,22 @@ from launcher.checkpoint import s3_connector
 from launcher.errors import UserError, first_line
 
 
+LOCAL = "file://"
+
+
 def is_url(where: Any) -> bool:
-    return isinstance(where, Remote) or "://" in str(where)
+    """Whether `where` names an object store's folder (a file:// URL is a local folder)."""
+    return isinstance(where, Remote) or ("://" in str(where) and not str(where).startswith(LOCAL))
 
 
 def location(where: Any, client: str = "auto") -> Union[Path, "Remote"]:
-    """A Path, or a Remote for a URL (its s3:// objects moved through `client`: Remote's)."""
+    """A Path (file:///path, file://localhost/path, as fsspec reads them, too), or a Remote for a URL (its s3://
+    objects moved through `client`: Remote's)."""
     if isinstance(where, (Path, Remote)):
         return where
+    if str(where).startswith(LOCAL):
+        local = str(where)[len(LOCAL):]
+        return Path(local[len("localhost"):] if local.startswith("localhost/") else local)
     return Remote(str(where), client=client) if is_url(where) else Path(where)
 
 
@@ -188,13 +198,14 @@ def _filesystem(protocol: str, url: str) -> Any:
         package = "s3fs; pip install 'launcher[s3]'" if protocol in ("s3", "s3a") else f"its package ({first_line(e)})"
         raise UserError(f"checkpoint.dir: {url} needs {package}") from None
     except ValueError as e:  # fsspec: "Protocol not known"
-        raise UserError(f"checkpoint.dir: {url}: {first_line(e)}; use a local folder, s3://bucket/prefix or "
-                        f"another fsspec URL") from None
+        raise UserError(f"checkpoint.dir: {url}: {first_line(e)}; {USE}") from None
 
 
 def reachable(folder: Remote, key: str = "checkpoint.dir") -> Optional[str]:
-    """One line naming `key`, before anything trains, where the store cannot be reached: no such bucket, no
-    credentials, no endpoint answering. Returns a line to say, or None: that s3:// goes through s3fs alone."""
+    """One line naming `key`, before anything trains, where the URL names no store a checkpoint can live in
+    (supported), or the store cannot be reached: no such bucket, no credentials, no endpoint answering. Returns a
+    line to say, or None: that s3:// goes through s3fs alone."""
+    supported(folder, key)
     bucket = folder.key.split("/")[0]
     try:
         if folder.protocol in s3_connector.PROTOCOLS:
@@ -208,6 +219,37 @@ def reachable(folder: Remote, key: str = "checkpoint.dir") -> Optional[str]:
     except Exception as e:  # noqa: BLE001 - boto's and fsspec's errors, told apart by name
         raise UserError(f"{key}: {folder}: {_why(e, bucket)}") from None
     return s3_connector.declined_note(folder)
+
+
+STORES = ("s3", "s3a")
+USE = "use a local folder (a path, or file:///path) or s3://bucket/prefix (S3 and S3-compatible stores)"
+# A key's characters that both clients read as written: s3fs takes `?versionId=` as a version, `?`, `*` and `[` as
+# a glob when it deletes, and DCP's fsspec writer `::` as a chain of file systems, where s3torchconnector and
+# boto write the literal key. AWS's "safe characters" (less `*`), the letters of any script, and = , + (the run
+# names of a sweep).
+_KEY = re.compile(r"[\w!\-.'()=,+]+")
+KEY_CHARACTERS = "letters, digits and _ - . ! ' ( ) = , + between slashes"
+
+
+def supported(folder: Remote, key: str) -> None:
+    """Refuse (one line naming `key`) a URL of another scheme than s3:// (memory:// is this process's own: every
+    checkpoint would end with it), and an S3 key that the two clients would read differently."""
+    scheme = folder.protocol
+    if scheme == "memory":
+        lost = ("every checkpoint in it would be lost when the run ends" if key == "checkpoint.dir"
+                else "it holds nothing another process wrote")
+        raise UserError(f"{key}: {folder}: memory:// lives in this process alone, and {lost}; {USE}")
+    if scheme not in STORES:
+        raise UserError(f"{key}: {folder}: {scheme}:// is not a place for checkpoints; {USE}")
+    prefix = folder.key.partition("/")[2]
+    odd = sorted({c for c in prefix if c != "/" and not _KEY.fullmatch(c)})
+    if odd:
+        shown = " ".join(c if c.isprintable() and not c.isspace() else repr(c) for c in odd)
+        raise UserError(f"{key}: {folder}: the key holds {shown}; name a prefix of {KEY_CHARACTERS}, which both S3 "
+                        f"clients read as written (s3fs takes ?versionId= as a version and ? * [ as a glob)")
+    if prefix and {"", ".", ".."} & set(prefix.split("/")):
+        raise UserError(f"{key}: {folder}: the key has an empty part (//), or . or .. between slashes, which some "
+                        f"S3 clients rewrite; name a prefix of {KEY_CHARACTERS}")
 
 
 def _why(e: BaseException, bucket: str) -> str:
