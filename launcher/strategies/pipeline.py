@@ -213,7 +213,7 @@ class Pipeline(FSDP):
     # what crosses the stages
 
     def whole_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        squared = norm.float().pow(2)
+        squared = norm.to(torch.promote_types(norm.dtype, torch.float32)).pow(2)  # float64 stays float64
         dist.all_reduce(squared, group=self.pp_group)
         return squared.sqrt()
 

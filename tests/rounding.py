@@ -1,0 +1,98 @@
+"""What "the same weights" means in a test, so that it holds on any CPU (DESIGN.md invariant 16).
+
+Two layouts of one training (world sizes, strategies, accumulation splits, pipeline stages, packing) compute
+the same sums in another order, so their weights differ by rounding, and training amplifies it. In float32 how
+far depends on the CPU as much as on the layout: AVX2 and AVX-512 kernels block their sums differently, and
+charlm's pp x 2 run against one process (12 steps of SGD) ends 1.6e-6 of its largest weight apart under
+AVX-512 and 3.6e-5 under AVX2 on one machine; another AVX-512 machine measured 5.6e-6. A float32 tolerance
+is a measurement of the machine it was written on.
+
+So the tests that say "the same weights" train in float64 (`float64(target)`: the model built and run in
+float64), where the same runs end 7e-15 apart, and compare with `assert_within_rounding`: every element of
+every tensor
+
+    |a - b| <= steps * 2**16 * u * scale,   u = 2**-53 (float64's unit roundoff), scale = the largest |a|
+
+- Rounding error is relative to the magnitudes summed, not to the result: an element that cancels to
+  near zero carries its summands' error. So the bound is in units of the model's largest weight, the same
+  for every element, not a fraction of each element (an elementwise rtol fails on the small ones).
+- Each step adds its own rounding, so the budget grows with the steps: 2**16 units in the last place a
+  step. The amplification measured is 5 (float64) to 25 (float32, AVX2) units a step, so the budget is
+  over 2,000 times the worst seen, on any CPU, busy or not (rounding does not depend on the load).
+- It still sits far below a real difference: a step missing, a batch weighted wrong, or a float32
+  rounding slipped into a float64 run (one reduction in float32 puts layouts 2e-7 apart) each exceeds it by
+  10**3 or more (tests/test_rounding.py shows the first and the last caught).
+
+Bitwise claims (a resume at the same world size, a run against itself) compare with
+tests.conftest.assert_same_weights instead: one machine, one order of sums, no rounding apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Union
+
+import torch
+
+U = 2.0 ** -53  # float64's unit roundoff
+ULPS_A_STEP = 2 ** 16
+
+Weights = Union[Path, str, Mapping[str, torch.Tensor]]
+
+
+def float64(target: str) -> List[str]:
+    """Recipe overrides that build the recipe's model, `target` (its `_target_`), in float64: after the
+    recipe's own model keys (its other keys stay the target's arguments)."""
+    return ["model._target_=tests.rounding.in_float64", f"model.of={target}"]
+
+
+def in_float64(of: str, **kwargs: Any) -> torch.nn.Module:
+    """`of(**kwargs)` with its parameters and buffers in float64 (built so: its initial values are drawn as
+    float64, not rounded from float32) and its floating inputs cast to float64."""
+    from launcher.recipe.instantiate import locate
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = locate(of)(**kwargs)
+    finally:
+        torch.set_default_dtype(default)
+    model.double()
+    model.register_forward_pre_hook(_inputs_in_float64, with_kwargs=True)
+    return model
+
+
+def _inputs_in_float64(module, args, kwargs):
+    return tuple(_wide(a) for a in args), {k: _wide(v) for k, v in kwargs.items()}
+
+
+def _wide(value: Any) -> Any:
+    return value.double() if torch.is_tensor(value) and value.is_floating_point() else value
+
+
+def bound(reference: Mapping[str, torch.Tensor], steps: int) -> float:
+    """How far apart rounding alone leaves two float64 trainings of `steps` steps (the module's docstring)."""
+    scale = max((t.abs().max().item() for t in reference.values() if t.is_floating_point() and t.numel()), default=0.0)
+    return steps * ULPS_A_STEP * U * scale
+
+
+def assert_within_rounding(reference: Weights, other: Weights, steps: int) -> None:
+    """Every tensor of `other` within rounding of `reference`'s after `steps` optimizer steps, in float64."""
+    a, b = _loaded(reference), _loaded(other)
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    wrong = sorted({str(t.dtype) for t in [*a.values(), *b.values()] if t.is_floating_point()} - {"torch.float64"})
+    assert not wrong, f"weights in {', '.join(wrong)}: train both in float64 (tests.rounding.float64), where rounding " \
+                      "does not depend on the CPU"
+    limit = bound(a, steps)
+    for key in a:
+        assert a[key].shape == b[key].shape, f"{key}: shape {tuple(b[key].shape)}, not {tuple(a[key].shape)}"
+        if a[key].is_floating_point():
+            apart = (a[key] - b[key]).abs().max().item() if a[key].numel() else 0.0
+            assert apart <= limit, f"{key} differs by {apart:.3g}, past rounding's {limit:.3g} after {steps} steps"
+        else:
+            assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def _loaded(weights: Weights) -> Dict[str, torch.Tensor]:
+    if isinstance(weights, Mapping):
+        return dict(weights)
+    return torch.load(weights, map_location="cpu", weights_only=True)
