@@ -29,44 +29,16 @@ tests.conftest.assert_same_weights instead: one machine, one order of sums, no r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Union
+from typing import Dict, Mapping, Union
 
 import torch
+
+from tests.float64 import overrides as float64  # noqa: F401  (the overrides of a run compared here)
 
 U = 2.0 ** -53  # float64's unit roundoff
 ULPS_A_STEP = 2 ** 16
 
 Weights = Union[Path, str, Mapping[str, torch.Tensor]]
-
-
-def float64(target: str) -> List[str]:
-    """Recipe overrides that build the recipe's model, `target` (its `_target_`), in float64: after the
-    recipe's own model keys (its other keys stay the target's arguments)."""
-    return ["model._target_=tests.rounding.in_float64", f"model.of={target}"]
-
-
-def in_float64(of: str, **kwargs: Any) -> torch.nn.Module:
-    """`of(**kwargs)` with its parameters and buffers in float64 (built so: its initial values are drawn as
-    float64, not rounded from float32) and its floating inputs cast to float64."""
-    from launcher.recipe.instantiate import locate
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        model = locate(of)(**kwargs)
-    finally:
-        torch.set_default_dtype(default)
-    model.double()
-    model.register_forward_pre_hook(_inputs_in_float64, with_kwargs=True)
-    return model
-
-
-def _inputs_in_float64(module, args, kwargs):
-    return tuple(_wide(a) for a in args), {k: _wide(v) for k, v in kwargs.items()}
-
-
-def _wide(value: Any) -> Any:
-    return value.double() if torch.is_tensor(value) and value.is_floating_point() else value
 
 
 def bound(reference: Mapping[str, torch.Tensor], steps: int) -> float:
@@ -80,7 +52,7 @@ def assert_within_rounding(reference: Weights, other: Weights, steps: int) -> No
     a, b = _loaded(reference), _loaded(other)
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     wrong = sorted({str(t.dtype) for t in [*a.values(), *b.values()] if t.is_floating_point()} - {"torch.float64"})
-    assert not wrong, f"weights in {', '.join(wrong)}: train both in float64 (tests.rounding.float64), where rounding " \
+    assert not wrong, f"weights in {', '.join(wrong)}: train both in float64 (tests.float64), where rounding " \
                       "does not depend on the CPU"
     limit = bound(a, steps)
     for key in a:

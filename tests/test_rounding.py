@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.conftest import train
-from tests.rounding import assert_within_rounding, bound, float64, in_float64
+from tests.float64 import built
+from tests.rounding import assert_within_rounding, bound, float64
 
 EXACT = [*float64("recipes.components.mlp.MLP"), "trainer.max_steps=20", "data.batch_size=32"]
 
@@ -23,7 +24,7 @@ def whole(tmp_path_factory):
 def test_the_model_trains_in_float64(whole):
     weights = torch.load(whole, weights_only=True)
     assert {w.dtype for w in weights.values()} == {torch.float64}
-    model = in_float64("recipes.components.mlp.MLP", hidden=8)
+    model = built("recipes.components.mlp.MLP", hidden=8)
     assert model(torch.zeros(2, 32)).dtype == torch.float64  # its float32 inputs are cast
 
 
