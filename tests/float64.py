@@ -31,7 +31,12 @@ def built(of: str, **kwargs: Any) -> torch.nn.Module:
     """`of(**kwargs)` in float64 (the module's docstring)."""
     from launcher.recipe.instantiate import locate
 
-    model = locate(of)(**kwargs).double()
+    return in_float64(locate(of)(**kwargs))
+
+
+def in_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, cast to float64 in place, and run in float64 (the module's docstring)."""
+    model.double()
     model.register_forward_pre_hook(_inputs_in_float64, with_kwargs=True)
     if hasattr(model, "loss_function"):  # an HF model: its casts to float32 kept in float64
         for module in model.modules():

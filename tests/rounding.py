@@ -37,6 +37,8 @@ from tests.float64 import overrides as float64  # noqa: F401  (the overrides of 
 
 U = 2.0 ** -53  # float64's unit roundoff
 ULPS_A_STEP = 2 ** 16
+U32 = 2.0 ** -24  # float32's
+SCATTER = 32
 
 Weights = Union[Path, str, Mapping[str, torch.Tensor]]
 
@@ -62,6 +64,26 @@ def assert_within_rounding(reference: Weights, other: Weights, steps: int) -> No
             assert apart <= limit, f"{key} differs by {apart:.3g}, past rounding's {limit:.3g} after {steps} steps"
         else:
             assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def assert_within_float32_rounding(reference: Weights, other: Weights, exact: Weights) -> None:
+    """For runs that must stay in float32 (a fused optimizer's kernel has no float64 one): `other` ends no farther
+    from `exact`, the reference's training in float64 from the same initial weights, than SCATTER times the float32
+    `reference` does. That is float32's own rounding of this training, measured on this machine: no CPU's bound."""
+    a, b, t = _loaded(reference), _loaded(other), _loaded(exact)
+    assert a.keys() == b.keys() == t.keys(), sorted(set(a) ^ set(b) ^ set(t))
+    assert {str(w.dtype) for w in [*a.values(), *b.values()] if w.is_floating_point()} == {"torch.float32"}
+    assert {str(w.dtype) for w in t.values() if w.is_floating_point()} == {"torch.float64"}, "exact: not float64"
+    scale = max(w.abs().max().item() for w in t.values() if w.is_floating_point() and w.numel())
+    rounding = max(_apart(a, t), U32 * scale)
+    apart = _apart(b, t)
+    assert apart <= SCATTER * rounding, f"{apart:.3g} from the float64 run, past {SCATTER} x float32's rounding " \
+                                        f"({rounding:.3g}, the reference's distance from it)"
+
+
+def _apart(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point() and a[k].numel()),
+               default=0.0)
 
 
 def _loaded(weights: Weights) -> Dict[str, torch.Tensor]:
