@@ -44,10 +44,10 @@ def held(said: str) -> float:
 
 
 def whole() -> float:
-    """MiB of CHARLM's model whole: parameters, gradients, and AdamW's two moments, in fp32."""
+    """MiB of CHARLM64's model whole: parameters, gradients, and AdamW's two moments, in float64."""
     from recipes.components.gpt import GPT
 
-    return 16 * sum(p.numel() for p in GPT(65, 32, n_layer=2, n_head=2, n_embd=32).parameters()) / 2**20
+    return 32 * sum(p.numel() for p in GPT(65, 32, n_layer=2, n_head=2, n_embd=32).parameters()) / 2**20
 
 
 SGD = [*CHARLM64, "optimizer={_target_: torch.optim.SGD, lr: 0.5, momentum: 0.9}", "lr_schedule=null"]
