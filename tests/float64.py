@@ -51,22 +51,7 @@ def _inputs_in_float64(module, args, kwargs):
 
 
 def _wide(value: Any) -> Any:
-    if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.float64:
-        return _widened_input(value)
-    return value
-
-
-# The cast as an op of its own, which a compiled model calls and does not compile: Inductor's vectorised float32 to
-# float64 conversion on AVX2 with one thread (torch 2.13, at::vec::convert<double,2,float,1>) gives garbage, and a
-# compiled float64 model fed float32 batches trained on it (its loss wrong, its gradients 100 times too large).
-@torch.library.custom_op("tests_float64::widened_input", mutates_args=())
-def _widened_input(x: torch.Tensor) -> torch.Tensor:
-    return x.double()
-
-
-@_widened_input.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, dtype=torch.float64)
+    return value.double() if torch.is_tensor(value) and value.is_floating_point() else value
 
 
 def _widened(loss_function):
