@@ -9,7 +9,7 @@ AVX-512 and 3.6e-5 under AVX2, on one machine (ATEN_CPU_CAPABILITY=avx2 picks th
 machine measured 5.6e-6. A float32 tolerance is a measurement of the machine it was written on.
 
 So these tests train in float64 (`float64(target)`, tests/float64.py: the model built as the recipe builds it,
-then run in float64 throughout), where such runs end 1e-16 to 2e-14 apart, and `assert_within_rounding`
+then run in float64 throughout), where such runs end at most 2e-14 apart, and `assert_within_rounding`
 compares every element of every tensor:
 
     |a - b| <= steps * 2**16 * u * scale,   u = 2**-53 (float64's unit roundoff), scale = the largest |a|
