@@ -1,7 +1,7 @@
 """recipes/hf_sft.yaml trains: chat SFT from the tiny Llama folder (its BPE tokenizer and ChatML template) and
 recipes/data/chat.jsonl, the loss on the answers going down; packed rows give the padded samples' step; under
-ddp x2 the same samples give one process's weights (rtol 1e-5), and a malformed row is the same one line on
-every rank."""
+ddp x2 the same samples give one process's weights (within rounding, in float64), and a malformed row is the
+same one line on every rank."""
 
 import json
 import re
