@@ -93,8 +93,9 @@ def assert_within_float32_rounding(reference: Weights, other: Weights, exact: We
 
 
 def _apart(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
-    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point() and a[k].numel()),
-               default=0.0)
+    """The largest difference of any element of `a`'s floating tensors from `b`'s."""
+    floating = [k for k in a if a[k].is_floating_point() and a[k].numel()]
+    return max(((a[k].double() - b[k].double()).abs().max().item() for k in floating), default=0.0)
 
 
 def _loaded(weights: Weights) -> Dict[str, torch.Tensor]:
