@@ -325,6 +325,7 @@ for i in range(8):
 """
 
 
+@pytest.mark.slow  # two processes
 def test_runs_started_side_by_side_share_their_new_experiment(tmp_path):
     """Two processes, as `launcher.sweep --parallel 2` starts runs: each experiment is made once and holds both
     runs (before, the second run to create one ended with MLflow's "Experiment 'grid' already exists", or the
