@@ -1,6 +1,8 @@
+import getpass
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,12 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Models and configs come from folders the tests write: nothing is ever fetched from the HF Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Inductor's on-disk cache is keyed by the code it compiles, not by ATEN_CPU_CAPABILITY: a kernel compiled under one
+# capability (AVX-512) is loaded under another (ATEN_CPU_CAPABILITY=avx2, how the exactness tests are checked on one
+# machine: docs/contributing.md), and its results are garbage (nan; a loss 10 times off). One cache per capability,
+# for this process and the ones it starts.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{torch.backends.cpu.get_cpu_capability().lower()}"))
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"

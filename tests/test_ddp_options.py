@@ -15,7 +15,7 @@ from launcher.strategies import create
 from launcher.strategies.ddp import options, unused_parameters, with_sync_batchnorm
 from tests.components_ddp import UnusedHead, WithBatchNorm
 from tests.conftest import REPO, SMALL, state_dict
-from tests.test_strategies import ACCELERATE, RECIPE, TORCHRUN, assert_equivalent, free_port, run
+from tests.test_strategies import ACCELERATE, EXACT, RECIPE, TORCHRUN, assert_equivalent, free_port, run
 
 UNUSED = "model._target_=tests.components_ddp.UnusedHead"
 SHORT = [*SMALL, "trainer.max_steps=10", "data.val.n=64"]
@@ -201,7 +201,7 @@ def two(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ddp_options")
     cases = {"unused-allowed": ["recipes/quickstart.yaml", "strategy=ddp", *SHORT, UNUSED, "ddp.find_unused_parameters=true"],
-             **{name: [*RECIPE, *options] for name, options in OPTIONS.items()}}
+             **{name: [*EXACT, *options] for name, options in OPTIONS.items()}}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=600)
 
 
@@ -247,7 +247,7 @@ def reference(tmp_path_factory):
     from launcher.run.train import train
 
     folder = tmp_path_factory.mktemp("single")
-    train(load(REPO / RECIPE[0], [*RECIPE[1:], f"run_dir={folder}", "strategy=single"]))
+    train(load(REPO / EXACT[0], [*EXACT[1:], f"run_dir={folder}", "strategy=single"]))
     return folder / "model.pt"
 
 

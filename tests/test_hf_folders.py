@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, launch, state_dict
+from tests.rounding import assert_within_rounding, float64
 
 transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
 pytest.importorskip("safetensors", reason="the dev extra (safetensors) is not installed")
@@ -23,6 +24,8 @@ SHORT = ["on_cpu=null", "precision=fp32", "trainer.max_steps=6", "trainer.log_ev
          "optimizer.lr=0.5", "~optimizer.weight_decay",
          # no memory planner beside each run (a process of its own): no test here reads the `memory:` line
          "logging.memory_plan=false"]
+# the runs compared within rounding (tests/rounding.py)
+EXACT = float64("transformers.AutoModelForCausalLM.from_config")
 
 
 def folder(tmp_path, name="base", **kwargs):
@@ -77,9 +80,9 @@ def two_processes(tmp_path_factory):
     root = tmp_path_factory.mktemp("two")
     plain, tied = folder(root, "plain", shard_size="60KB"), folder(root, "tied", shard_size="60KB", dtype="bf16", tie=True)
     lr = ["optimizer.lr=0.1"]  # the tied-weights tests' (tests/test_fsdp_tied.py)
-    cases = {"ddp": overrides(plain, root / "ddp", "strategy=ddp"),
-             "fsdp": overrides(tied, root / "fsdp", "strategy=fsdp", *lr),
-             "fsdp-tp": overrides(tied, root / "fsdp-tp", "strategy=fsdp", "parallel.tp=2", *lr)}
+    cases = {"ddp": overrides(plain, root / "ddp", "strategy=ddp", *EXACT),
+             "fsdp": overrides(tied, root / "fsdp", "strategy=fsdp", *lr, *EXACT),
+             "fsdp-tp": overrides(tied, root / "fsdp-tp", "strategy=fsdp", "parallel.tp=2", *lr, *EXACT)}
     return root, several({name: [str(RECIPE), *args] for name, args in cases.items()}, root)[0]
 
 
@@ -93,16 +96,14 @@ def test_two_processes_from_a_folder_end_as_one(tmp_path, strategy, two_processe
     root, results = two_processes
     tied = strategy != "ddp"
     base = root / ("tied" if tied else "plain")
-    here(base, tmp_path / "one", *(["optimizer.lr=0.1"] if tied else []))
+    here(base, tmp_path / "one", *(["optimizer.lr=0.1"] if tied else []), *EXACT)
     done = results[strategy]
     assert done["error"] is None, done
     assert (f"initialised the model from {base} into this rank's shards" in done["said"]) == tied
     if strategy == "fsdp-tp":
         assert "parallel.tp: 16 layers split over 2 ranks: lm_head (colwise_rep), model.embed_tokens " \
                "(embedding_rowwise), model.layers.0.self_attn.q_proj (colwise)" in done["said"], done["said"]
-    one, two = state_dict(tmp_path / "one" / "model.pt"), state_dict(root / strategy / "model.pt")
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert_within_rounding(tmp_path / "one" / "model.pt", root / strategy / "model.pt", steps=6)
 
 
 @pytest.mark.slow

@@ -16,12 +16,12 @@ from launcher.slurm.render import render
 from tests.conftest import REPO, assert_same_weights
 from tests.s3 import BUCKET, s3  # noqa: F401
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
-from tests.test_strategies import RECIPE, assert_equivalent
+from tests.test_strategies import EXACT, RECIPE, assert_equivalent
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
-def submit(cluster, run_dir: Path, *args: str, env: dict = None, recipe: list = RECIPE) -> int:
+def submit(cluster, run_dir: Path, *args: str, env: dict = None, recipe: list = EXACT) -> int:
     """The job gets the environment it is submitted from (sbatch's --export=ALL): the cluster's, plus `env`."""
     done = subprocess.run([sys.executable, "-m", "launcher.slurm", "submit", *recipe, f"run_dir={run_dir}",
                            f"--python={sys.executable}", "--time=5", *args],
@@ -47,7 +47,7 @@ def finished(cluster, run_dir: Path, job: int, timeout: float = 150) -> str:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     folder = tmp_path_factory.mktemp("single")
-    done = subprocess.run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={folder}"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "launcher", *EXACT, f"run_dir={folder}"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return folder / "model.pt"
@@ -83,16 +83,16 @@ def test_two_nodes_sharded_and_tensor_parallel(slurm_cluster, tmp_path, single):
 def test_two_nodes_as_two_pipeline_stages(slurm_cluster, tmp_path):  # noqa: F811
     """charlm cut in two stages, one a node (1F1B): only activations and their gradients cross between the
     nodes; the job ends as one process does."""
-    from tests.test_fsdp import assert_close
+    from tests.rounding import assert_within_rounding
     from tests.test_parallel import alone
-    from tests.test_pipeline import GPT, SGD, SGD_TIGHT
+    from tests.test_pipeline import GPT, SGD, STEPS
 
     alone(tmp_path / "one", *GPT, *SGD)
     job = submit(slurm_cluster, tmp_path / "pp", "--nodes=2", "strategy=fsdp", "parallel.pp=2", recipe=[*GPT, *SGD])
     output = finished(slurm_cluster, tmp_path / "pp", job, timeout=240)
     assert "1     0           1" in output  # rank 1 (the second stage): local rank 0 on node 1
     assert "parallel.pp: pp 2 x dp_shard 1 = 2 ranks; 2 stages (1f1b, 2 micro-batches)" in output
-    assert_close(tmp_path / "one" / "model.pt", tmp_path / "pp" / "model.pt", **SGD_TIGHT)
+    assert_within_rounding(tmp_path / "one" / "model.pt", tmp_path / "pp" / "model.pt", STEPS)
 
 
 def test_one_node_two_processes(slurm_cluster, tmp_path, single):  # noqa: F811
@@ -119,7 +119,7 @@ def test_preemption_saves_requeues_and_finishes_exactly(slurm_cluster, tmp_path,
     tracked = [f"logging.mlflow.tracking_uri=file:{tmp_path / 'mlruns'}", "logging.jsonl=true"]
     elsewhere = [f"checkpoint.dir={url}"] if sharded else []
     job = submit(slurm_cluster, run_dir, *SLOW, *fsdp, *tracked, *elsewhere, *(["--tasks-per-node=2"] if sharded else []),
-                 env=store.env if sharded else None)
+                 env=store.env if sharded else None, recipe=RECIPE)
     deadline = time.time() + 90
     while "step 10/" not in log(run_dir, job):
         assert time.time() < deadline, log(run_dir, job)

@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from tests.conftest import QUICKSTART, REPO, assert_same_weights, state_dict, trained_here
+from tests.conftest import QUICKSTART, REPO, assert_same_weights, trained_here
+from tests.rounding import assert_within_rounding, float64
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
 
@@ -15,6 +15,9 @@ pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m p
 RECIPE = ["recipes/quickstart.yaml", "data.train.n=1024", "data.val.n=256", "data.batch_size=32",
           "trainer.max_steps=40", "trainer.log_every=10", "logging.tensorboard=false",
           "logging.memory_plan=false"]  # no planner process beside each run (tests/test_plan.py checks those)
+# The runs compared with one process's: in float64, where rounding does not depend on the CPU (tests/rounding.py).
+EXACT = [*RECIPE, *float64("recipes.components.mlp.MLP")]
+STEPS = 40  # RECIPE's trainer.max_steps
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
@@ -35,19 +38,17 @@ def run(command: list, timeout: float = 180) -> subprocess.CompletedProcess:
 def reference(tmp_path_factory):
     """The single-process run every strategy's must give: trained in this process."""
     folder = tmp_path_factory.mktemp("single")
-    trained_here(*RECIPE, f"run_dir={folder}", "strategy=single")
+    trained_here(*EXACT, f"run_dir={folder}", "strategy=single")
     return folder / "model.pt"
 
 
 def assert_equivalent(reference, other) -> None:
-    a, b = state_dict(reference), state_dict(other)
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=f"{key} differs from single's")
+    """`other`, a run of EXACT, ends as the one-process `reference` does, within rounding."""
+    assert_within_rounding(reference, other, STEPS)
 
 
 def test_dp_without_gpus_runs_as_single(reference, tmp_path):
-    said = trained_here(*RECIPE, f"run_dir={tmp_path}", "strategy=dp")  # a plain process, as this one
+    said = trained_here(*EXACT, f"run_dir={tmp_path}", "strategy=dp")  # a plain process, as this one
     assert "strategy: dp found no GPU; running as a single process on the CPU" in said
     assert_equivalent(reference, tmp_path / "model.pt")
 
@@ -57,7 +58,7 @@ def ddp_torchrun(tmp_path_factory):
     """DDP x2 under torchrun, saving every 10 steps: test_ddp_under_torchrun's run, and the run no kill stopped
     that test_elastic_restart_resumes_and_finishes compares with (the saves change no weight)."""
     folder = tmp_path_factory.mktemp("ddp-torchrun")
-    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *RECIPE, "checkpoint.every=10",
+    done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *EXACT, "checkpoint.every=10",
                 f"run_dir={folder}"])
     return done, folder / "model.pt"
 
@@ -69,13 +70,13 @@ def test_ddp_under_torchrun(reference, ddp_torchrun):
 
 
 def test_ddp_started_by_the_launcher(reference, tmp_path):
-    done = run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", "strategy=ddp", "nproc_per_node=2"])
+    done = run([sys.executable, "-m", "launcher", *EXACT, f"run_dir={tmp_path}", "strategy=ddp", "nproc_per_node=2"])
     assert done.stdout.count("optimizer: torch.optim.AdamW with fused=True") == 1  # rank 0 says it; both chose it
     assert_equivalent(reference, tmp_path / "model.pt")
 
 
 def test_ddp_compiled_gives_the_eager_single_weights(reference, tmp_path):
-    run([sys.executable, "-m", "launcher", *RECIPE, f"run_dir={tmp_path}", "strategy=ddp", "nproc_per_node=2",
+    run([sys.executable, "-m", "launcher", *EXACT, f"run_dir={tmp_path}", "strategy=ddp", "nproc_per_node=2",
          "trainer.compile=true"])
     assert_equivalent(reference, tmp_path / "model.pt")
 
@@ -85,7 +86,7 @@ def test_accelerate_two_processes(reference, tmp_path):
     # On the CPU, accelerate's `--cpu` starts one process; its torchrun path (--multi_gpu) starts several.
     done = run([*ACCELERATE, "--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
                 "--dynamo_backend=no", f"--main_process_port={free_port()}",
-                "-m", "launcher", *RECIPE, f"run_dir={tmp_path}"])
+                "-m", "launcher", *EXACT, f"run_dir={tmp_path}"])
     assert "(accelerate)" in done.stdout  # strategy auto picks accelerate under accelerate launch
     assert_equivalent(reference, tmp_path / "model.pt")
 
@@ -94,7 +95,7 @@ def test_two_nodes_one_process_each(reference, tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     agents = [subprocess.Popen(
         [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
-         "--rdzv_id=equivalence", "-m", "launcher", *RECIPE, f"run_dir={tmp_path}"],
+         "--rdzv_id=equivalence", "-m", "launcher", *EXACT, f"run_dir={tmp_path}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [agent.communicate(timeout=180)[0] for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
@@ -104,10 +105,10 @@ def test_two_nodes_one_process_each(reference, tmp_path):
 
 
 def test_elastic_restart_resumes_and_finishes(tmp_path, ddp_torchrun):
-    common = [*RECIPE, "checkpoint.every=10"]
-    dies = "model={_target_: tests.components.DiesOnce, at: 25, rank: 1}"
+    common = [*EXACT, "checkpoint.every=10"]
+    dies = [*float64("tests.components.DiesOnce"), "model.at=25", "model.rank=1"]
     done = run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m", "launcher", *common,
-                dies, f"run_dir={tmp_path / 'killed'}"])
+                *dies, f"run_dir={tmp_path / 'killed'}"])
     assert "resumed from" in done.stdout and "step_20" in done.stdout
     assert_same_weights(ddp_torchrun[1], tmp_path / "killed" / "model.pt")
 

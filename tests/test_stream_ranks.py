@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, assert_same_weights, in_this_process
-from tests.test_strategies import RECIPE, assert_equivalent, run
+from tests.test_strategies import EXACT, assert_equivalent, run
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs
 
@@ -19,7 +19,7 @@ DDP = ["strategy=ddp", "nproc_per_node=2"]
 
 
 def launcher(*args):
-    return [sys.executable, "-m", "launcher", *RECIPE, *args]
+    return [sys.executable, "-m", "launcher", *EXACT, *args]
 
 
 def keep_until(run_dir, step):
@@ -32,7 +32,7 @@ def keep_until(run_dir, step):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     folder = tmp_path_factory.mktemp("stream-one")
-    code, out, err = in_this_process(*RECIPE, f"run_dir={folder}", "strategy=single", STREAM)
+    code, out, err = in_this_process(*EXACT, f"run_dir={folder}", "strategy=single", STREAM)
     assert code == 0, out[-3000:] + err[-3000:]
     return folder / "model.pt"
 
@@ -160,7 +160,7 @@ def test_fsdp_and_accelerate_read_a_stream_as_one_process_does(one_process, two_
     else:
         pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
         command = [*ACCELERATE, "--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
-                   "--dynamo_backend=no", f"--main_process_port={free_port()}", "-m", "launcher", *RECIPE]
+                   "--dynamo_backend=no", f"--main_process_port={free_port()}", "-m", "launcher", *EXACT]
         stdout, model = run([*command, STREAM, f"run_dir={tmp_path}"]).stdout, tmp_path / "model.pt"
     assert f"({how})" in stdout and "from a stream" in stdout, stdout
     assert_equivalent(one_process, model)

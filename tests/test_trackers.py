@@ -302,3 +302,72 @@ def test_the_loop_never_waits_on_the_tracking_server():
     sender.finish(10)
     assert said == ["logging.mlflow: could not log step 10 (cannot be reached ([Errno 111] Connection refused)); "
                     "training goes on, and values that cannot be logged are left out"]
+
+
+# Runs of one experiment started at once: each process starts the MLflow logger of a run in each of 8 experiments
+# in turn, after both are ready (a file each, then a spin), so that their lookups and creations interleave.
+SIDE_BY_SIDE = """
+import os, sys, time, types
+from pathlib import Path
+
+import mlflow  # noqa: F401  (imported before the start, not inside the race)
+from launcher.loggers import Start
+from launcher.loggers.mlflow import MLflow
+
+uri, folder, me, other = sys.argv[1:]
+Path(folder, me).touch()
+while not Path(folder, other).exists():
+    pass
+for i in range(8):
+    logger = MLflow(types.SimpleNamespace(tracking_uri=uri, experiment=f"grid{i}", run_name=me))
+    logger.start(Start(Path(folder), "grid", 0, "", {}, {}, [], say=print))
+    logger.close("finished")
+"""
+
+
+@pytest.mark.slow  # two processes
+def test_runs_started_side_by_side_share_their_new_experiment(tmp_path):
+    """Two processes, as `launcher.sweep --parallel 2` starts runs: each experiment is made once and holds both
+    runs (before, the second run to create one ended with MLflow's "Experiment 'grid' already exists", or the
+    file store held two experiments of one name)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    uri = f"file:{tmp_path / 'mlruns'}"
+    procs = [subprocess.Popen([sys.executable, "-c", SIDE_BY_SIDE, uri, str(tmp_path), me, other], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for me, other in (("a", "b"), ("b", "a"))]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    c = client(tmp_path)
+    for i in range(8):
+        (experiment,) = c.search_experiments(filter_string=f"name = 'grid{i}'")
+        runs = c.search_runs([experiment.experiment_id])
+        assert sorted(r.info.run_name for r in runs) == ["a", "b"], i
+
+
+def test_an_experiment_created_between_the_lookup_and_the_creation_is_taken(tmp_path, monkeypatch):
+    """The race made certain in one process: another run creates the experiment just after this one looked."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from launcher.loggers import Start
+    from launcher.loggers.mlflow import MLflow
+
+    uri = f"file:{tmp_path / 'mlruns'}"
+    lookup = mlflow.MlflowClient.get_experiment_by_name
+    created = []
+
+    def looked_too_early(self, name):
+        found = lookup(self, name)
+        if found is None and not created:
+            created.append(mlflow.MlflowClient(tracking_uri=uri).create_experiment(name))  # the other run's
+        return found
+
+    monkeypatch.setattr(mlflow.MlflowClient, "get_experiment_by_name", looked_too_early)
+    logger = MLflow(SimpleNamespace(tracking_uri=uri, experiment="grid", run_name="b"))
+    kept = logger.start(Start(Path(tmp_path), "grid", 0, "", {}, {}, [], say=print))
+    logger.close("finished")
+    assert created and client(tmp_path).get_run(kept["run_id"]).info.experiment_id == created[0]

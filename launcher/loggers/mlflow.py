@@ -9,11 +9,17 @@ The loop never waits on the tracking server: values go to it from a thread of th
 MLflow retries a failing request for about four minutes (a server's rate limits), which during
 training is the thread's time, not the loop's. At the start, a server that cannot be reached is a
 mistake to report in seconds: there MLflow retries twice (unless MLFLOW_HTTP_REQUEST_* say otherwise).
+
+Runs that start side by side (a sweep's `--parallel`) may each find their experiment missing: creating it is
+idempotent (the run whose creation the store refuses as existing takes the experiment the other created), and
+on a local file store, whose own check-then-create could make two experiments of one name, they take turns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import queue
 import re
@@ -89,12 +95,26 @@ class MLflow:
         return run_id
 
     def _new(self, run: Start) -> str:
-        name = self.cfg.experiment or run.name
-        experiment = self.client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
-        created = self.client.create_run(experiment_id, run_name=self.cfg.run_name or run.name,
+        created = self.client.create_run(self._experiment(self.cfg.experiment or run.name),
+                                         run_name=self.cfg.run_name or run.name,
                                          tags={"launcher.run_dir": str(run.run_dir.resolve())})
         return created.info.run_id
+
+    def _experiment(self, name: str) -> str:
+        """The id of experiment `name`, created if it is missing (the module's docstring: side by side)."""
+        from mlflow.exceptions import MlflowException
+
+        with _turn(self.client.tracking_uri):
+            found = self.client.get_experiment_by_name(name)
+            if found is not None:
+                return found.experiment_id
+            try:
+                return self.client.create_experiment(name)
+            except MlflowException as e:  # created by another run since the lookup
+                found = self.client.get_experiment_by_name(name) if e.error_code == "RESOURCE_ALREADY_EXISTS" else None
+                if found is None:
+                    raise
+                return found.experiment_id
 
     def _params(self, run: Start, held: Dict[str, str]) -> List[tuple]:
         """Parameters not held yet. MLflow refuses to change one: a value that changed at a resume (the
@@ -176,6 +196,30 @@ class Sender:
         if left:
             self.say(f"logging.mlflow: the tracking server did not take the last {left} calls within {seconds:g} s; "
                      f"they are left out")
+
+
+@contextlib.contextmanager
+def _turn(uri: str) -> Iterator[None]:
+    """Held while a run looks up and creates its experiment in the local file store at `uri` (a record lock on
+    a file in the store's folder, blocking); other stores refuse a second experiment of one name themselves."""
+    from mlflow.utils.file_utils import local_file_uri_to_path
+    from mlflow.utils.uri import is_local_uri
+
+    if not is_local_uri(uri):
+        yield
+        return
+    root = local_file_uri_to_path(uri)
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, ".launcher.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+        except OSError as e:  # a file system without locks (some network mounts): MLflow's own check alone
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
 
 
 @contextlib.contextmanager

@@ -185,7 +185,7 @@ class LossWeights:
                             "every batch, or of none")
         if not counted:
             return (out.loss / self.accum if self.accum > 1 else out.loss), None
-        count = torch.as_tensor(out.num_items, device=out.loss.device).float()
+        count = torch.as_tensor(out.num_items, device=out.loss.device).to(_count_dtype(out.loss))
         world = self.strategy.data_share()[0]  # the ranks whose gradients are averaged
         if self.accum == 1:
             total = self.strategy.all_reduce_sum(count.clone()).clamp(min=1)
@@ -212,6 +212,11 @@ class LossWeights:
             grads = [q.grad for q in self.params if q.grad is not None]
             if grads:  # (gradients offloaded to the CPU get the factor there)
                 torch._foreach_mul_(grads, self.rescale.to(grads[0].device, non_blocking=True))
+
+
+def _count_dtype(loss: torch.Tensor) -> torch.dtype:
+    """Item counts, and the weights made of them, in the loss's precision, and no less than float32."""
+    return torch.promote_types(loss.dtype, torch.float32)
 
 
 def _step_schedule(schedule: Any, step: int) -> None:

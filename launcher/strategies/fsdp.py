@@ -90,16 +90,24 @@ class FSDP(DDP):
         found = kept
         self.units = list(dict.fromkeys(type(m).__name__ for m in found))
         # Parameters compute in the recipe's precision (autocast still runs, as under every strategy);
-        # gradients are reduced in fsdp.reduce_dtype and kept in fp32 shards for the optimizer.
+        # gradients are reduced in fsdp.reduce_dtype and kept in the parameters' shards for the optimizer.
         param_dtype = torch.bfloat16 if self.precision in ("bf16", "fp8") else None
         options = {"mesh": mesh.data_mesh(self.device_mesh, self.shape),
                    "reshard_after_forward": self.fsdp.reshard_after_forward,
-                   "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[self.fsdp.reduce_dtype]),
+                   "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=self._reduce_dtype(root)),
                    "offload_policy": CPUOffloadPolicy() if self.fsdp.cpu_offload and self.device.type == "cuda"
                    else OffloadPolicy()}
         for unit in reversed(found):  # innermost first: a unit inside another is its own shard group
             fully_shard(unit, **options)
         fully_shard(root, **options)
+
+    def _reduce_dtype(self, model: nn.Module):
+        """fsdp.reduce_dtype, never narrower than the parameters: fp32 (the default) leaves a float64 model's
+        gradients in float64, as ddp does, instead of rounding each step's sum to float32."""
+        asked = DTYPES[self.fsdp.reduce_dtype]
+        if asked == torch.float32 and any(p.dtype == torch.float64 for p in model.parameters()):
+            return None  # the parameters' own
+        return asked
 
     def builds_empty(self, pretrained: bool) -> bool:
         return pretrained and self.fsdp.empty_init

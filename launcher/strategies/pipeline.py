@@ -170,10 +170,13 @@ class Pipeline(FSDP):
 
     def train_batch(self, model, step, batch, precision, weights, last, before_backward):
         n = self._micro(items_in(batch))
+        # item counts (and the loss weights made of them) in the parameters' precision, no less than float32: the
+        # same on every stage, which all take part in reducing them
+        counts = torch.promote_types(next(model.parameters()).dtype, torch.float32)
 
         def weigh(out: Result) -> torch.Tensor:  # the loss each micro-batch backwards, as the loop would weigh it
             if out.num_items is not None:  # summed: the gradients are scaled to the step's items at its end
-                return out.loss * torch.as_tensor(out.num_items, device=out.loss.device).float()
+                return out.loss * torch.as_tensor(out.num_items, device=out.loss.device).to(counts)
             return out.loss / (n * weights.accum)
 
         before_backward()
@@ -183,12 +186,12 @@ class Pipeline(FSDP):
             schedule.step(target=torch.zeros(n, device=self.device), return_outputs=False, **kwargs)
         results = self._last()
         counted = self._counts_items(results)
-        zero = torch.zeros((), device=self.device)
-        entries = []  # the meter's, alike in shape on every stage: zeros where no loss is
+        zero = torch.zeros((), device=self.device, dtype=counts)
+        entries = []  # the meter's, alike in shape and dtype on every stage: zeros where no loss is
         for i in range(n):
             out, part = results[i] if results else (None, batch if i == 0 else None)
             loss = weigh(out).detach() if out is not None else zero
-            count = (torch.as_tensor(out.num_items, device=self.device).float() if out is not None else zero) \
+            count = (torch.as_tensor(out.num_items, device=self.device).to(counts) if out is not None else zero) \
                 if counted else None
             entries.append((loss, count, out, part))
         if counted:
@@ -214,7 +217,7 @@ class Pipeline(FSDP):
     # what crosses the stages
 
     def whole_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        squared = norm.float().pow(2)
+        squared = norm.to(torch.promote_types(norm.dtype, torch.float32)).pow(2)  # float64 stays float64
         dist.all_reduce(squared, group=self.pp_group)
         return squared.sqrt()
 
