@@ -1,6 +1,6 @@
 """The recipe reference, docs/recipe.md, generated from the schema: every key with its type, default and
 meaning (the comment beside its field in launcher/recipe/schema.py, or in the module of the section it
-imports: ranks.py, slurm_options.py).
+imports: ranks.py, slurm_options.py, fault_tolerance.py).
 
     python -m launcher.recipe.reference > docs/recipe.md       # tests/test_readme.py checks it is current
 """
@@ -10,18 +10,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import sys
 import typing
 from typing import Any, Iterator, Tuple
 
 from omegaconf import MISSING
 
-from launcher.recipe import schema
 from launcher.recipe.schema import Recipe
 
 HEADER = """# Recipe reference
 
 Every key of a recipe: its type, its default, and what it does. Generated from `launcher/recipe/schema.py`
-(and the sections it imports: `ranks.py`, `slurm_options.py`) by `python -m launcher.recipe.reference > docs/recipe.md`; [Writing recipes](writing-recipes.md#every-key-as-one-recipe)
+(and the sections it imports: `ranks.py`, `slurm_options.py`, `fault_tolerance.py`) by `python -m launcher.recipe.reference > docs/recipe.md`; [Writing recipes](writing-recipes.md#every-key-as-one-recipe)
 shows them as one recipe. A component (`model`, `loss`, `optimizer`, `data.train`, ...) is a mapping with `_target_` (the
 dotted path of a callable) and its keyword arguments.
 
@@ -64,7 +64,8 @@ def _comments(cls: type) -> dict:
 
 def keys(cls: type = Recipe, prefix: str = "") -> Iterator[Tuple[str, str, str, str]]:
     """(key, type, default, meaning) of every key, sections walked in the schema's order."""
-    hints, comments = typing.get_type_hints(cls, vars(schema)), _comments(cls)
+    # each section's hints in its own module's names (a section module may name types schema.py does not import)
+    hints, comments = typing.get_type_hints(cls, vars(sys.modules[cls.__module__])), _comments(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         inner = [k for k in typing.get_args(kind) if k is not type(None)]

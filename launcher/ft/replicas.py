@@ -1,0 +1,169 @@
+"""One process's part in a fault-tolerant run: torchft's Manager, driven step by step by the strategy.
+
+Each step:
+
+1. `begin`: the groups agree which of them are live (a quorum, through the lighthouse), synchronously, before
+   the step reads a batch. A group behind the others (one that joins, or one a quorum went on without) first
+   copies a live group's state (recovery.py) and reads its batches from the position it took. A fresh run's
+   first step waits (up to timeouts.join) for every group, so that all of them train from step 1.
+2. The step's forward and backward, inside the group as its strategy does them.
+3. `commit`: the gradients are averaged over the live groups (one all-reduce of all of them, flattened), and
+   the group steps only if torchft commits: when a group died or froze during the step, the live ones drop it
+   and train it again from the same batches (the loop rewinds), so no live group's step ever goes back.
+
+The periodic checkpoints are written by the lowest live group (`lowest_live`). Nothing here is called by a run
+without fault_tolerance, and torchft is imported only here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import time
+import warnings
+from typing import Any, List, Mapping, Optional
+
+import torch
+
+from launcher.errors import Hung, first_line
+from launcher.ft import recovery
+from launcher.recipe.fault_tolerance import FaultToleranceConfig
+
+REPLICA_ID = "group_{:05d}"  # torchft sorts groups by it (lowest first) and reads its trailing digits
+
+
+def quiet() -> None:
+    """torchft says every quorum and commit at INFO (its Rust side on stderr, a few lines a step): only its
+    warnings and errors reach the console, unless RUST_LOG says otherwise. Before torchft is imported."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # its Python side: a warning per quorum on the CPU
+    # torch's, once per process, about the bytes torchft's HTTP transfer hands it (read-only, and copied)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class Replicas:
+    """This process's Manager: rank `rank` of `world` in group `group` of `section.groups`."""
+
+    def __init__(self, section: FaultToleranceConfig, group: int, rank: int, world: int, lighthouse: str,
+                 fingerprint: Mapping[str, Any]):
+        quiet()
+        from torchft import Manager, ProcessGroupGloo
+
+        self.section, self.group, self.lighthouse, self.fingerprint = section, group, lighthouse, fingerprint
+        t = section.timeouts
+        store = {}
+        if "MASTER_ADDR" not in os.environ:  # a group of one plain process: it hosts its group's store itself
+            from torch.distributed import TCPStore
+
+            self.store = TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
+            store = {"store_addr": socket.gethostname(), "store_port": self.store.port}
+        seconds = datetime.timedelta
+        try:
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=seconds(seconds=t.pg)), load_state_dict=self._take, state_dict=self._give,
+                min_replica_size=section.min_groups, use_async_quorum=False, init_sync=True,
+                timeout=seconds(seconds=t.join), quorum_timeout=seconds(seconds=t.quorum),
+                connect_timeout=seconds(seconds=t.join), rank=rank, world_size=world, lighthouse_addr=lighthouse,
+                replica_id=REPLICA_ID.format(group), **store)
+        except RuntimeError as e:
+            raise Hung(f"fault_tolerance: group {group} cannot reach the lighthouse at {lighthouse} "
+                       f"({first_line(e)}); start the lighthouse first (python -m launcher.ft starts one)") from None
+        self.live: Any = None
+        self.recovered = False
+        self.started = False
+        self.participants: Optional[int] = None
+
+    def begin(self, live: Any) -> bool:
+        """A quorum for the step after `live.position`; True when this process took a live group's state."""
+        self.live, self.recovered = live, False
+        first, step = not self.started, live.position.step
+        if first:  # a run resumed from a checkpoint: torchft's step count starts where it stands
+            self.manager.load_state_dict({"step": step, "batches_committed": 0})
+            self.started = True
+        began = time.monotonic()
+        self._quorum(step)
+        if first and live.position.step == step:
+            self._wait_for_every_group(live, began)
+        if live.position.step != step:
+            live.say(f"fault tolerance: recovered live from a live group at step {live.position.step} (its weights, "
+                     f"optimizer, schedule, RNG and position; no checkpoint read) in {time.monotonic() - began:.2f} s")
+        self._say_participants(live)
+        return self.recovered
+
+    def _quorum(self, step: int) -> None:
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # torchft's RPC errors: a quorum that did not come, a lighthouse gone
+            if type(e).__module__.startswith("launcher"):
+                raise  # a recipe that does not match the live groups' (recovery.take)
+            raise Hung(f"fault_tolerance: no quorum for step {step + 1} within timeouts.quorum="
+                       f"{self.section.timeouts.quorum:g} s ({first_line(e)[:200]}): fewer than min_groups="
+                       f"{self.section.min_groups} groups are live, or the lighthouse at {self.lighthouse} is gone; "
+                       f"this group stops (each group resumes its newest checkpoint when started again)") from None
+
+    def _wait_for_every_group(self, live: Any, began: float) -> None:
+        """A fresh run's first step: quorums again until every group is in one (or timeouts.join has passed)."""
+        groups, deadline = self.section.groups, began + self.section.timeouts.join
+        said = False
+        while self.manager.num_participants() < groups and time.monotonic() < deadline:
+            if not said:
+                live.say(f"fault tolerance: {self.manager.num_participants()} of {groups} groups here; the first "
+                         f"step waits up to {self.section.timeouts.join:g} s (timeouts.join) for the others")
+                said = True
+            time.sleep(0.1)
+            self._quorum(live.position.step)
+        if self.manager.num_participants() < groups:
+            live.say(f"fault tolerance: {self.manager.num_participants()} of {groups} groups joined within "
+                     f"{self.section.timeouts.join:g} s; training starts with them (the others join live)")
+
+    def _say_participants(self, live: Any) -> None:
+        now = self.manager.num_participants()
+        if now != self.participants and self.participants is not None:
+            live.say(f"fault tolerance: step {live.position.step + 1}: {now} of {self.section.groups} groups live")
+        self.participants = now
+
+    def commit(self, params: List[torch.Tensor]) -> bool:
+        """Average the gradients over the live groups; whether the optimizer may step (torchft's commit)."""
+        for q in params:
+            if q.grad is None:  # a parameter this group's batch did not reach: the others' may have
+                q.grad = torch.zeros_like(q)
+        grads = [q.grad for q in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        self.manager.allreduce(flat).wait()  # the mean over the live groups; a failure is kept by the manager
+        if not self.manager.should_commit():
+            why = self.manager.errored()
+            self.live.say(f"fault tolerance: step {self.live.position.step + 1} dropped ("
+                          f"{first_line(why.original_exception if why else 'too few groups live')[:160]}); the live "
+                          f"groups train it again")
+            return False
+        for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
+        return True
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the live groups, in place (a step's item counts)."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        return tensor
+
+    def live_groups(self) -> int:
+        return self.manager.num_participants()
+
+    def lowest_live(self) -> bool:
+        """Whether this group is the lowest of the live ones (the one that writes the periodic checkpoints)."""
+        return self.manager.participating_rank() == 0
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    def _give(self) -> dict:
+        return recovery.given(self.live, self.fingerprint)
+
+    def _take(self, state: dict) -> None:
+        recovery.take(state, self.live, self.fingerprint)
+        self.recovered = True
+
