@@ -44,6 +44,16 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+def _transport(timeout: datetime.timedelta) -> Any:
+    """torchft's HTTP transfer of a live group's state (its default), without a line on stderr per request."""
+    from torchft.checkpointing import HTTPTransport
+
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    server = transport._server  # its handler class is made inside __init__: quieted where the server holds it
+    server.RequestHandlerClass = type("Quiet", (server.RequestHandlerClass,), {"log_message": lambda *args: None})
+    return transport
+
+
 class Replicas:
     """This process's Manager: rank `rank` of `world` in group `group` of `section.groups`."""
 
@@ -67,7 +77,7 @@ class Replicas:
                 min_replica_size=section.min_groups, use_async_quorum=False, init_sync=True,
                 timeout=seconds(seconds=t.join), quorum_timeout=seconds(seconds=t.quorum),
                 connect_timeout=seconds(seconds=t.join), rank=rank, world_size=world, lighthouse_addr=lighthouse,
-                replica_id=REPLICA_ID.format(group), **store)
+                replica_id=REPLICA_ID.format(group), checkpoint_transport=_transport(seconds(seconds=t.join)), **store)
         except RuntimeError as e:
             raise Hung(f"fault_tolerance: group {group} cannot reach the lighthouse at {lighthouse} "
                        f"({first_line(e)}); start the lighthouse first (python -m launcher.ft starts one)") from None
