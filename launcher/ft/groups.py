@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, TextIO
 
@@ -60,16 +61,29 @@ class Groups:
         self.say(f"group {group}: started (process {process.pid}), run folder {command[-1].split('=', 1)[1]}")
 
     def wait(self) -> int:
-        """Wait for every group (passing this process's signals on to them); the run's exit code."""
+        """Wait for every group (passing this process's signals on to them), saying each one's end as it comes;
+        the run's exit code."""
         previous = {sig: signal.signal(sig, self._pass_on) for sig in FORWARDED}
+        codes: Dict[int, int] = {}
         try:
-            codes = {group: process.wait() for group, process in sorted(self.processes.items())}
+            while len(codes) < len(self.processes):
+                for group, process in sorted(self.processes.items()):
+                    if group not in codes and process.poll() is not None:
+                        codes[group] = process.returncode
+                        self._ended(group, process.returncode, alive=len(self.processes) - len(codes))
+                time.sleep(0.1)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         for copying in self.copying:
             copying.join(timeout=5)
-        return self._outcome(codes)
+        return self._outcome(dict(sorted(codes.items())))
+
+    def _ended(self, group: int, code: int, alive: int) -> None:
+        if code == 0:
+            return
+        how = f"killed by {_signal_name(code)}" if code < 0 else f"exited with {code}"
+        self.say(f"group {group}: {how}" + (f"; {alive} group{'s' * (alive > 1)} train on" if alive else ""))
 
     def _pass_on(self, signum: int, frame: object) -> None:
         self.signum = signum
@@ -79,8 +93,6 @@ class Groups:
 
     def _outcome(self, codes: Dict[int, int]) -> int:
         failed = {g: c for g, c in codes.items() if c != 0}
-        for group, code in failed.items():
-            self.say(f"group {group}: killed by {_signal_name(code)}" if code < 0 else f"group {group}: exited with {code}")
         if self.signum:
             return 128 + self.signum
         if EXIT_USER in failed.values():

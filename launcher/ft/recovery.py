@@ -34,7 +34,7 @@ def given(live: Any, fingerprint: Mapping[str, Any]) -> Dict[str, Any]:
             "optimizer": live.optimizer.state_dict(),
             "schedule": live.schedule.state_dict() if live.schedule is not None else None,
             "scaler": live.precision.state_dict(),
-            "rng": seeding.capture(_device(live)),
+            "rng": seeding.capture(device_of(live)),
             "position": dict(vars(live.position))}
 
 
@@ -52,9 +52,9 @@ def take(state: Mapping[str, Any], live: Any, fingerprint: Mapping[str, Any]) ->
     if live.schedule is not None:
         live.schedule.load_state_dict(state["schedule"])
     live.precision.load_state_dict(state["scaler"])
-    seeding.restore(state["rng"], _device(live))
+    seeding.restore(state["rng"], device_of(live))
     vars(live.position).update(state["position"])
 
 
-def _device(live: Any) -> torch.device:
+def device_of(live: Any) -> torch.device:
     return next(unwrap(live.model).parameters()).device

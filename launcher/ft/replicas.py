@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import socket
 import time
 import warnings
@@ -27,6 +28,7 @@ from typing import Any, List, Mapping, Optional
 
 import torch
 
+from launcher import seeding
 from launcher.errors import Hung, first_line
 from launcher.ft import recovery
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
@@ -34,14 +36,26 @@ from launcher.recipe.fault_tolerance import FaultToleranceConfig
 REPLICA_ID = "group_{:05d}"  # torchft sorts groups by it (lowest first) and reads its trailing digits
 
 
-def quiet() -> None:
-    """torchft says every quorum and commit at INFO (its Rust side on stderr, a few lines a step): only its
-    warnings and errors reach the console, unless RUST_LOG says otherwise. Before torchft is imported."""
+def quiet(log: Optional[str] = None) -> None:
+    """torchft says every quorum and commit at INFO (its Rust side on stderr, a few lines a step), and each error a
+    group meets when a peer dies with its traceback: none of it reaches the console (the strategy says what
+    happened, one line each). Its Python side's warnings and errors go to `log`, a file, where given; its Rust
+    side's warnings stay on stderr, unless RUST_LOG says otherwise. Called before torchft is imported."""
     os.environ.setdefault("RUST_LOG", "warn")
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # its Python side: a warning per quorum on the CPU
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+        if not logger.handlers:
+            logger.addHandler(logging.FileHandler(log) if log else logging.NullHandler())
     # torch's, once per process, about the bytes torchft's HTTP transfer hands it (read-only, and copied)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def _reason(e: BaseException) -> str:
+    """A collective's error in a few words: gloo's start with its source file and end with advice."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e))
+    return text.split(". This is typically")[0][:160]
 
 
 def _transport(timeout: datetime.timedelta) -> Any:
@@ -58,8 +72,8 @@ class Replicas:
     """This process's Manager: rank `rank` of `world` in group `group` of `section.groups`."""
 
     def __init__(self, section: FaultToleranceConfig, group: int, rank: int, world: int, lighthouse: str,
-                 fingerprint: Mapping[str, Any]):
-        quiet()
+                 fingerprint: Mapping[str, Any], log: Optional[str] = None):
+        quiet(log)
         from torchft import Manager, ProcessGroupGloo
 
         self.section, self.group, self.lighthouse, self.fingerprint = section, group, lighthouse, fingerprint
@@ -85,6 +99,7 @@ class Replicas:
         self.recovered = False
         self.started = False
         self.participants: Optional[int] = None
+        self.drawn: Any = None  # the RNG states at the step's start
 
     def begin(self, live: Any) -> bool:
         """A quorum for the step after `live.position`; True when this process took a live group's state."""
@@ -97,6 +112,9 @@ class Replicas:
         self._quorum(step)
         if first and live.position.step == step:
             self._wait_for_every_group(live, began)
+        # A dropped step draws again what it drew (dropout): the run stays a function of the seed, the step and
+        # which groups were live.
+        self.drawn = seeding.capture(recovery.device_of(live))
         if live.position.step != step:
             live.say(f"fault tolerance: recovered live from a live group at step {live.position.step} (its weights, "
                      f"optimizer, schedule, RNG and position; no checkpoint read) in {time.monotonic() - began:.2f} s")
@@ -145,9 +163,10 @@ class Replicas:
         self.manager.allreduce(flat).wait()  # the mean over the live groups; a failure is kept by the manager
         if not self.manager.should_commit():
             why = self.manager.errored()
-            self.live.say(f"fault tolerance: step {self.live.position.step + 1} dropped ("
-                          f"{first_line(why.original_exception if why else 'too few groups live')[:160]}); the live "
-                          f"groups train it again")
+            self.live.say(f"fault tolerance: step {self.live.position.step + 1} dropped "
+                          f"({_reason(why.original_exception) if why else 'too few groups live'}); the live groups "
+                          f"train it again")
+            seeding.restore(self.drawn, recovery.device_of(self.live))
             return False
         for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(averaged)

@@ -11,7 +11,7 @@ torchft, is imported only when a recipe has a fault_tolerance section.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -37,7 +37,15 @@ class FaultTolerant:
 
         fingerprint = settings.fingerprint(self.recipe, self.placement.world_size)
         self.replicas = Replicas(self.section, self.group, self.placement.rank, self.placement.world_size,
-                                 lighthouse, fingerprint)
+                                 lighthouse, fingerprint, self._log())
+
+    def _log(self) -> Optional[str]:
+        """<run_dir>/torchft_rank<R>.log: torchft's own warnings and errors (a peer's failure, with its traceback)."""
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+        except (OSError, TypeError):  # no run folder, or one that cannot be written (the run folder says so next)
+            return None
+        return os.path.join(self.run_dir, f"torchft_rank{self.placement.rank}.log")
 
     def notes(self) -> List[str]:
         t = self.section.timeouts
