@@ -23,17 +23,19 @@ import os
 import re
 import socket
 import time
+import urllib.parse
 import warnings
 from typing import Any, List, Mapping, Optional
 
 import torch
 
 from launcher import seeding
-from launcher.errors import Hung, first_line
+from launcher.errors import Hung, UserError, first_line
 from launcher.ft import recovery
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
 
 REPLICA_ID = "group_{:05d}"  # torchft sorts groups by it (lowest first) and reads its trailing digits
+CONNECT = 10  # seconds a group waits for the lighthouse's port to answer at its start
 
 
 def quiet(log: Optional[str] = None) -> None:
@@ -58,6 +60,17 @@ def _reason(e: BaseException) -> str:
     return text.split(". This is typically")[0][:160]
 
 
+def _answers(lighthouse: str) -> None:
+    """Something listens at the lighthouse's address (a mistyped one is one line now, not torchft's wait)."""
+    found = urllib.parse.urlsplit(lighthouse)
+    try:
+        socket.create_connection((found.hostname, found.port or 80), timeout=CONNECT).close()
+    except OSError as e:
+        raise UserError(f"fault_tolerance.lighthouse: nothing answers at {lighthouse} ({e.strerror or e}); start the "
+                        f"lighthouse first (python -m launcher.ft starts one and gives its address), or fix the "
+                        f"address") from None
+
+
 def _transport(timeout: datetime.timedelta) -> Any:
     """torchft's HTTP transfer of a live group's state (its default), without a line on stderr per request."""
     from torchft.checkpointing import HTTPTransport
@@ -73,41 +86,47 @@ class Replicas:
 
     def __init__(self, section: FaultToleranceConfig, group: int, rank: int, world: int, lighthouse: str,
                  fingerprint: Mapping[str, Any], log: Optional[str] = None):
-        quiet(log)
+        self.section, self.group, self.rank, self.world = section, group, rank, world
+        self.lighthouse, self.fingerprint, self.log = lighthouse, fingerprint, log
+        _answers(lighthouse)
+        self.manager: Any = None  # made at the first step (see _start)
+        self.live: Any = None
+        self.recovered = False
+        self.participants: Optional[int] = None
+        self.drawn: Any = None  # the RNG states at the step's start
+
+    def _start(self) -> None:
+        """torchft's Manager, made just before the first quorum: from then on the lighthouse counts this group
+        among the live ones (a run of two groups waits for a group it counts and that has not joined a quorum
+        yet, so a group that took minutes to build its model would otherwise hold the other back as long)."""
+        quiet(self.log)
         from torchft import Manager, ProcessGroupGloo
 
-        self.section, self.group, self.lighthouse, self.fingerprint = section, group, lighthouse, fingerprint
-        t = section.timeouts
-        store = {}
+        t, seconds, store = self.section.timeouts, datetime.timedelta, {}
         if "MASTER_ADDR" not in os.environ:  # a group of one plain process: it hosts its group's store itself
             from torch.distributed import TCPStore
 
             self.store = TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
             store = {"store_addr": socket.gethostname(), "store_port": self.store.port}
-        seconds = datetime.timedelta
         try:
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=seconds(seconds=t.pg)), load_state_dict=self._take, state_dict=self._give,
-                min_replica_size=section.min_groups, use_async_quorum=False, init_sync=True,
+                min_replica_size=self.section.min_groups, use_async_quorum=False, init_sync=True,
                 timeout=seconds(seconds=t.join), quorum_timeout=seconds(seconds=t.quorum),
-                connect_timeout=seconds(seconds=t.join), rank=rank, world_size=world, lighthouse_addr=lighthouse,
-                replica_id=REPLICA_ID.format(group), checkpoint_transport=_transport(seconds(seconds=t.join)), **store)
+                connect_timeout=seconds(seconds=t.join), rank=self.rank, world_size=self.world,
+                lighthouse_addr=self.lighthouse, replica_id=REPLICA_ID.format(self.group),
+                checkpoint_transport=_transport(seconds(seconds=t.join)), **store)
         except RuntimeError as e:
-            raise Hung(f"fault_tolerance: group {group} cannot reach the lighthouse at {lighthouse} "
-                       f"({first_line(e)}); start the lighthouse first (python -m launcher.ft starts one)") from None
-        self.live: Any = None
-        self.recovered = False
-        self.started = False
-        self.participants: Optional[int] = None
-        self.drawn: Any = None  # the RNG states at the step's start
+            raise Hung(f"fault_tolerance: group {self.group} cannot reach the lighthouse at {self.lighthouse} "
+                       f"({first_line(e)}); the group stops") from None
 
     def begin(self, live: Any) -> bool:
         """A quorum for the step after `live.position`; True when this process took a live group's state."""
         self.live, self.recovered = live, False
-        first, step = not self.started, live.position.step
-        if first:  # a run resumed from a checkpoint: torchft's step count starts where it stands
+        first, step = self.manager is None, live.position.step
+        if first:
+            self._start()  # a run resumed from a checkpoint: torchft's step count starts where it stands
             self.manager.load_state_dict({"step": step, "batches_committed": 0})
-            self.started = True
         began = time.monotonic()
         self._quorum(step)
         if first and live.position.step == step:
@@ -187,7 +206,8 @@ class Replicas:
         return self.manager.participating_rank() == 0
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
 
     def _give(self) -> dict:
         return recovery.given(self.live, self.fingerprint)
