@@ -110,7 +110,7 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise_equal
     run = Run(*RECIPE, *GROUPS, *PACED, "checkpoint.every=50", f"run_dir={tmp_path}", env={"FT_TEST_DIE": f"1:{KILLED_AT}"})
     lighthouse = run.wait_for(r"lighthouse at (\S+)").group(1)
     pid = int(run.wait_for(r"group 0: started \(process (\d+)\)").group(1))
-    run.wait_for(r"group 1: killed by SIGKILL; 1 group train on")
+    run.wait_for(r"group 1: killed by SIGKILL; 1 group trains on")
     # Started again once group 0 has gone on alone (a group that joins sooner is in the next quorum at once)
     run.wait_for(rf"\[group 0\] fault tolerance: step {KILLED_AT}: 1 of 2 groups live")
     run.wait_for(rf"\[group 0\] step {KILLED_AT + 5}/")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, TextIO
 
 from launcher.errors import EXIT_USER
+from launcher.stopping import PARENT
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -35,8 +36,10 @@ def command(recipe: Path, overrides: List[str], group: int, run_dir: str) -> Lis
 
 def environment(base: Dict[str, str], group: int, lighthouse: str, threads: int) -> Dict[str, str]:
     """What each group is started with: torchft's two variables, unbuffered output (its lines come as they are
-    said), and the CPU threads of its share of this machine unless OMP_NUM_THREADS says otherwise."""
-    env = {**base, "REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse, "PYTHONUNBUFFERED": "1"}
+    said), this process's pid, and the CPU threads of its share of this machine unless OMP_NUM_THREADS says
+    otherwise."""
+    env = {**base, "REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse, "PYTHONUNBUFFERED": "1",
+           PARENT: str(os.getpid())}  # a group stops (saving) when this process, and the lighthouse in it, is gone
     env.setdefault("OMP_NUM_THREADS", str(threads))
     return env
 
@@ -83,7 +86,7 @@ class Groups:
         if code == 0:
             return
         how = f"killed by {_signal_name(code)}" if code < 0 else f"exited with {code}"
-        self.say(f"group {group}: {how}" + (f"; {alive} group{'s' * (alive > 1)} train on" if alive else ""))
+        self.say(f"group {group}: {how}" + (f"; {alive} group{'s train' if alive > 1 else ' trains'} on" if alive else ""))
 
     def _pass_on(self, signum: int, frame: object) -> None:
         self.signum = signum

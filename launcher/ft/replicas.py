@@ -146,8 +146,9 @@ class Replicas:
         except Exception as e:  # torchft's RPC errors: a quorum that did not come, a lighthouse gone
             if type(e).__module__.startswith("launcher"):
                 raise  # a recipe that does not match the live groups' (recovery.take)
+            why = "timed out" if "Timeout expired" in str(e) else first_line(e)[:200]
             raise Hung(f"fault_tolerance: no quorum for step {step + 1} within timeouts.quorum="
-                       f"{self.section.timeouts.quorum:g} s ({first_line(e)[:200]}): fewer than min_groups="
+                       f"{self.section.timeouts.quorum:g} s ({why}): fewer than min_groups="
                        f"{self.section.min_groups} groups are live, or the lighthouse at {self.lighthouse} is gone; "
                        f"this group stops (each group resumes its newest checkpoint when started again)") from None
 

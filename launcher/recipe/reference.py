@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-import sys
 import typing
 from typing import Any, Iterator, Tuple
 
 from omegaconf import MISSING
 
+from launcher.recipe import schema
 from launcher.recipe.schema import Recipe
 
 HEADER = """# Recipe reference
@@ -64,8 +64,7 @@ def _comments(cls: type) -> dict:
 
 def keys(cls: type = Recipe, prefix: str = "") -> Iterator[Tuple[str, str, str, str]]:
     """(key, type, default, meaning) of every key, sections walked in the schema's order."""
-    # each section's hints in its own module's names (a section module may name types schema.py does not import)
-    hints, comments = typing.get_type_hints(cls, vars(sys.modules[cls.__module__])), _comments(cls)
+    hints, comments = typing.get_type_hints(cls, vars(schema)), _comments(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         inner = [k for k in typing.get_args(kind) if k is not type(None)]

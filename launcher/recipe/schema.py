@@ -15,7 +15,7 @@ from omegaconf import MISSING
 
 from launcher.errors import short
 from launcher.recipe.checks import at_least, devices_valid, int64_problems, positive, target_problems
-from launcher.recipe.fault_tolerance import FaultToleranceConfig
+from launcher.recipe.fault_tolerance import FaultToleranceConfig, FaultToleranceTimeouts  # noqa: F401 (its keys' type)
 from launcher.recipe.ranks import DDPConfig, FSDPConfig, ParallelConfig
 from launcher.recipe.slurm_options import SlurmConfig
 
