@@ -16,6 +16,7 @@ import torch
 from tests.conftest import QUICKSTART, REPO, assert_same_weights, launch, state_dict, trained_here
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
 
 RECIPE = [str(QUICKSTART), "data.train.n=1024", "data.val=null", "data.batch_size=32", "trainer.log_every=1",
           "logging.tensorboard=false", "logging.memory_plan=false", "logging.progress_bar=false"]
@@ -104,6 +105,17 @@ def test_two_groups_end_with_the_weights_of_ddp_on_two_processes_and_their_check
     one, ft = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "ft" / "group_0" / "model.pt")
     for key in ft:  # one process averages 32 items where two average 16 each: rounding alone (test_strategies' bound)
         torch.testing.assert_close(one[key], ft[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alike(tmp_path):
+    # Each group's item count differs from step to step; the step's gradient is that of the summed losses over
+    # the items of every live group, as under ddp (the counts are summed across groups too): bitwise, as above.
+    counted = [*RECIPE, "trainer.max_steps=20", "step._target_=tests.components_ft.counted_step", "step._partial_=true",
+               "loss.reduction=none"]
+    run = Run(*counted, *GROUPS, f"run_dir={tmp_path / 'ft'}")
+    assert run.finish() == 0, run.text()[-3000:]
+    ddp(*counted, f"run_dir={tmp_path / 'ddp'}")
+    assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
 
 
 def test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise_equal(tmp_path):
