@@ -5,6 +5,7 @@ draw (tests/components_ft.py), so that runs can be compared step for step."""
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -164,3 +165,63 @@ def test_a_group_with_another_recipe_is_refused_in_one_line_and_never_averaged_i
     assert run.finish() == 0 and alone.finish() == 0, run.text()[-3000:] + alone.text()[-3000:]
     assert steps(run.of(0)) == list(range(1, 251))
     assert_same_weights(tmp_path / "alone" / "group_0" / "model.pt", tmp_path / "run" / "group_0" / "model.pt")
+
+
+def test_a_frozen_group_is_dropped_and_after_sigcont_rejoins_live_in_the_same_process(tmp_path):
+    run = Run(*RECIPE, *GROUPS, *PACED, f"run_dir={tmp_path}")
+    pid = int(run.wait_for(r"group 1: started \(process (\d+)\)").group(1))
+    run.wait_for(rf"\[group 1\] step {KILLED_AT}/")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stopped_at = int(run.wait_for(r"\[group 0\] fault tolerance: step (\d+): 1 of 2 groups live").group(1))
+        run.wait_for(rf"\[group 0\] step {stopped_at + 5}/")  # group 0 trains on alone
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert run.finish() == 0, run.text()[-3000:]
+    assert steps(run.of(0)) == list(range(1, 401))
+    back = run.of(1)
+    recovered = int(re.search(r"recovered live from a live group at step (\d+)", "".join(back)).group(1))
+    assert stopped_at + 5 <= recovered < 400
+    # the same process all along: its steps before the freeze, then those after the copy, each once
+    assert steps(back) == [*range(1, stopped_at), *range(recovered + 1, 401)]
+    assert [line for line in back if "fault tolerance: group 1 of 2" in line] == [
+        next(line for line in back if f"(process {pid})" in line)]
+    assert_same_weights(tmp_path / "group_0" / "model.pt", tmp_path / "group_1" / "model.pt")
+
+
+def test_fewer_live_groups_than_min_groups_make_the_step_wait_then_stop_in_one_line(tmp_path):
+    run = Run(*RECIPE, *GROUPS, *PACED, "fault_tolerance.min_groups=2", "fault_tolerance.timeouts.quorum=6",
+              f"run_dir={tmp_path}", env={"FT_TEST_DIE": f"1:{KILLED_AT}"})
+    assert run.finish() == 6, run.text()[-3000:]  # group 0's code: group 1 was killed, group 0 stopped
+    lived, address = run.of(0), run.wait_for(r"lighthouse at (\S+)").group(1)
+    assert steps(lived) == list(range(1, KILLED_AT))  # the step group 1 died in was never trained alone
+    assert [line for line in lived if "launcher:" in line] == [
+        f"launcher: fault_tolerance: no quorum for step {KILLED_AT} within timeouts.quorum=6 s (timed out): fewer "
+        f"than min_groups=2 groups are live, or the lighthouse at {address} is gone; this group stops (each group "
+        f"resumes its newest checkpoint when started again)\n"]
+
+
+def test_the_lighthouse_lost_stops_every_group_in_one_line(tmp_path):
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-c", "import time; from launcher.ft import lighthouse\n"
+                               "from launcher.recipe.fault_tolerance import FaultToleranceConfig as C, "
+                               "FaultToleranceTimeouts as T\n"
+                               "server = lighthouse.start(C(timeouts=T(pg=2, quorum=6, join=20)))\n"
+                               "print(server.address(), flush=True); time.sleep(600)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        address = lighthouse.stdout.readline().strip()
+        run = Run(*RECIPE, *GROUPS, *PACED, "fault_tolerance.timeouts.quorum=6", f"fault_tolerance.lighthouse={address}",
+                  f"run_dir={tmp_path}")
+        run.wait_for(r"\[group 0\] step 20/")
+        run.wait_for(r"\[group 1\] step 20/")
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    assert run.finish() == 6, run.text()[-3000:]
+    for group in (0, 1):
+        said = [line for line in run.of(group) if "launcher:" in line]
+        assert len(said) == 1 and re.fullmatch(
+            rf"launcher: fault_tolerance: no quorum for step \d+ within timeouts.quorum=6 s \(.*\): fewer than "
+            rf"min_groups=1 groups are live, or the lighthouse at {re.escape(address)} is gone; this group stops .*\n",
+            said[0]), said
