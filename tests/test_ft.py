@@ -108,6 +108,20 @@ def test_two_groups_end_with_the_weights_of_ddp_on_two_processes_and_their_check
         torch.testing.assert_close(one[key], ft[key], rtol=1e-5, atol=1e-6)
 
 
+def test_groups_of_two_ddp_processes_end_with_the_weights_of_ddp_on_four(tmp_path):
+    run = Run(*RECIPE, *GROUPS, "trainer.max_steps=20", "strategy=ddp", "nproc_per_node=2", f"run_dir={tmp_path / 'ft'}")
+    assert run.finish() == 0, run.text()[-3000:]
+    assert "(ddp)" in "".join(run.of(0)) and steps(run.of(1)) == list(range(1, 21))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m",
+                           "launcher", *RECIPE, "trainer.max_steps=20", f"run_dir={tmp_path / 'ddp'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_same_weights(tmp_path / "ft" / "group_0" / "model.pt", tmp_path / "ft" / "group_1" / "model.pt")
+    four, ft = state_dict(tmp_path / "ddp" / "model.pt"), state_dict(tmp_path / "ft" / "group_0" / "model.pt")
+    for key in ft:  # four gradients summed in another order ((a + b) + (c + d) against gloo's ring): rounding alone,
+        torch.testing.assert_close(ft[key], four[key], rtol=1e-5, atol=1e-6)  # test_strategies' bound
+
+
 def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alike(tmp_path):
     # Each group's item count differs from step to step; the step's gradient is that of the summed losses over
     # the items of every live group, as under ddp (the counts are summed across groups too): bitwise, as above.
