@@ -12,7 +12,7 @@ from launcher.ft import recovery, settings
 from launcher.recipe import load
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
 from launcher.strategies.base import Live
-from tests.conftest import QUICKSTART, REPO, SMALL
+from tests.conftest import QUICKSTART, REPO, SMALL, launch
 
 
 def problems(*overrides: str) -> str:
@@ -155,3 +155,17 @@ def test_a_run_without_the_section_never_imports_torchft(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("overrides, env, said", [
+    (["fault_tolerance.groups=2"], {},
+     "launcher: fault_tolerance.group: not set, and REPLICA_GROUP_ID is not in the environment; set "
+     "fault_tolerance.group=<0 to 1>, or start the groups with python -m launcher.ft, which gives each its own"),
+    (["fault_tolerance.groups=2", "fault_tolerance.lighthouse=http://127.0.0.1:9"], {"REPLICA_GROUP_ID": "1"},
+     "launcher: fault_tolerance.lighthouse: nothing answers at http://127.0.0.1:9 (Connection refused); start the "
+     "lighthouse first (python -m launcher.ft starts one and gives its address), or fix the address"),
+])
+def test_a_group_without_its_index_or_its_lighthouse_stops_in_one_line(tmp_path, overrides, env, said):
+    done = launch(str(QUICKSTART), *SMALL, f"run_dir={tmp_path}", *overrides,
+                  env={k: v for k, v in env.items()} | {"TORCHFT_LIGHTHOUSE": ""})
+    assert done.returncode == 2 and done.stderr.splitlines() == [said], done.stderr

@@ -25,7 +25,7 @@ import socket
 import time
 import urllib.parse
 import warnings
-from typing import Any, List, Mapping, Optional
+from typing import Any, Callable, List, Mapping, Optional
 
 import torch
 
@@ -82,11 +82,12 @@ def _transport(timeout: datetime.timedelta) -> Any:
 
 
 class Replicas:
-    """This process's Manager: rank `rank` of `world` in group `group` of `section.groups`."""
+    """This process's Manager: rank `rank` of `world` in group `group` of `section.groups`; `agree` gathers a value
+    from every process of the group (its strategy's all_gather_object)."""
 
     def __init__(self, section: FaultToleranceConfig, group: int, rank: int, world: int, lighthouse: str,
-                 fingerprint: Mapping[str, Any], log: Optional[str] = None):
-        self.section, self.group, self.rank, self.world = section, group, rank, world
+                 fingerprint: Mapping[str, Any], agree: Callable[[Any], List[Any]], log: Optional[str] = None):
+        self.section, self.group, self.rank, self.world, self.agree = section, group, rank, world, agree
         self.lighthouse, self.fingerprint, self.log = lighthouse, fingerprint, log
         _answers(lighthouse)
         self.manager: Any = None  # made at the first step (see _start)
@@ -153,10 +154,11 @@ class Replicas:
                        f"this group stops (each group resumes its newest checkpoint when started again)") from None
 
     def _wait_for_every_group(self, live: Any, began: float) -> None:
-        """A fresh run's first step: quorums again until every group is in one (or timeouts.join has passed)."""
+        """A fresh run's first step: quorums again until every group is in one (or timeouts.join has passed). The
+        processes of a group agree on each round (their quorum requests go together), a deadline included."""
         groups, deadline = self.section.groups, began + self.section.timeouts.join
         said = False
-        while self.manager.num_participants() < groups and time.monotonic() < deadline:
+        while self.manager.num_participants() < groups and all(self.agree(time.monotonic() < deadline)):
             if not said:
                 live.say(f"fault tolerance: {self.manager.num_participants()} of {groups} groups here; the first "
                          f"step waits up to {self.section.timeouts.join:g} s (timeouts.join) for the others")

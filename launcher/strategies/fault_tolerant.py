@@ -37,7 +37,7 @@ class FaultTolerant:
 
         fingerprint = settings.fingerprint(self.recipe, self.placement.world_size)
         self.replicas = Replicas(self.section, self.group, self.placement.rank, self.placement.world_size,
-                                 lighthouse, fingerprint, self._log())
+                                 lighthouse, fingerprint, self.all_gather_object, self._log())
 
     def _log(self) -> Optional[str]:
         """<run_dir>/torchft_rank<R>.log: torchft's own warnings and errors (a peer's failure, with its traceback)."""
