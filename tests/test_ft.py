@@ -122,6 +122,25 @@ def test_groups_of_two_ddp_processes_end_with_the_weights_of_ddp_on_four(tmp_pat
         torch.testing.assert_close(ft[key], four[key], rtol=1e-5, atol=1e-6)  # test_strategies' bound
 
 
+def test_a_signal_stops_every_group_saved_and_the_same_command_resumes_them(tmp_path):
+    paced = [*RECIPE, *GROUPS, "step._target_=tests.components_ft.paced_step", "step._partial_=true",
+             "step.seconds=0.04", "trainer.max_steps=60", f"run_dir={tmp_path / 'ft'}"]
+    run = Run(*paced)
+    run.wait_for(r"\[group 1\] step 20/")
+    run.process.send_signal(signal.SIGTERM)  # passed on to both groups: each saves at its next step boundary
+    assert run.finish() == 143, run.text()[-3000:]
+    stopped = [int(re.search(r"stopped by SIGTERM after step (\d+): saved", "".join(run.of(g))).group(1)) for g in (0, 1)]
+    again = Run(*paced)
+    assert again.finish() == 0, again.text()[-3000:]
+    for g in (0, 1):  # each group from its own folder's checkpoint; one behind the other would copy its state live
+        assert f"resumed from {tmp_path / 'ft' / f'group_{g}' / 'checkpoints' / f'step_{stopped[g]}'}" in "".join(again.of(g))
+    assert_same_weights(tmp_path / "ft" / "group_0" / "model.pt", tmp_path / "ft" / "group_1" / "model.pt")
+    if stopped[0] == stopped[1]:  # (a signal landing between the two groups' checks of one step stops one a step
+        # later, which it trains alone: then the run is another function of which groups were live)
+        ddp(*RECIPE, "trainer.max_steps=60", f"run_dir={tmp_path / 'ddp'}")  # the paced step computes the same loss
+        assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
+
+
 def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alike(tmp_path):
     # Each group's item count differs from step to step; the step's gradient is that of the summed losses over
     # the items of every live group, as under ddp (the counts are summed across groups too): bitwise, as above.

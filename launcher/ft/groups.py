@@ -83,10 +83,11 @@ class Groups:
         return self._outcome(dict(sorted(codes.items())))
 
     def _ended(self, group: int, code: int, alive: int) -> None:
-        if code == 0:
-            return
+        if code == 0 or (self.signum and code in (128 + self.signum, -self.signum)):
+            return  # done, or stopped by the signal passed on (each group said where it saved)
         how = f"killed by {_signal_name(code)}" if code < 0 else f"exited with {code}"
-        self.say(f"group {group}: {how}" + (f"; {alive} group{'s train' if alive > 1 else ' trains'} on" if alive else ""))
+        going = alive and not self.signum
+        self.say(f"group {group}: {how}" + (f"; {alive} group{'s train' if alive > 1 else ' trains'} on" if going else ""))
 
     def _pass_on(self, signum: int, frame: object) -> None:
         self.signum = signum
