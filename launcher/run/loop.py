@@ -143,6 +143,7 @@ def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", p
     weights.finish()
     if not p.strategy.commit(params):  # before unscaling: a grad scaler's step would then expect its update
         p.meter.back_to(recorded)
+        p.optimizer.zero_grad(set_to_none=True)  # the step trained again starts without them (on CUDA too)
         return None
     p.precision.unscale(p.optimizer)
     norm = p.strategy.clip(params, cfg.clip_grad_norm) if cfg.clip_grad_norm or syncing else None
