@@ -544,6 +544,7 @@ HELP = {
     ("recipes.components.hf_folder", "--help"): "docs/fine-tuning.md",
     ("recipes.components.chat_data", "--help"): "docs/text-data.md",
     ("launcher.plan", "--help"): "docs/planning.md",
+    ("launcher.ft", "--help"): "docs/fault-tolerance.md",
 }
 
 

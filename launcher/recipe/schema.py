@@ -15,6 +15,7 @@ from omegaconf import MISSING
 
 from launcher.errors import short
 from launcher.recipe.checks import at_least, devices_valid, int64_problems, positive, target_problems
+from launcher.recipe.fault_tolerance import FaultToleranceConfig, FaultToleranceTimeouts  # noqa: F401 (its keys' type)
 from launcher.recipe.ranks import DDPConfig, FSDPConfig, ParallelConfig
 from launcher.recipe.slurm_options import SlurmConfig
 
@@ -204,6 +205,7 @@ class Recipe:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     memory_snapshot: MemorySnapshotConfig = field(default_factory=MemorySnapshotConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    fault_tolerance: Optional[FaultToleranceConfig] = None  # replica groups that train on when one dies (torchft; python -m launcher.ft); null: none
     on_cpu: Optional[Dict[str, Any]] = None  # keys that apply when the run has no GPU (a smaller model, fp32)
 
     def problems(self) -> List[tuple[str, str]]:
@@ -212,6 +214,8 @@ class Recipe:
                     "trainer.": self.trainer,
                     "checkpoint.": self.checkpoint, "logging.": self.logging, "profile.": self.profile,
                     "memory_snapshot.": self.memory_snapshot, "slurm.": self.slurm}
+        if self.fault_tolerance is not None:
+            sections["fault_tolerance."] = self.fault_tolerance
         huge = [p for prefix, section in sections.items() for p in int64_problems(prefix, section)]
         out = []
         if self.strategy not in STRATEGIES:
@@ -238,5 +242,7 @@ class Recipe:
         for section in (self.data, self.ddp, self.fsdp, self.parallel, self.trainer, self.checkpoint, self.logging, self.profile,
                         self.memory_snapshot, self.slurm):
             out += section.problems()
+        if self.fault_tolerance is not None:
+            out += self.fault_tolerance.problems(self.strategy, self.dist_timeout)
         # A value past 64 bits is reported once, not again by the range checks of its own key.
         return huge + [p for p in out if p[0] not in {key for key, _ in huge}]

@@ -17,6 +17,7 @@ from launcher.model.precision import Precision
 from launcher.recipe.schema import TrainerConfig
 from launcher.stopping import StopFlag, Stopped
 from launcher.strategies import Strategy
+from launcher.strategies.base import Live
 from launcher.observe.watch import Watch
 
 
@@ -59,16 +60,28 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     p.meter.start(pos.step)
     last: Dict[str, float] = {}
     p.watch.start(pos.step, total)
+    live = Live(p.model, p.optimizer, p.schedule, p.precision, pos, p.data, p.console.info)
     while pos.step < total:
+        if p.strategy.begin_step(live):  # this group took a live peer's state and position (fault tolerance)
+            batches = _read_from(batches, p, pos)
+            p.meter.start(pos.step)
+            if pos.step >= total:
+                break
         step = pos.step + 1
         evaluating = p.val is not None and (_due(step, cfg.eval_every) or step == total)
-        saving = _due(step, save_every) or step == total
+        saving = (_due(step, save_every) and p.strategy.writes_checkpoints()) or step == total
         # Log steps are the only places the host reads device values: a checkpoint or an
         # evaluation is one too, where the steps so far are checked for NaN (the interval goes on).
         log_step = _due(step, cfg.log_every) or step == total
         syncing = log_step or evaluating or saving
         p.between_steps = False
+        began = pos.epoch, pos.batch
         lr = _train_step(p, cfg, batches, weights, params, syncing)
+        if lr is None:  # dropped: a replica group failed during it; trained again from the same batches
+            pos.epoch, pos.batch = began
+            batches = _read_from(batches, p, pos)
+            p.between_steps = True
+            continue
         if p.schedule is not None:
             _step_schedule(p.schedule, step)
         pos.step = step
@@ -101,14 +114,23 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
     return last
 
 
-def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", params: list, syncing: bool) -> float:
-    """One optimizer step over grad_accum_steps micro-batches; the learning rate it stepped with."""
+def _read_from(batches, p: Parts, pos: Position):
+    """The stream of micro-batches again, from `pos` (a step dropped, or a position taken from a live peer)."""
+    batches.close()
+    return p.data.stream(pos)
+
+
+def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", params: list,
+                syncing: bool) -> Optional[float]:
+    """One optimizer step over grad_accum_steps micro-batches; the learning rate it stepped with, or None when
+    the strategy dropped it (nothing stepped, nothing recorded)."""
     # Where the gradients are freed (set to None). On CUDA right after the optimizer step: the caching
     # allocator reuses the memory and the forward runs without them (a lower peak). On the CPU after
     # the first forward, as hand-written loops do: freed right after the step, they would sit at the
     # top of glibc's heap, go back to the OS and be faulted in again by the next backward.
     free_after_step = p.strategy.device.type == "cuda"
     accum = cfg.grad_accum_steps
+    recorded = p.meter.mark()
     weights.start()
     for micro in range(accum):
         batch = next(batches)
@@ -119,6 +141,10 @@ def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", p
                 lambda: p.optimizer.zero_grad(set_to_none=True) if zero else None):
             p.meter.add(loss, count, out, part)
     weights.finish()
+    if not p.strategy.commit(params):  # before unscaling: a grad scaler's step would then expect its update
+        p.meter.back_to(recorded)
+        p.optimizer.zero_grad(set_to_none=True)  # the step trained again starts without them (on CUDA too)
+        return None
     p.precision.unscale(p.optimizer)
     norm = p.strategy.clip(params, cfg.clip_grad_norm) if cfg.clip_grad_norm or syncing else None
     lr = p.optimizer.param_groups[0]["lr"]
@@ -186,16 +212,16 @@ class LossWeights:
         if not counted:
             return (out.loss / self.accum if self.accum > 1 else out.loss), None
         count = torch.as_tensor(out.num_items, device=out.loss.device).to(_count_dtype(out.loss))
-        world = self.strategy.data_share()[0]  # the ranks whose gradients are averaged
+        world = self.strategy.gradient_share()  # the ranks whose gradients are averaged
         if self.accum == 1:
-            total = self.strategy.all_reduce_sum(count.clone()).clamp(min=1)
+            total = self.strategy.sum_counts(count.clone()).clamp(min=1)
             return out.loss * (count * world / total), count
         if self.first is None:  # the first micro-batch's count, summed over the ranks
-            self.first, self.total = self.strategy.all_reduce_sum(count.clone()).clamp(min=1), count
+            self.first, self.total = self.strategy.sum_counts(count.clone()).clamp(min=1), count
         else:
             self.total = self.total + count
         if last:  # what the reduced gradients are multiplied by: (first's sum) / (every rank's total)
-            self.rescale = self.first / self.strategy.all_reduce_sum(self.total.clone()).clamp(min=1)
+            self.rescale = self.first / self.strategy.sum_counts(self.total.clone()).clamp(min=1)
         return out.loss * (count * world / self.first), count
 
     def summed(self, count: torch.Tensor, last: bool) -> None:
@@ -203,8 +229,8 @@ class LossWeights:
         weigh): the gradients are scaled to the step's total of items once the last one's backward is done."""
         self.total = count if self.total is None else self.total + count
         if last:
-            world = self.strategy.data_share()[0]
-            self.rescale = world / self.strategy.all_reduce_sum(self.total.clone()).clamp(min=1)
+            world = self.strategy.gradient_share()
+            self.rescale = world / self.strategy.sum_counts(self.total.clone()).clamp(min=1)
 
     def finish(self) -> None:
         """After the last backward: the accumulated, reduced gradients scaled to the step's total."""

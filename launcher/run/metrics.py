@@ -91,6 +91,16 @@ class TrainMeter:
                 for i, fn in enumerate(self.metrics.values()):
                     self.values[i].append(fn(out.output, out.target))
 
+    def mark(self) -> tuple:
+        """Where the interval's records stand now: `back_to` forgets what a dropped step recorded after it."""
+        return len(self.losses), len(self.counts), len(self.marks), [len(v) for v in self.values]
+
+    def back_to(self, mark: tuple) -> None:
+        losses, counts, marks, values = mark
+        del self.losses[losses:], self.counts[counts:], self.marks[marks:]
+        for kept, recorded in zip(values, self.values):
+            del recorded[kept:]
+
     def start(self, step: int) -> None:
         """Training starts (or resumes) after `step`: the first interval's clock starts now."""
         self._reset(step)

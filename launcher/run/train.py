@@ -60,7 +60,8 @@ def run(loaded: Loaded, overrides: list) -> int:
 def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     placement, notes, _ = placed or _place(loaded)
     strategy = strategies.create(loaded.recipe.strategy, placement, loaded.recipe.ddp, loaded.recipe.fsdp,
-                                 loaded.recipe.dist_timeout, loaded.recipe.run_dir, loaded.recipe.parallel)
+                                 loaded.recipe.dist_timeout, loaded.recipe.run_dir, loaded.recipe.parallel,
+                                 loaded.recipe.fault_tolerance, loaded.config)
     strategy.setup()
     folder = RunFolder(Path(loaded.recipe.run_dir), loaded.recipe.checkpoint.dir)
     try:

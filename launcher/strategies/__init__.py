@@ -4,7 +4,7 @@ Nothing outside this folder asks which strategy runs."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from launcher.errors import UserError
 from launcher.recipe.ranks import DDPConfig, FSDPConfig, ParallelConfig
@@ -44,9 +44,11 @@ def must_spawn(name: str, placement: Placement) -> bool:
 
 
 def create(name: str, placement: Placement, ddp: Optional[DDPConfig] = None, fsdp: Optional[FSDPConfig] = None,
-           timeout: float = 600, run_dir: Optional[str] = None, parallel: Optional[ParallelConfig] = None) -> Strategy:
+           timeout: float = 600, run_dir: Optional[str] = None, parallel: Optional[ParallelConfig] = None,
+           fault_tolerance: Optional[Any] = None, recipe: Optional[Any] = None) -> Strategy:
     """The strategy for this placement, holding the recipe's `ddp`, `fsdp` and `parallel` sections, its
-    `dist_timeout` (seconds) and the run folder (where NCCL's flight recorder dumps)."""
+    `dist_timeout` (seconds) and the run folder (where NCCL's flight recorder dumps); made fault tolerant by
+    the recipe's `fault_tolerance` section when it has one (`recipe`, resolved, is what joining groups check)."""
     name = resolve(name, placement)
     if name in ONE_PROCESS and placement.world_size > 1:
         raise UserError(f"strategy: {name} runs one process, but this is one of WORLD_SIZE={placement.world_size} "
@@ -55,6 +57,10 @@ def create(name: str, placement: Placement, ddp: Optional[DDPConfig] = None, fsd
         from launcher.strategies.pipeline import Pipeline  # imports torch's pipelining only when chosen
 
         strategy: Strategy = Pipeline(placement, ddp, fsdp, parallel)
+    elif fault_tolerance is not None:
+        from launcher.strategies.fault_tolerant import around  # imports torchft only when a recipe asks for it
+
+        strategy = around(REGISTRY[name], fault_tolerance, recipe)(placement, ddp, fsdp, parallel)
     else:
         strategy = REGISTRY[name](placement, ddp, fsdp, parallel)
     strategy.timeout, strategy.run_dir = timeout, run_dir

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, TypeVar
 
 import torch
@@ -21,6 +22,20 @@ T = TypeVar("T")
 # Set once this process has ended a process group: python -m launcher then exits without the interpreter's
 # finalization (launcher/__main__.py says why).
 ended_a_process_group = False
+
+
+@dataclass
+class Live:
+    """What training holds between two steps, as the loop has it; fault tolerance hands it to a group that joins,
+    or replaces it with a live group's."""
+
+    model: nn.Module  # as wrapped
+    optimizer: torch.optim.Optimizer
+    schedule: Optional[Any]
+    precision: Any  # its grad scaler's state
+    position: Any  # step, epoch, batch: where the next step reads
+    data: Any  # the training data (map-style, or a stream)
+    say: Callable[[str], None]  # a line on the console (rank 0's)
 
 
 def end_process_group() -> None:
@@ -67,6 +82,15 @@ class Strategy:
         unless ranks compute one batch together (tensor parallel)."""
         return self.placement.world_size, self.placement.rank
 
+    def gradient_share(self) -> int:
+        """How many ranks' gradients a step averages: data_share's count, unless gradients are averaged further
+        across groups of ranks (fault tolerance's live replica groups)."""
+        return self.data_share()[0]
+
+    def sum_counts(self, count: torch.Tensor) -> torch.Tensor:
+        """A step's item `count` summed, in place, over every rank whose gradients the step averages. Collective."""
+        return self.all_reduce_sum(count)
+
     def data_states(self, state: Any) -> List[Any]:
         """Every data-parallel rank's `state` (its place in a stream), in the order of data_share. Collective."""
         return self.all_gather_object(state)
@@ -93,6 +117,22 @@ class Strategy:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return unwrap(model)
+
+    def begin_step(self, live: Live) -> bool:
+        """Before a step reads its first batch. True when `live` (weights, optimizer, schedule, RNG, position) was
+        just replaced by a live peer's (fault tolerance's live recovery): the loop then reads its batches from the
+        position it now holds."""
+        return False
+
+    def commit(self, params: List[torch.Tensor]) -> bool:
+        """After the step's last backward, before the optimizer steps: whether it steps. False drops the step (a
+        replica group failed during it), which the loop trains again from the same batches."""
+        return True
+
+    def writes_checkpoints(self) -> bool:
+        """Whether this process's group writes the periodic checkpoints (under fault tolerance, the lowest live
+        group alone; every group writes the final one, into its own run folder)."""
+        return True
 
     def train_batch(self, model: nn.Module, step: Callable, batch: Any, precision: Any, weights: Any, last: bool,
                     before_backward: Callable[[], None]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor], Any, Any]]:

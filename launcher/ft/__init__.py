@@ -1,0 +1,12 @@
+"""Fault tolerance: replica groups that train on when one of them dies, and take it back live (torchft).
+
+    settings.py     which group this is, the lighthouse, each group's share of a batch, the recipe's fingerprint
+    recovery.py     the state a live group hands to one that joins, and how it is taken (no checkpoint read)
+    replicas.py     torchft's Manager, step by step: the quorum, the gradients' average, the commit
+    lighthouse.py   torchft's lighthouse, in this process
+    groups.py       every group of a run started on this machine, their output prefixed, one exit code
+    __main__.py     python -m launcher.ft RECIPE [key=value ...]
+
+The strategies import this package only when a recipe has a `fault_tolerance:` section
+(launcher/strategies/fault_tolerant.py); torchft is imported by replicas.py and lighthouse.py alone.
+"""

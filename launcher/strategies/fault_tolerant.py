@@ -1,0 +1,99 @@
+"""Fault tolerance around a strategy: the recipe's strategy inside a replica group (one process, or ddp under
+torchrun), torchft's quorum and gradient average across the groups (launcher/ft/).
+
+`around(cls, ...)` is `cls` with the few methods fault tolerance changes in front of it: the data share (this
+group's of every batch), the step's start (a quorum, maybe a live recovery) and commit (the gradients averaged
+over the live groups), the item counts summed across groups, and who writes the periodic checkpoints. The rest
+(wrapping, no_sync, state dicts, collectives inside the group) stays the inner strategy's. This module, and so
+torchft, is imported only when a recipe has a fault_tolerance section.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from launcher.errors import UserError
+from launcher.ft import settings
+from launcher.recipe.fault_tolerance import FaultToleranceConfig
+from launcher.strategies.base import Live, Strategy
+
+
+class FaultTolerant:
+    """Mixed in front of a Strategy class (see `around`)."""
+
+    section: FaultToleranceConfig
+    recipe: Any  # the resolved recipe: its training keys are the fingerprint a joining group is checked against
+    replicas: Any = None  # launcher.ft.replicas.Replicas, once set up
+    group = 0
+
+    def setup(self) -> None:
+        self.group = settings.group_index(self.section, os.environ)  # its mistakes before any process group starts
+        lighthouse = settings.lighthouse_address(self.section, os.environ)
+        super().setup()
+        from launcher.ft.replicas import Replicas  # torchft
+
+        fingerprint = settings.fingerprint(self.recipe, self.placement.world_size)
+        self.replicas = Replicas(self.section, self.group, self.placement.rank, self.placement.world_size,
+                                 lighthouse, fingerprint, self.all_gather_object, self._log())
+
+    def _log(self) -> Optional[str]:
+        """<run_dir>/torchft_rank<R>.log: torchft's own warnings and errors (a peer's failure, with its traceback)."""
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+        except (OSError, TypeError):  # no run folder, or one that cannot be written (the run folder says so next)
+            return None
+        return os.path.join(self.run_dir, f"torchft_rank{self.placement.rank}.log")
+
+    def notes(self) -> List[str]:
+        t = self.section.timeouts
+        return super().notes() + [
+            f"fault tolerance: group {self.group} of {self.section.groups} (process {os.getpid()}), lighthouse "
+            f"{self.replicas.lighthouse}, at least {self.section.min_groups} live per step; timeouts pg {t.pg:g} s < "
+            f"quorum {t.quorum:g} s < join {t.join:g} s"]
+
+    def data_share(self) -> Tuple[int, int]:
+        return settings.share(self.group, self.section.groups, super().data_share())
+
+    def gradient_share(self) -> int:
+        return super().data_share()[0] * self.replicas.live_groups()
+
+    def sum_counts(self, count: torch.Tensor) -> torch.Tensor:
+        return self.replicas.sum(super().all_reduce_sum(count))
+
+    def begin_step(self, live: Live) -> bool:
+        if getattr(live.data, "is_stream", False):
+            raise UserError("fault_tolerance: data.train is a stream; a group that joins takes a live group's place "
+                            "in map-style data only (a stream's per-rank place is later work): use a map-style "
+                            "dataset, or remove fault_tolerance")
+        return self.replicas.begin(live)
+
+    def commit(self, params: List[torch.Tensor]) -> bool:
+        return self.replicas.commit(params)
+
+    def writes_checkpoints(self) -> bool:
+        return self.replicas.lowest_live()
+
+    def teardown(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
+        super().teardown()
+
+
+_classes: Dict[type, type] = {}
+
+
+def around(cls: type, section: FaultToleranceConfig, recipe: Any):
+    """A factory of `cls` strategies made fault tolerant by `section`, checked against `recipe`."""
+    if cls not in _classes:
+        _classes[cls] = type(f"FaultTolerant{cls.__name__}", (FaultTolerant, cls), {})
+    made = _classes[cls]
+
+    def create(*args: Any) -> Strategy:
+        strategy = made(*args)
+        strategy.section, strategy.recipe = section, recipe
+        return strategy
+
+    return create

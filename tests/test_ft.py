@@ -1,0 +1,260 @@
+"""Fault tolerance with real processes: python -m launcher.ft, its lighthouse on loopback, two replica groups of
+one process each, gloo on the CPU. A group is killed with SIGKILL inside the forward of a step chosen by a seeded
+draw (tests/components_ft.py), so that runs can be compared step for step."""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.conftest import QUICKSTART, REPO, assert_same_weights, launch, state_dict, trained_here
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
+
+RECIPE = [str(QUICKSTART), "data.train.n=1024", "data.val=null", "data.batch_size=32", "trainer.log_every=1",
+          "logging.tensorboard=false", "logging.memory_plan=false", "logging.progress_bar=false"]
+# pg < quorum < join, short: a dead group is noticed in about 2 s (its heartbeat's silence)
+GROUPS = ["fault_tolerance.groups=2", "fault_tolerance.timeouts.pg=2", "fault_tolerance.timeouts.quorum=10",
+          "fault_tolerance.timeouts.join=20"]
+# 40 ms a step: the surviving group trains alone for as long as the killed one takes to start again (a few
+# seconds on a busy machine) and still has steps left to train with it
+PACED = ["step._target_=tests.components_ft.paced_step", "step._partial_=true", "step.seconds=0.04",
+         "trainer.max_steps=400"]
+KILLED_AT = random.Random(51).randint(10, 30)  # the step in whose forward group 1 kills itself
+
+
+class Run:
+    """python -m launcher.ft in the background, its lines collected as they come."""
+
+    def __init__(self, *args: str, env: dict = None):
+        self.process = subprocess.Popen([sys.executable, "-m", "launcher.ft", *args], cwd=REPO, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
+        self.lines = []
+        self.reading = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
+        self.reading.start()
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                found = re.search(pattern, line)
+                if found:
+                    return found
+            assert self.process.poll() is None or self.reading.is_alive(), self.text()[-3000:]
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in {timeout} s:\n{self.text()[-3000:]}")
+
+    def finish(self, timeout: float = 180) -> int:
+        code = self.process.wait(timeout=timeout)
+        self.reading.join(timeout=10)
+        return code
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def of(self, group: int) -> list:
+        return [line[len(f"[group {group}] "):] for line in self.lines if line.startswith(f"[group {group}] ")]
+
+
+def steps(lines: list) -> list:
+    return [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/\d+ \|", line))]
+
+
+def ddp(*args: str) -> None:
+    """The recipe under ddp on two processes (python -m launcher starts torchrun)."""
+    done = launch(*args, "strategy=ddp", "nproc_per_node=2", timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def join(lighthouse: str, run_dir, *overrides: str) -> subprocess.CompletedProcess:
+    """Group 1 started again by hand, joining the run at its lighthouse."""
+    env = {k: v for k, v in os.environ.items() if k != "FT_TEST_DIE"}
+    return subprocess.run([sys.executable, "-m", "launcher.ft", *RECIPE, *GROUPS, *PACED, f"run_dir={run_dir}",
+                           "fault_tolerance.group=1", f"fault_tolerance.lighthouse={lighthouse}", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_two_groups_end_with_the_weights_of_ddp_on_two_processes_and_their_checkpoint_resumes_anywhere(tmp_path):
+    run = Run(*RECIPE, *GROUPS, "trainer.max_steps=40", "checkpoint.every=20", f"run_dir={tmp_path / 'ft'}")
+    assert run.finish() == 0, run.text()[-3000:]
+    for group in (0, 1):
+        assert steps(run.of(group)) == list(range(1, 41))  # every step committed by both, none dropped
+    ddp(*RECIPE, "trainer.max_steps=40", f"run_dir={tmp_path / 'ddp'}")
+    # Bitwise, not within a tolerance: each group computes what a ddp rank computes on the same 16 items (the
+    # same kernels, one thread each), and ddp's average of two gradients, g0/2 + g1/2, is torchft's (g0 + g1)/2
+    # to the last bit: halving is exact in binary floating point, and a sum of two terms has one order.
+    assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
+    assert_same_weights(tmp_path / "ft" / "group_0" / "model.pt", tmp_path / "ft" / "group_1" / "model.pt")
+    # The lowest live group wrote the periodic checkpoint; group 1 only its final one
+    saved = {g: sorted(p.name for p in (tmp_path / "ft" / f"group_{g}" / "checkpoints").glob("step_*")) for g in (0, 1)}
+    assert saved == {0: ["step_20", "step_40"], 1: ["step_40"]}
+    # Group 0's checkpoint of step 20 resumes under ddp on two processes (bitwise again) and in one process
+    middle = tmp_path / "ft" / "group_0" / "checkpoints" / "step_20"
+    ddp(*RECIPE, "trainer.max_steps=40", f"run_dir={tmp_path / 'ddp-resumed'}", f"checkpoint.resume={middle}")
+    assert_same_weights(tmp_path / "ddp-resumed" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
+    said = trained_here(*RECIPE, "trainer.max_steps=40", f"run_dir={tmp_path / 'one'}", f"checkpoint.resume={middle}")
+    assert "resumed from" in said and "(step 20" in said
+    one, ft = state_dict(tmp_path / "one" / "model.pt"), state_dict(tmp_path / "ft" / "group_0" / "model.pt")
+    for key in ft:  # one process averages 32 items where two average 16 each: rounding alone (test_strategies' bound)
+        torch.testing.assert_close(one[key], ft[key], rtol=1e-5, atol=1e-6)
+
+
+def test_groups_of_two_ddp_processes_end_with_the_weights_of_ddp_on_four(tmp_path):
+    run = Run(*RECIPE, *GROUPS, "trainer.max_steps=20", "strategy=ddp", "nproc_per_node=2", f"run_dir={tmp_path / 'ft'}")
+    assert run.finish() == 0, run.text()[-3000:]
+    assert "(ddp)" in "".join(run.of(0)) and steps(run.of(1)) == list(range(1, 21))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m",
+                           "launcher", *RECIPE, "trainer.max_steps=20", f"run_dir={tmp_path / 'ddp'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_same_weights(tmp_path / "ft" / "group_0" / "model.pt", tmp_path / "ft" / "group_1" / "model.pt")
+    four, ft = state_dict(tmp_path / "ddp" / "model.pt"), state_dict(tmp_path / "ft" / "group_0" / "model.pt")
+    for key in ft:  # four gradients summed in another order ((a + b) + (c + d) against gloo's ring): rounding alone,
+        torch.testing.assert_close(ft[key], four[key], rtol=1e-5, atol=1e-6)  # test_strategies' bound
+
+
+def test_a_signal_stops_every_group_saved_and_the_same_command_resumes_them(tmp_path):
+    paced = [*RECIPE, *GROUPS, "step._target_=tests.components_ft.paced_step", "step._partial_=true",
+             "step.seconds=0.04", "trainer.max_steps=60", f"run_dir={tmp_path / 'ft'}"]
+    run = Run(*paced)
+    run.wait_for(r"\[group 1\] step 20/")
+    run.process.send_signal(signal.SIGTERM)  # passed on to both groups: each saves at its next step boundary
+    assert run.finish() == 143, run.text()[-3000:]
+    stopped = [int(re.search(r"stopped by SIGTERM after step (\d+): saved", "".join(run.of(g))).group(1)) for g in (0, 1)]
+    again = Run(*paced)
+    assert again.finish() == 0, again.text()[-3000:]
+    for g in (0, 1):  # each group from its own folder's checkpoint; one behind the other would copy its state live
+        assert f"resumed from {tmp_path / 'ft' / f'group_{g}' / 'checkpoints' / f'step_{stopped[g]}'}" in "".join(again.of(g))
+    assert_same_weights(tmp_path / "ft" / "group_0" / "model.pt", tmp_path / "ft" / "group_1" / "model.pt")
+    if stopped[0] == stopped[1]:  # (a signal landing between the two groups' checks of one step stops one a step
+        # later, which it trains alone: then the run is another function of which groups were live)
+        ddp(*RECIPE, "trainer.max_steps=60", f"run_dir={tmp_path / 'ddp'}")  # the paced step computes the same loss
+        assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
+
+
+def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alike(tmp_path):
+    # Each group's item count differs from step to step; the step's gradient is that of the summed losses over
+    # the items of every live group, as under ddp (the counts are summed across groups too): bitwise, as above.
+    counted = [*RECIPE, "trainer.max_steps=20", "step._target_=tests.components_ft.counted_step", "step._partial_=true",
+               "loss.reduction=none"]
+    run = Run(*counted, *GROUPS, f"run_dir={tmp_path / 'ft'}")
+    assert run.finish() == 0, run.text()[-3000:]
+    ddp(*counted, f"run_dir={tmp_path / 'ddp'}")
+    assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
+
+
+def test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise_equal(tmp_path):
+    run = Run(*RECIPE, *GROUPS, *PACED, "checkpoint.every=50", f"run_dir={tmp_path}", env={"FT_TEST_DIE": f"1:{KILLED_AT}"})
+    lighthouse = run.wait_for(r"lighthouse at (\S+)").group(1)
+    pid = int(run.wait_for(r"group 0: started \(process (\d+)\)").group(1))
+    run.wait_for(r"group 1: killed by SIGKILL; 1 group trains on")
+    # Started again once group 0 has gone on alone (a group that joins sooner is in the next quorum at once)
+    run.wait_for(rf"\[group 0\] fault tolerance: step {KILLED_AT}: 1 of 2 groups live")
+    run.wait_for(rf"\[group 0\] step {KILLED_AT + 5}/")
+    again = join(lighthouse, tmp_path, "checkpoint.resume=never")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert run.finish() == 0, run.text()[-3000:]
+    # The live group: one process from start to end, its steps in order, none twice, none back
+    lived = run.of(0)
+    assert [line for line in lived if "fault tolerance: group 0 of 2" in line] == [
+        next(line for line in lived if f"(process {pid})" in line)]
+    done = steps(lived)
+    assert done == list(range(1, 401)), done
+    assert f"fault tolerance: step {KILLED_AT} dropped" in "".join(lived)  # the step group 1 died in
+    # The group started again: it read no checkpoint, took the live state and trained the rest with group 0
+    joined = again.stdout
+    recovered = int(re.search(r"recovered live from a live group at step (\d+) \(.*no checkpoint read\)", joined).group(1))
+    assert "resumed from" not in joined and KILLED_AT < recovered < 400
+    assert steps(re.sub(r"^\[group 1\] ", "", joined, flags=re.M).splitlines()) == list(range(recovered + 1, 401))
+    assert f"fault tolerance: step {recovered + 1}: 2 of 2 groups live" in "".join(lived)
+    assert_same_weights(tmp_path / "group_0" / "model.pt", tmp_path / "group_1" / "model.pt")
+    assert sorted(p.name for p in (tmp_path / "group_1" / "checkpoints").glob("step_*")) == ["step_400"]
+
+
+def test_a_group_with_another_recipe_is_refused_in_one_line_and_never_averaged_in(tmp_path):
+    # The same run twice, side by side: group 1 dies at the same step in both; in one, a group with another seed
+    # and model then tries to join. Group 0 must end with the same weights in both.
+    die = {"FT_TEST_DIE": f"1:{KILLED_AT}"}
+    alone = Run(*RECIPE, *GROUPS, *PACED, "trainer.max_steps=250", f"run_dir={tmp_path / 'alone'}", env=die)
+    run = Run(*RECIPE, *GROUPS, *PACED, "trainer.max_steps=250", f"run_dir={tmp_path / 'run'}", env=die)
+    lighthouse = run.wait_for(r"lighthouse at (\S+)").group(1)
+    run.wait_for(r"group 1: killed by SIGKILL")
+    wrong = join(lighthouse, tmp_path / "run", "trainer.max_steps=250", "seed=1", "model.hidden=64")
+    assert wrong.returncode == 2
+    assert wrong.stderr.splitlines() == [
+        "[group 1] launcher: fault_tolerance: this group's recipe differs from the live groups' in model.hidden (64 "
+        "here, 128 in the live groups); seed (1 here, 0 in the live groups); a group joins only a run of the same "
+        "recipe, and this one was not averaged in"], wrong.stderr
+    assert not steps(re.sub(r"^\[group 1\] ", "", wrong.stdout, flags=re.M).splitlines())  # it trained no step
+    assert run.finish() == 0 and alone.finish() == 0, run.text()[-3000:] + alone.text()[-3000:]
+    assert steps(run.of(0)) == list(range(1, 251))
+    assert_same_weights(tmp_path / "alone" / "group_0" / "model.pt", tmp_path / "run" / "group_0" / "model.pt")
+
+
+def test_a_frozen_group_is_dropped_and_after_sigcont_rejoins_live_in_the_same_process(tmp_path):
+    run = Run(*RECIPE, *GROUPS, *PACED, f"run_dir={tmp_path}")
+    pid = int(run.wait_for(r"group 1: started \(process (\d+)\)").group(1))
+    run.wait_for(rf"\[group 1\] step {KILLED_AT}/")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stopped_at = int(run.wait_for(r"\[group 0\] fault tolerance: step (\d+): 1 of 2 groups live").group(1))
+        run.wait_for(rf"\[group 0\] step {stopped_at + 5}/")  # group 0 trains on alone
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert run.finish() == 0, run.text()[-3000:]
+    assert steps(run.of(0)) == list(range(1, 401))
+    back = run.of(1)
+    recovered = int(re.search(r"recovered live from a live group at step (\d+)", "".join(back)).group(1))
+    assert stopped_at + 5 <= recovered < 400
+    # the same process all along: its steps before the freeze, then those after the copy, each once
+    assert steps(back) == [*range(1, stopped_at), *range(recovered + 1, 401)]
+    assert [line for line in back if "fault tolerance: group 1 of 2" in line] == [
+        next(line for line in back if f"(process {pid})" in line)]
+    assert_same_weights(tmp_path / "group_0" / "model.pt", tmp_path / "group_1" / "model.pt")
+
+
+def test_fewer_live_groups_than_min_groups_make_the_step_wait_then_stop_in_one_line(tmp_path):
+    run = Run(*RECIPE, *GROUPS, *PACED, "fault_tolerance.min_groups=2", "fault_tolerance.timeouts.quorum=6",
+              f"run_dir={tmp_path}", env={"FT_TEST_DIE": f"1:{KILLED_AT}"})
+    assert run.finish() == 6, run.text()[-3000:]  # group 0's code: group 1 was killed, group 0 stopped
+    lived, address = run.of(0), run.wait_for(r"lighthouse at (\S+)").group(1)
+    assert steps(lived) == list(range(1, KILLED_AT))  # the step group 1 died in was never trained alone
+    assert [line for line in lived if "launcher:" in line] == [
+        f"launcher: fault_tolerance: no quorum for step {KILLED_AT} within timeouts.quorum=6 s (timed out): fewer "
+        f"than min_groups=2 groups are live, or the lighthouse at {address} is gone; this group stops (each group "
+        f"resumes its newest checkpoint when started again)\n"]
+
+
+def test_the_lighthouse_lost_stops_every_group_in_one_line(tmp_path):
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-c", "import time; from launcher.ft import lighthouse\n"
+                               "from launcher.recipe.fault_tolerance import FaultToleranceConfig as C, "
+                               "FaultToleranceTimeouts as T\n"
+                               "server = lighthouse.start(C(timeouts=T(pg=2, quorum=6, join=20)))\n"
+                               "print(server.address(), flush=True); time.sleep(600)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        address = lighthouse.stdout.readline().strip()
+        run = Run(*RECIPE, *GROUPS, *PACED, "fault_tolerance.timeouts.quorum=6", f"fault_tolerance.lighthouse={address}",
+                  f"run_dir={tmp_path}")
+        run.wait_for(r"\[group 0\] step 20/")
+        run.wait_for(r"\[group 1\] step 20/")
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    assert run.finish() == 6, run.text()[-3000:]
+    for group in (0, 1):
+        said = [line for line in run.of(group) if "launcher:" in line]
+        assert len(said) == 1 and re.fullmatch(
+            rf"launcher: fault_tolerance: no quorum for step \d+ within timeouts.quorum=6 s \(.*\): fewer than "
+            rf"min_groups=1 groups are live, or the lighthouse at {re.escape(address)} is gone; this group stops .*\n",
+            said[0]), said

@@ -1,0 +1,171 @@
+"""Fault tolerance's pieces without processes: the recipe section, which group a process is, the lighthouse,
+each group's share of a batch, the fingerprint a joining group is checked against, the state it takes."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launcher.errors import UserError
+from launcher.ft import recovery, settings
+from launcher.recipe import load
+from launcher.recipe.fault_tolerance import FaultToleranceConfig
+from launcher.strategies.base import Live
+from tests.conftest import QUICKSTART, REPO, SMALL, launch
+
+
+def problems(*overrides: str) -> str:
+    with pytest.raises(UserError) as e:
+        load(QUICKSTART, list(overrides))
+    return "\n".join(e.value.problems)
+
+
+def test_the_section_is_null_by_default_and_set_by_one_key():
+    assert load(QUICKSTART).recipe.fault_tolerance is None
+    section = load(QUICKSTART, ["fault_tolerance.groups=3"]).recipe.fault_tolerance
+    assert (section.groups, section.group, section.lighthouse, section.min_groups) == (3, None, None, 1)
+    assert (section.timeouts.pg, section.timeouts.quorum, section.timeouts.join) == (30, 60, 120)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["fault_tolerance.groups=2", "fault_tolerance.group=2"], "fault_tolerance.group: is an index among "
+                                                              "fault_tolerance.groups=2 groups: 0 to 1, got 2"),
+    (["fault_tolerance.groups=2", "fault_tolerance.min_groups=3"], "fault_tolerance.min_groups: must be at most "
+                                                                   "fault_tolerance.groups (2), got 3"),
+    (["fault_tolerance.groups=0"], "fault_tolerance.groups: must be 1 or more, got 0"),
+    (["fault_tolerance.lighthouse=localhost:29510"], "fault_tolerance.lighthouse: must be the lighthouse's "
+                                                     "http://host:port, got 'localhost:29510'"),
+    (["fault_tolerance.groups=2", "strategy=fsdp"], "strategy: fault_tolerance runs strategy single or ddp inside a "
+                                                    "group"),
+    (["fault_tolerance.timeouts.pg=-1"], "fault_tolerance.timeouts.pg: must be a positive number of seconds, got -1"),
+])
+def test_a_bad_value_is_one_line_naming_the_key(overrides, expected):
+    said = problems(*overrides)
+    assert expected in said and len(said.splitlines()) == 1, said
+
+
+@pytest.mark.parametrize("overrides, order", [
+    (["fault_tolerance.timeouts.pg=90"], "pg (90) < quorum (60) < join (120) < dist_timeout (600)"),
+    (["fault_tolerance.timeouts.join=50"], "pg (30) < quorum (60) < join (50) < dist_timeout (600)"),
+    (["fault_tolerance.timeouts.quorum=30"], "pg (30) < quorum (30) < join (120) < dist_timeout (600)"),
+    (["dist_timeout=100"], "pg (30) < quorum (60) < join (120) < dist_timeout (100)"),
+])
+def test_the_timeouts_out_of_order_are_one_line_naming_them_in_order(overrides, order):
+    said = problems("fault_tolerance.groups=2", *overrides)
+    assert said.count("\n") == 0 and f"fault_tolerance.timeouts: must grow in this order, each longer than the one " \
+                                      f"before: {order} does not" in said, said
+
+
+def test_this_groups_index_from_the_key_else_the_environment():
+    section = FaultToleranceConfig(groups=3)
+    assert settings.group_index(section, {"REPLICA_GROUP_ID": "2"}) == 2
+    assert settings.group_index(FaultToleranceConfig(groups=3, group=1), {"REPLICA_GROUP_ID": "2"}) == 1  # key wins
+    for env, said in [({}, "fault_tolerance.group: not set, and REPLICA_GROUP_ID is not in the environment"),
+                      ({"REPLICA_GROUP_ID": "3"}, "REPLICA_GROUP_ID='3' is not a group index of "
+                                                  "fault_tolerance.groups=3: 0 to 2"),
+                      ({"REPLICA_GROUP_ID": "one"}, "REPLICA_GROUP_ID='one' is not a group index")]:
+        with pytest.raises(UserError, match=said):
+            settings.group_index(section, env)
+
+
+def test_the_lighthouse_from_the_key_else_the_environment():
+    section = FaultToleranceConfig()
+    assert settings.lighthouse_address(section, {"TORCHFT_LIGHTHOUSE": "http://a:1"}) == "http://a:1"
+    assert settings.lighthouse_address(FaultToleranceConfig(lighthouse="http://b:2"), {"TORCHFT_LIGHTHOUSE": "http://a:1"}) == "http://b:2"
+    with pytest.raises(UserError, match="fault_tolerance.lighthouse: not set, and TORCHFT_LIGHTHOUSE is not in"):
+        settings.lighthouse_address(section, {})
+    with pytest.raises(UserError, match="TORCHFT_LIGHTHOUSE='a:1' is not the lighthouse's http://host:port"):
+        settings.lighthouse_address(section, {"TORCHFT_LIGHTHOUSE": "a:1"})
+
+
+def test_each_group_reads_its_own_share_whatever_is_live():
+    # groups of one process: group g is rank g of N; of two processes: ranks 2g and 2g+1 of 2N
+    assert [settings.share(g, 3, (1, 0)) for g in range(3)] == [(3, 0), (3, 1), (3, 2)]
+    assert [settings.share(g, 2, (2, r)) for g in range(2) for r in range(2)] == [(4, 0), (4, 1), (4, 2), (4, 3)]
+
+
+def test_the_fingerprint_holds_what_shapes_training_and_names_what_differs():
+    base = load(QUICKSTART, ["fault_tolerance.groups=2"]).config
+    mine = settings.fingerprint(base, 1)
+    assert mine["seed"] == 0 and mine["model.hidden"] == 128 and mine[settings.PROCESSES] == 1
+    elsewhere = load(QUICKSTART, ["fault_tolerance.groups=2", "run_dir=/elsewhere", "logging.tensorboard=false",
+                                  "fault_tolerance.timeouts.join=200", "checkpoint.every=7"]).config
+    assert settings.fingerprint(elsewhere, 1) == mine  # where it writes, how it logs and waits: not training
+    other = settings.fingerprint(load(QUICKSTART, ["fault_tolerance.groups=2", "seed=1", "model.hidden=64"]).config, 1)
+    assert settings.differences(mine, other) == ["model.hidden (128 here, 64 in the live groups)",
+                                                 "seed (0 here, 1 in the live groups)"]
+    assert settings.differences(mine, settings.fingerprint(base, 2)) == [
+        "processes per group (1 here, 2 in the live groups)"]
+
+
+def _live(seed: int, step: int) -> Live:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, 2)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    schedule.step()
+
+    class Precision:
+        def state_dict(self):
+            return {"scale": seed}
+
+        def load_state_dict(self, state):
+            self.loaded = state
+
+    class Position:
+        def __init__(self):
+            self.step, self.epoch, self.batch = step, 1, step
+
+    return Live(model, optimizer, schedule, Precision(), Position(), None, print)
+
+
+def test_a_joining_group_takes_the_live_groups_state_exactly():
+    giver, taker = _live(0, 17), _live(1, 0)
+    fingerprint = {"seed": 0}
+    state = recovery.given(giver, fingerprint)
+    drawn = torch.rand(3)  # the giver's RNG, as it stood when it gave, is the taker's next
+    recovery.take(state, taker, fingerprint)
+    for a, b in zip(giver.model.state_dict().values(), taker.model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert str(taker.optimizer.state_dict()) == str(giver.optimizer.state_dict())
+    assert taker.schedule.state_dict() == giver.schedule.state_dict() and taker.precision.loaded == {"scale": 0}
+    assert (taker.position.step, taker.position.epoch, taker.position.batch) == (17, 1, 17)
+    assert torch.equal(torch.rand(3), drawn)
+
+
+def test_a_joining_group_with_another_recipe_refuses_before_taking_anything():
+    giver, taker = _live(0, 17), _live(1, 0)
+    before = [t.clone() for t in taker.model.state_dict().values()]
+    with pytest.raises(UserError, match=r"fault_tolerance: this group's recipe differs from the live groups' in "
+                                        r"seed \(1 here, 0 in the live groups\); a group joins only a run of the same "
+                                        r"recipe, and this one was not averaged in"):
+        recovery.take(recovery.given(giver, {"seed": 0}), taker, {"seed": 1})
+    assert all(torch.equal(a, b) for a, b in zip(before, taker.model.state_dict().values()))
+    assert taker.position.step == 0
+
+
+def test_a_run_without_the_section_never_imports_torchft(tmp_path):
+    code = ("import sys\nfrom launcher.recipe import load\nfrom launcher.run.train import train\n"
+            f"train(load({str(QUICKSTART)!r}, {[*SMALL, 'trainer.max_steps=2', f'run_dir={tmp_path}']!r}))\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchft' or m.startswith('launcher.ft')"
+            " or m == 'launcher.strategies.fault_tolerant'))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("overrides, env, said", [
+    (["fault_tolerance.groups=2"], {},
+     "launcher: fault_tolerance.group: not set, and REPLICA_GROUP_ID is not in the environment; set "
+     "fault_tolerance.group=<0 to 1>, or start the groups with python -m launcher.ft, which gives each its own"),
+    (["fault_tolerance.groups=2", "fault_tolerance.lighthouse=http://127.0.0.1:9"], {"REPLICA_GROUP_ID": "1"},
+     "launcher: fault_tolerance.lighthouse: nothing answers at http://127.0.0.1:9 (Connection refused); start the "
+     "lighthouse first (python -m launcher.ft starts one and gives its address), or fix the address"),
+])
+def test_a_group_without_its_index_or_its_lighthouse_stops_in_one_line(tmp_path, overrides, env, said):
+    done = launch(str(QUICKSTART), *SMALL, f"run_dir={tmp_path}", *overrides,
+                  env={k: v for k, v in env.items()} | {"TORCHFT_LIGHTHOUSE": ""})
+    assert done.returncode == 2 and done.stderr.splitlines() == [said], done.stderr
