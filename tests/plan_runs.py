@@ -10,7 +10,6 @@ planned apart).
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -53,11 +52,14 @@ def main(cases_file: str, apart_file: str) -> None:
     real = memory.Planned
 
     class Deferred:
-        """memory.Planned, without the planner's process: its arguments, for the test."""
+        """memory.Planned, without the planner's process."""
 
-        def __init__(self, argv: List[str]):
-            self.command = "python -m launcher.plan " + " ".join(map(shlex.quote, argv))
+        def __init__(self, command: str):
+            self.command = command
             self.said = False
+
+        def start(self) -> None:
+            pass
 
         def ready(self) -> bool:
             return False
@@ -69,13 +71,14 @@ def main(cases_file: str, apart_file: str) -> None:
             pass
 
     def planned(recipe_path, overrides, strategy, world, device_type):
-        # the arguments memory.Planned gives python -m launcher.plan
-        argv = [str(recipe_path), *overrides, "--as-run", strategy, "--devices", str(world), "--device", device_type,
-                "--json"]
+        made = real(recipe_path, overrides, strategy, world, device_type)  # not started: its arguments
         own = bool(apart & set(overrides))
-        with open(asked, "a") as out:
-            out.write(json.dumps({"argv": argv, "apart": own}) + "\n")
-        return real(recipe_path, overrides, strategy, world, device_type) if own else Deferred(argv)
+        with open(asked, "a") as out:  # less `python -m launcher.plan` and its --out FILE
+            out.write(json.dumps({"argv": made.argv[3:-2], "apart": own}) + "\n")
+        if own:
+            return made
+        made.close()
+        return Deferred(made.command)
 
     memory.Planned = planned
     several(cases_file)

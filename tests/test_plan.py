@@ -2,6 +2,7 @@
 run's measured peak beside the planned one."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -308,3 +309,62 @@ def test_a_batch_no_layout_divides_is_said_as_such():
                                                "data-parallel ranks of any layout on 3 devices; plan for a number of "
                                                "devices that divides it, or give data.batch_size a multiple of 3")
 
+
+PRINTS = ("import torch\n"
+          "from recipes.components.mlp import MLP\n"
+          "class Prints(MLP):  # as nanoGPT's model.py, which says its size when built\n"
+          "    def __init__(self, **kwargs):\n"
+          "        super().__init__(**kwargs)\n"
+          "        print(f'number of parameters: {sum(p.numel() for p in self.parameters()) / 1e6:.2f}M')\n")
+
+
+def launch(tmp_path, *overrides):
+    """python -m launcher on the quickstart recipe (its model printing when built), 3 steps: what it said."""
+    (tmp_path / "prints.py").write_text(PRINTS)
+    done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, "model._target_=prints.Prints",
+                           "trainer.max_steps=3", "trainer.log_every=3", "logging.tensorboard=false",
+                           "logging.progress_bar=false", f"run_dir={tmp_path / 'run'}", *overrides], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_a_model_that_prints_when_built_leaves_the_plan_beside_its_run_readable(tmp_path):
+    said = launch(tmp_path, "logging.memory_plan=wait")
+    assert "number of parameters: 0.02M" in said
+    assert "planned 0.4 MiB (python -m launcher.plan), +0.0%" in said
+
+
+@pytest.mark.slow
+def test_a_run_too_short_for_its_plan_ends_on_its_result(tmp_path):
+    said = launch(tmp_path).rstrip().splitlines()
+    assert said[-1].startswith("done: step 3")
+    assert said[-2] == "memory: 0.4 MiB per rank at the peak (torch's memory tracker, step 2)"
+
+
+def test_the_planner_beside_a_run_starts_when_asked_and_takes_no_core_the_run_needs(tmp_path):
+    from launcher.observe import memory
+
+    planned = memory.Planned(tmp_path / "r.yaml", [], "single", 1, "cpu")
+    try:
+        assert planned.process is None and not planned.ready()  # not while the run starts
+        planned.argv = [sys.executable, "-c", "import time; time.sleep(30)"]
+        planned.start()
+        assert os.sched_getscheduler(planned.process.pid) == os.SCHED_IDLE  # the CPU when nothing else wants it
+    finally:
+        planned.close()
+
+
+def test_whatever_the_planner_leaves_its_result_is_a_line_and_never_an_error(tmp_path):
+    from launcher.observe import memory
+
+    for left in ("number of parameters: 0.02M\n{}", "", '{"peak_bytes": "many"}', "[1, 2]"):
+        planned = memory.Planned(tmp_path / "r.yaml", [], "single", 1, "cpu")
+        planned.argv = [sys.executable, "-c", f"open({str(planned.out)!r}, 'w').write({left!r})"]
+        try:
+            figure, line = planned.result(wait=True)
+        finally:
+            planned.close()
+        assert figure is None and line.startswith("memory: not planned: "), (left, line)
