@@ -1,8 +1,9 @@
 """tests/several_runs.py for the planner's accuracy table (tests/test_plan.py): several runs in one torchrun
 launch, where only the runs named apart start the memory planner as every run does (`python -m launcher.plan
 --as-run` in a process of its own beside training). The others defer it: their command line is written to
-deferred.jsonl beside CASES.json, and the test plans it in its own process (the same `launcher.plan` main on the
-same arguments), while the measured peak is still the run's own. Each planner process costs a start and an
+deferred.jsonl beside CASES.json (as memory.Planned makes it, less its --out file), and the test plans it in its
+own process (the same `launcher.plan` main on the same arguments, its own --out), while the measured peak is still
+the run's own. Each planner process costs a start and an
 import of torch; the figure does not depend on which process computes it (the test checks that on the runs
 planned apart).
 

@@ -119,6 +119,29 @@ def test_a_step_fake_tensors_cannot_run_is_one_line_naming_the_operation(tmp_pat
     assert "Traceback" not in done.stderr
 
 
+
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
+def test_a_fake_kernel_that_fails_is_one_line_without_torchs_traceback(tmp_path):
+    (tmp_path / "grouped.py").write_text(
+        "import torch\n"
+        "class Grouped(torch.nn.Linear):\n"
+        "    def forward(self, x):  # a grouped product of batches in fp32: a kernel whose fake takes bf16 alone\n"
+        "        y = super().forward(x)\n"
+        "        return torch._grouped_mm(y[None], y[None].transpose(1, 2))[0].sum(-1)\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes/quickstart.yaml").read_text().replace(
+        "model: {_target_: recipes.components.mlp.MLP, in_dim: 32, hidden: 128, classes: 10}",
+        "model: {_target_: grouped.Grouped, in_features: 32, out_features: 10}"))
+    done = subprocess.run([sys.executable, "-m", "launcher.plan", str(recipe), "--jobs", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "launcher: model: grouped.Grouped: its training step cannot run on fake tensors (RuntimeError: Expected "
+        "inputs of BF16 type but got mat_a.dtype=torch.float32 and mat_b.dtype=torch.float32.); the plan needs every "
+        "operation of the step to have a meta kernel and no step to read the values of a tensor made from the "
+        "model's on the host"], done.stderr[-3000:]
+
 # The accuracy table of the README ("Planning memory"): each model under each layout, a real run's peak (torch's
 # tracker on the CPU) against the plan the run made of itself. GPT-2 (HF) carries no tensor-parallel plan.
 ROWS = ["data.train={_target_: recipes.components.passages.Passages, min_len: 64, max_len: 64, n: 256}"]

@@ -49,9 +49,9 @@ class NotFake(UserError):
     """The model or its step does an operation fake tensors cannot run: `row` says so for one layout's row,
     the message for the whole plan (where every layout meets it)."""
 
-    def __init__(self, message: str, row: str):
+    def __init__(self, message: str, row: str = ""):  # (unpickled from a worker with its message alone)
         super().__init__(message)
-        self.row = row
+        self.row = row or message
 
 
 def peaks(recipe, layout: Layout, batches: List[Any], device_type: str, keep: Optional[int]) -> tuple:
@@ -61,10 +61,10 @@ def peaks(recipe, layout: Layout, batches: List[Any], device_type: str, keep: Op
     from torch.utils.checkpoint import CheckpointError
 
     from launcher.model import empty
-    from launcher.plan.standins import standing_in
+    from launcher.plan.standins import quiet, standing_in
 
     sharded = layout.strategy == "fsdp"
-    with _world(layout.world) if sharded else contextlib.nullcontext():
+    with _world(layout.world) if sharded else contextlib.nullcontext(), quiet():
         strategy = _strategy(recipe, layout)
         try:
             # wrapped outside fake mode: FSDP2 and tensor parallel make device meshes of real rank numbers

@@ -1,5 +1,5 @@
 """What a run does that fake tensors, left to themselves, would do otherwise: `standing_in(device_type)` holds
-them all while the planner's step runs.
+them while the planner's step runs.
 
 - **The batch's values.** A model may read its batch on the host: whether any token is padded decides whether
   an attention mask is made at all (transformers asks `mask.all()`, and takes a fake tensor for one whose
@@ -14,8 +14,8 @@ them all while the planner's step runs.
 - **Grouped matrix products** (a mixture of experts' layers): the fake kernel of `grouped_mm` takes bf16
   alone, where the CPU's kernel takes any float. In another dtype a stand-in makes what the kernel makes:
   the output, and in backward the gradients of input and weights.
-- **torch's log** of a fake kernel that failed: a traceback per model; the planner says the failure in one
-  line."""
+- **torch's log** of a fake kernel that failed (a traceback per model) is `quiet()`: the planner says the
+  failure in one line."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ VALUES_UP_TO = 64 * 2**20  # bytes an operation on the batch alone may make real
 
 @contextlib.contextmanager
 def standing_in(device_type: str) -> Iterator[None]:
-    with _quiet(), _fused_attention(device_type), _grouped_mm(), _BatchValues():
+    with _fused_attention(device_type), _grouped_mm(), _BatchValues():
         yield
 
 
@@ -39,7 +39,8 @@ class _BatchValues:
     """Inside (under a FakeTensorMode), operations on real tensors alone run on them (see the module)."""
 
     def __enter__(self):
-        from torch._subclasses.fake_tensor import DataDependentOutputException, is_fake, unset_fake_temporarily
+        from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                                   UnsupportedOperatorException, is_fake, unset_fake_temporarily)
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
 
@@ -54,8 +55,8 @@ class _BatchValues:
                         return func(*args, **kwargs)
                 try:
                     out = func(*args, **kwargs)  # fake: its size, before anything is allocated
-                except DataDependentOutputException:  # it reads a value (item(), nonzero): what fake cannot
-                    out = None
+                except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException):
+                    out = None  # it reads a value (item(), nonzero) or has no fake kernel: it runs on the values
                 made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
                 if sum(t.numel() * t.element_size() for t in made) > VALUES_UP_TO:
                     return out
@@ -136,7 +137,7 @@ def _grouped_mm() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     log = logging.getLogger("torch._subclasses.fake_tensor")
     was, log.disabled = log.disabled, True
     try:
