@@ -391,3 +391,8 @@ def test_whatever_the_planner_leaves_its_result_is_a_line_and_never_an_error(tmp
         finally:
             planned.close()
         assert figure is None and line.startswith("memory: not planned: "), (left, line)
+    planned = memory.Planned(tmp_path / "r.yaml", [], "single", 1, "cpu")
+    planned.argv = [str(tmp_path / "no-such-python")]
+    planned.start()  # no exception: a line
+    assert planned.ready() and planned.result(wait=False)[1].startswith("memory: not planned: the planner could not start")
+    planned.close()

@@ -212,18 +212,22 @@ class Planned:
         self.argv = [sys.executable, "-m", "launcher.plan", str(recipe_path), *overrides, "--as-run", strategy,
                      "--devices", str(world), "--device", device_type, "--out", str(self.out)]
         self.process: Optional[subprocess.Popen] = None
+        self.failed: Optional[str] = None  # why it could not start
         self.said = False
 
     def start(self) -> None:
-        if self.process is not None:
+        if self.process is not None or self.failed:
             return
         env = {k: v for k, v in os.environ.items() if k not in ENV_LEFT_OUT}
-        with open(self.err, "w") as err:
-            self.process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-                                            env=env, preexec_fn=_child)
+        try:
+            with open(self.err, "w") as err:
+                self.process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err,
+                                                stdin=subprocess.DEVNULL, env=env, preexec_fn=_child)
+        except Exception as e:  # noqa: BLE001 - advisory: a planner that cannot start is a line, not the run's end
+            self.failed = f"memory: not planned: the planner could not start ({type(e).__name__}: {e})"
 
     def ready(self) -> bool:
-        return self.process is not None and self.process.poll() is not None
+        return bool(self.failed) or self.process is not None and self.process.poll() is not None
 
     def result(self, wait: bool) -> tuple:
         """(the planned peak in bytes or None, the line that says it or why there is none; None: not ready)."""
@@ -236,6 +240,8 @@ class Planned:
 
     def _read(self) -> tuple:
         self.start()
+        if self.failed:
+            return None, self.failed
         try:
             code = self.process.wait(timeout=600)
         except subprocess.TimeoutExpired:
