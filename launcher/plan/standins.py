@@ -2,8 +2,8 @@
 them while the planner's step runs.
 
 - **The batch's values.** A model may read its batch on the host: whether any token is padded decides whether
-  an attention mask is made at all (transformers asks `mask.all()`, and takes a fake tensor for one whose
-  answer it cannot know: it makes the mask). The batch stays real, and an operation on real tensors alone (a
+  an attention mask is made at all (transformers sums the padding mask, and takes a fake tensor for one whose
+  sum it cannot know: it makes the mask). The batch stays real, and an operation on real tensors alone (a
   padding mask, its sum, the count of scored labels) runs on them, where it makes no more than VALUES_UP_TO
   bytes; whatever meets a parameter is fake.
 - **Attention.** On fake tensors `scaled_dot_product_attention` takes its math path, which keeps the
