@@ -1,8 +1,9 @@
 """tests/several_runs.py for the planner's accuracy table (tests/test_plan.py): several runs in one torchrun
 launch, where only the runs named apart start the memory planner as every run does (`python -m launcher.plan
 --as-run` in a process of its own beside training). The others defer it: their command line is written to
-deferred.jsonl beside CASES.json, and the test plans it in its own process (the same `launcher.plan` main on the
-same arguments), while the measured peak is still the run's own. Each planner process costs a start and an
+deferred.jsonl beside CASES.json (as memory.Planned makes it, less its --out file), and the test plans it in its
+own process (the same `launcher.plan` main on the same arguments, its own --out), while the measured peak is still
+the run's own. Each planner process costs a start and an
 import of torch; the figure does not depend on which process computes it (the test checks that on the runs
 planned apart).
 
@@ -10,7 +11,6 @@ planned apart).
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -53,11 +53,14 @@ def main(cases_file: str, apart_file: str) -> None:
     real = memory.Planned
 
     class Deferred:
-        """memory.Planned, without the planner's process: its arguments, for the test."""
+        """memory.Planned, without the planner's process."""
 
-        def __init__(self, argv: List[str]):
-            self.command = "python -m launcher.plan " + " ".join(map(shlex.quote, argv))
+        def __init__(self, command: str):
+            self.command = command
             self.said = False
+
+        def start(self) -> None:
+            pass
 
         def ready(self) -> bool:
             return False
@@ -69,13 +72,14 @@ def main(cases_file: str, apart_file: str) -> None:
             pass
 
     def planned(recipe_path, overrides, strategy, world, device_type):
-        # the arguments memory.Planned gives python -m launcher.plan
-        argv = [str(recipe_path), *overrides, "--as-run", strategy, "--devices", str(world), "--device", device_type,
-                "--json"]
+        made = real(recipe_path, overrides, strategy, world, device_type)  # not started: its arguments
         own = bool(apart & set(overrides))
-        with open(asked, "a") as out:
-            out.write(json.dumps({"argv": argv, "apart": own}) + "\n")
-        return real(recipe_path, overrides, strategy, world, device_type) if own else Deferred(argv)
+        with open(asked, "a") as out:  # less `python -m launcher.plan` and its --out FILE
+            out.write(json.dumps({"argv": made.argv[3:-2], "apart": own}) + "\n")
+        if own:
+            return made
+        made.close()
+        return Deferred(made.command)
 
     memory.Planned = planned
     several(cases_file)

@@ -2,6 +2,7 @@
 run's measured peak beside the planned one."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,6 +35,14 @@ def in_this_process(argv) -> subprocess.CompletedProcess:
         except SystemExit as e:  # argparse's mistakes: the exit code python -m launcher.plan ends with
             code = e.code
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def planned_here(argv, out) -> int:
+    """The peak python -m launcher.plan --as-run plans with `argv` (as a run starts it), planned in this
+    process: what it writes to its --out file, as the run reads it."""
+    done = in_this_process([*argv, "--out", out])
+    assert done.returncode == 0, (argv, done.stderr[-3000:])
+    return json.loads(out.read_text().splitlines()[0])["peak_bytes"]
 
 
 def rows(*args):
@@ -97,7 +106,8 @@ def test_a_step_fake_tensors_cannot_run_is_one_line_naming_the_operation(tmp_pat
         "import torch\n"
         "class Reads(torch.nn.Linear):\n"
         "    def forward(self, x):\n"
-        "        return super().forward(x) * float(x.abs().max())  # the host reads a value\n")
+        "        y = super().forward(x)\n"
+        "        return y * float(y.abs().max())  # the host reads a value made from the weights\n")
     recipe = tmp_path / "r.yaml"
     recipe.write_text((REPO / "recipes/quickstart.yaml").read_text().replace(
         "model: {_target_: recipes.components.mlp.MLP, in_dim: 32, hidden: 128, classes: 10}",
@@ -108,6 +118,29 @@ def test_a_step_fake_tensors_cannot_run_is_one_line_naming_the_operation(tmp_pat
            "aten._local_scalar_dense.default)" in done.stderr
     assert "Traceback" not in done.stderr
 
+
+
+@pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
+def test_a_fake_kernel_that_fails_is_one_line_without_torchs_traceback(tmp_path):
+    (tmp_path / "grouped.py").write_text(
+        "import torch\n"
+        "class Grouped(torch.nn.Linear):\n"
+        "    def forward(self, x):  # a grouped product of batches in fp32: a kernel whose fake takes bf16 alone\n"
+        "        y = super().forward(x)\n"
+        "        return torch._grouped_mm(y[None], y[None].transpose(1, 2))[0].sum(-1)\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes/quickstart.yaml").read_text().replace(
+        "model: {_target_: recipes.components.mlp.MLP, in_dim: 32, hidden: 128, classes: 10}",
+        "model: {_target_: grouped.Grouped, in_features: 32, out_features: 10}"))
+    done = subprocess.run([sys.executable, "-m", "launcher.plan", str(recipe), "--jobs", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "launcher: model: grouped.Grouped: its training step cannot run on fake tensors (RuntimeError: Expected "
+        "inputs of BF16 type but got mat_a.dtype=torch.float32 and mat_b.dtype=torch.float32.); the plan needs every "
+        "operation of the step to have a meta kernel and no step to read the values of a tensor made from the "
+        "model's on the host"], done.stderr[-3000:]
 
 # The accuracy table of the README ("Planning memory"): each model under each layout, a real run's peak (torch's
 # tracker on the CPU) against the plan the run made of itself. GPT-2 (HF) carries no tensor-parallel plan.
@@ -151,9 +184,7 @@ def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp
         for line in (tmp_path / model / layout / "metrics.jsonl").read_text().splitlines():
             values.update(json.loads(line))
         measured = values["memory/peak_bytes"]
-        done = in_this_process(asked[name]["argv"])  # python -m launcher.plan --as-run, as the run starts it
-        assert done.returncode == 0, (name, done.stderr[-3000:])
-        here = json.loads(done.stdout.splitlines()[0])["peak_bytes"]
+        here = planned_here(asked[name]["argv"], tmp_path / f"{name}.json")
         said = [line for line in result["said"].splitlines() if line.startswith("memory: ")]
         assert asked[name]["apart"] == (name in APART)
         if name in APART:  # the run's own planner process: said beside the measured peak, the figure planned here
@@ -204,8 +235,8 @@ def test_a_sweep_leaves_out_the_runs_that_will_not_fit_before_starting_any(tmp_p
 def test_a_deep_stack_planned_from_two_shallow_depths_is_the_stack_planned_whole():
     """A model of more than SHALLOW[1] + 2 identical blocks is planned with its stack cut to the SHALLOW depths,
     each kind of bytes extrapolated to its depth: for an HF Llama of 9 layers, the same peak as planned whole."""
-    from launcher.plan import fake, planner
-    from launcher.plan.fake import Layout
+    from launcher.plan import peaks, planner
+    from launcher.plan.layouts import Layout
     from launcher.recipe import load
 
     tiny = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_attention_heads=4",
@@ -214,10 +245,154 @@ def test_a_deep_stack_planned_from_two_shallow_depths_is_the_stack_planned_whole
             "trainer.grad_accum_steps=2"]
     recipe = load(REPO / "recipes" / "llama8b.yaml", tiny).recipe
     batches = planner.Batches(recipe)
-    assert fake._depth(recipe) == 9 > fake.SHALLOW[1] + 2
+    assert peaks.depth(recipe) == 9 > peaks.SHALLOW[1] + 2
     for layout in (Layout("ddp", 2), Layout("fsdp", 4, tp=2, recompute=True)):  # fsdp x2 tp x2 +ac
         batch = [batches.of(4 // layout.replicas)]
-        whole = fake.peaks(recipe, layout, batch, "cpu", shallow=None)[0]
-        cut = fake.peaks(recipe, layout, batch, "cpu")[0]
+        whole = peaks.peaks(recipe, layout, batch, "cpu", shallow=None)[0]
+        cut = peaks.peaks(recipe, layout, batch, "cpu")[0]
         assert abs(cut.total - whole.total) <= 0.01 * whole.total, (layout.name, cut.by_kind, whole.by_kind)
         assert abs(cut.running - whole.running) <= 0.01 * whole.running, layout.name
+
+
+# Each architecture the tests build, as transformers configures it by default (dropout on where it has one), its
+# plan against its own run's measured peak: single process, rows of one length.
+ARCHITECTURES = {
+    "gpt2": "{_target_: transformers.GPT2LMHeadModel, config: {_target_: transformers.GPT2Config, vocab_size: 256, "
+            "n_positions: 128, n_embd: 32, n_layer: 2, n_head: 4}}",
+    "bert": "{_target_: transformers.BertForMaskedLM, config: {_target_: transformers.BertConfig, vocab_size: 256, "
+            "hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, intermediate_size: 64, "
+            "max_position_embeddings: 128}}",
+    "t5": "{_target_: transformers.T5ForConditionalGeneration, config: {_target_: transformers.T5Config, vocab_size: 256, "
+          "d_model: 32, d_kv: 8, d_ff: 64, num_layers: 2, num_heads: 4, decoder_start_token_id: 0, pad_token_id: 0}}",
+    "mixtral": "{_target_: transformers.MixtralForCausalLM, config: {_target_: transformers.MixtralConfig, vocab_size: "
+               "256, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
+               "num_key_value_heads: 2, num_local_experts: 4, num_experts_per_tok: 2, max_position_embeddings: 128}}",
+    "qwen2_moe": "{_target_: transformers.Qwen2MoeForCausalLM, config: {_target_: transformers.Qwen2MoeConfig, "
+                 "vocab_size: 256, hidden_size: 32, intermediate_size: 64, moe_intermediate_size: 32, "
+                 "shared_expert_intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
+                 "num_key_value_heads: 2, num_experts: 4, num_experts_per_tok: 2, max_position_embeddings: 128}}",
+}
+
+
+@pytest.mark.slow
+def test_each_architecture_is_planned_within_ten_percent_of_its_runs_peak(tmp_path):
+    """Dropout (the CPU's attention takes its math path then), a batch with no padding (no mask made), experts'
+    grouped products in fp32, a ViT built by an initialisation fake tensors cannot run: each planned as run."""
+    from tests.plan_runs import planned_runs
+
+    short = ["trainer.max_steps=3", "trainer.log_every=3", "checkpoint.every=null", "logging.memory_plan=wait",
+             "logging.jsonl=true"]
+    cases = {name: ["tests/hf_zoo.yaml", f"model={model}", *ROWS, *short, f"run_dir={tmp_path / name}"]
+             for name, model in ARCHITECTURES.items()}
+    cases["vit"] = ["tests/hf_zoo.yaml", "model._target_=tests.hf_zoo.vit", "data.train._target_=tests.hf_zoo.Images",
+                    "data.collate=null", *short, f"run_dir={tmp_path / 'vit'}"]
+    ranks, asked = planned_runs(cases, set(), tmp_path, nproc=1, timeout=900)
+    table = []
+    for name, result in ranks[0].items():
+        assert result["error"] is None, (name, result)
+        values = {}
+        for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines():
+            values.update(json.loads(line))
+        measured, planned = values["memory/peak_bytes"], planned_here(asked[name]["argv"], tmp_path / f"{name}.json")
+        table.append((name, measured, planned, 100 * (planned - measured) / measured))
+    print("\n".join(f"{n:10} measured {m / 2**20:7.2f} MiB  planned {p / 2**20:7.2f} MiB {off:+6.1f}%"
+                    for n, m, p, off in table))
+    assert len(table) == 6 and all(abs(off) <= 10 for *_, off in table), table
+
+
+@pytest.mark.slow
+def test_a_layout_the_step_fails_under_is_a_row_and_the_rest_of_the_plan_stands():
+    """T5's blocks cannot recompute (a run fails alike): the +ac row says so; the one process is planned; the two
+    rows of one device have names of their own."""
+    found = rows("tests/hf_zoo.yaml", "model._target_=tests.hf_zoo.t5", "--device", "cpu")
+    assert list(found) == ["single", "single +ac"]
+    assert found["single"]["peak_bytes"] > 0 and found["single"]["problem"] is None
+    assert found["single +ac"]["problem"].startswith("its blocks cannot recompute their activations (CheckpointError")
+
+
+@pytest.mark.slow
+def test_the_ddp_row_of_a_vit_and_of_a_lora_recipe_is_planned(tmp_path):
+    from recipes.components.hf_folder import write
+
+    vit = rows("tests/hf_zoo.yaml", "model._target_=tests.hf_zoo.vit", "data.train._target_=tests.hf_zoo.Images",
+               "data.collate=null", "--devices", "2", "--device", "cpu")
+    assert vit["ddp x2"]["problem"] is None and vit["ddp x2"]["peak_bytes"] > 0
+    write(str(tmp_path / "base"))
+    lora = ["recipes/hf_lora.yaml", f"model.model.config.pretrained_model_name_or_path={tmp_path / 'base'}",
+            "on_cpu=null", "precision=fp32", "--devices", "2", "--device", "cpu", "--memory", "1GB"]
+    assert rows(*lora)["ddp x2"]["problem"] is None
+    assert "use: ddp x2 (the least communication that fits)" in plan(*lora).stdout
+
+
+@pytest.mark.slow
+def test_a_batch_no_layout_divides_is_said_as_such():
+    shown = plan(*QUICK, "--devices", "3", "--memory", "1GB").stdout
+    assert "none fits" not in shown
+    assert shown.rstrip().splitlines()[-1] == ("none planned: data.batch_size 64 does not divide among the "
+                                               "data-parallel ranks of any layout on 3 devices; plan for a number of "
+                                               "devices that divides it, or give data.batch_size a multiple of 3")
+
+
+PRINTS = ("import torch\n"
+          "from recipes.components.mlp import MLP\n"
+          "class Prints(MLP):  # as nanoGPT's model.py, which says its size when built\n"
+          "    def __init__(self, **kwargs):\n"
+          "        super().__init__(**kwargs)\n"
+          "        print(f'number of parameters: {sum(p.numel() for p in self.parameters()) / 1e6:.2f}M')\n")
+
+
+def launch(tmp_path, *overrides):
+    """python -m launcher on the quickstart recipe (its model printing when built), 3 steps: what it said."""
+    (tmp_path / "prints.py").write_text(PRINTS)
+    done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, "model._target_=prints.Prints",
+                           "trainer.max_steps=3", "trainer.log_every=3", "logging.tensorboard=false",
+                           "logging.progress_bar=false", f"run_dir={tmp_path / 'run'}", *overrides], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_a_model_that_prints_when_built_leaves_the_plan_beside_its_run_readable(tmp_path):
+    said = launch(tmp_path, "logging.memory_plan=wait")
+    assert "number of parameters: 0.02M" in said
+    assert "planned 0.4 MiB (python -m launcher.plan), +0.0%" in said
+
+
+@pytest.mark.slow
+def test_a_run_too_short_for_its_plan_ends_on_its_result(tmp_path):
+    said = launch(tmp_path).rstrip().splitlines()
+    assert said[-1].startswith("done: step 3")
+    assert said[-2] == "memory: 0.4 MiB per rank at the peak (torch's memory tracker, step 2)"
+
+
+def test_the_planner_beside_a_run_starts_when_asked_and_takes_no_core_the_run_needs(tmp_path):
+    from launcher.observe import memory
+
+    planned = memory.Planned(tmp_path / "r.yaml", [], "single", 1, "cpu")
+    try:
+        assert planned.process is None and not planned.ready()  # not while the run starts
+        planned.argv = [sys.executable, "-c", "import time; time.sleep(30)"]
+        planned.start()
+        assert os.sched_getscheduler(planned.process.pid) == os.SCHED_IDLE  # the CPU when nothing else wants it
+    finally:
+        planned.close()
+
+
+def test_whatever_the_planner_leaves_its_result_is_a_line_and_never_an_error(tmp_path):
+    from launcher.observe import memory
+
+    for left in ("number of parameters: 0.02M\n{}", "", '{"peak_bytes": "many"}', "[1, 2]"):
+        planned = memory.Planned(tmp_path / "r.yaml", [], "single", 1, "cpu")
+        planned.argv = [sys.executable, "-c", f"open({str(planned.out)!r}, 'w').write({left!r})"]
+        try:
+            figure, line = planned.result(wait=True)
+        finally:
+            planned.close()
+        assert figure is None and line.startswith("memory: not planned: "), (left, line)
+    planned = memory.Planned(tmp_path / "r.yaml", [], "single", 1, "cpu")
+    planned.argv = [str(tmp_path / "no-such-python")]
+    planned.start()  # no exception: a line
+    assert planned.ready() and planned.result(wait=False)[1].startswith("memory: not planned: the planner could not start")
+    planned.close()

@@ -8,8 +8,10 @@ fsdp) over one step: the run's second (the first makes the optimizer's state), o
 or makes one step. The tracker sees what Python's dispatcher allocates: DDP's buckets, allocated by its C++
 reducer, are added as their size (`buckets`), as the planner adds them.
 
-Planned: rank 0 starts the planner for its run's layout beside training, at the lowest CPU priority; its
-figure is said at the first log step after it is ready, and waited for at the end."""
+Planned: rank 0 starts the planner for its run's layout beside training at its first log step (not while
+the run starts), on the CPU only when no other process wants it (SCHED_IDLE); its figure is said at the first
+log step after it is ready, and, with `logging.memory_plan: wait`, waited for at the end. It is advisory: its
+result is read from a file of its own, and nothing it prints, writes or fails at fails the run."""
 
 from __future__ import annotations
 
@@ -165,9 +167,14 @@ def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: b
 
 
 def _child() -> None:
-    """In the planner's process before it starts: the lowest CPU priority, and an end with its run's process
-    (Linux: killed when the parent dies, by SIGKILL too), so that a killed run leaves nothing behind."""
+    """In the planner's process before it starts: the CPU only when no other process wants it (SCHED_IDLE,
+    where there is one; else the lowest priority), and an end with its run's process (Linux: killed when the
+    parent dies, by SIGKILL too), so that a killed run leaves nothing behind."""
     os.nice(19)
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux
+        pass
     try:
         import ctypes
         import signal
@@ -191,8 +198,10 @@ def ddp_buckets(model: torch.nn.Module, as_view: bool) -> int:
 
 
 class Planned:
-    """`python -m launcher.plan --as-run` for this run's layout, in a process of its own beside training (its
-    output in a temporary folder: the run folder holds only what the run writes)."""
+    """`python -m launcher.plan --as-run` for this run's layout, in a process of its own beside training, started
+    when asked (`start`: the run starts it after its first steps). It is advisory: its result comes from the
+    file it is given (`--out`, written whole by a rename; the recipe's code may print anything on its stdout),
+    and whatever it does or writes, `result` says a line and never raises."""
 
     def __init__(self, recipe_path: Path, overrides: List[str], strategy: str, world: int, device_type: str):
         self.folder = tempfile.TemporaryDirectory(prefix="launcher-plan-")
@@ -200,40 +209,57 @@ class Planned:
         self.err = Path(self.folder.name) / "plan.err"
         self.command = " ".join(["python -m launcher.plan", shlex.quote(str(recipe_path)), *map(shlex.quote, overrides),
                                  f"--as-run {strategy} --devices {world}"])
-        env = {k: v for k, v in os.environ.items() if k not in ENV_LEFT_OUT}
-        command = [sys.executable, "-m", "launcher.plan", str(recipe_path), *overrides, "--as-run", strategy,
-                   "--devices", str(world), "--device", device_type, "--json"]
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                            preexec_fn=_child)
+        self.argv = [sys.executable, "-m", "launcher.plan", str(recipe_path), *overrides, "--as-run", strategy,
+                     "--devices", str(world), "--device", device_type, "--out", str(self.out)]
+        self.process: Optional[subprocess.Popen] = None
+        self.failed: Optional[str] = None  # why it could not start
         self.said = False
 
+    def start(self) -> None:
+        if self.process is not None or self.failed:
+            return
+        env = {k: v for k, v in os.environ.items() if k not in ENV_LEFT_OUT}
+        try:
+            with open(self.err, "w") as err:
+                self.process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err,
+                                                stdin=subprocess.DEVNULL, env=env, preexec_fn=_child)
+        except Exception as e:  # noqa: BLE001 - advisory: a planner that cannot start is a line, not the run's end
+            self.failed = f"memory: not planned: the planner could not start ({type(e).__name__}: {e})"
+
     def ready(self) -> bool:
-        return self.process.poll() is not None
+        return bool(self.failed) or self.process is not None and self.process.poll() is not None
 
     def result(self, wait: bool) -> tuple:
-        """(the planned peak in bytes or None, the line that says it or why there is none)."""
+        """(the planned peak in bytes or None, the line that says it or why there is none; None: not ready)."""
         if not wait and not self.ready():
             return None, None
+        try:
+            return self._read()
+        except Exception as e:  # noqa: BLE001 - advisory: nothing it does fails the run
+            return None, f"memory: not planned: its result could not be read ({type(e).__name__})"
+
+    def _read(self) -> tuple:
+        self.start()
+        if self.failed:
+            return None, self.failed
         try:
             code = self.process.wait(timeout=600)
         except subprocess.TimeoutExpired:
             self.process.kill()
             return None, "memory: not planned: the planner took more than 10 minutes"
-        if code != 0:
+        row = json.loads(self.out.read_text().splitlines()[0]) if self.out.is_file() else None
+        if not isinstance(row, dict):
             lines = [x for x in self.err.read_text(errors="replace").splitlines() if x.strip()]
             why = lines[-1].removeprefix("launcher: ") if lines else f"exit code {code}"
-            if code not in (0, 2):  # a bug: its traceback is the planner's to show
-                why = f"the planner failed ({why}; {self.command} shows it)"
-            return None, f"memory: not planned: {why}"
-        row = json.loads(self.out.read_text().splitlines()[0])
-        if row["peak_bytes"] is None:
-            return None, f"memory: not planned: {row['problem']}"
-        return row["peak_bytes"], (f"memory: {row['peak_bytes'] / MIB:.1f} MiB per rank at the peak of a step, "
-                                   f"planned for {row['layout']} (python -m launcher.plan)")
+            return None, f"memory: not planned: the planner failed ({why[:200]}; {self.command} shows it)"
+        figure = row.get("peak_bytes")
+        if not isinstance(figure, int):
+            return None, f"memory: not planned: {row.get('problem') or 'its result holds no figure'}"
+        return figure, (f"memory: {figure / MIB:.1f} MiB per rank at the peak of a step, planned for "
+                        f"{row.get('layout')} (python -m launcher.plan)")
 
     def close(self) -> None:
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
         self.folder.cleanup()

@@ -43,7 +43,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                  "the CPUs; 1 plans them one after another in this process)")
     parser.add_argument("--as-run", metavar="STRATEGY",
                         help="only the layout a run of this strategy on --devices ranks has (what a run prints)")
-    args = parser.parse_intermixed_args(argv)
+    parser.add_argument("--out", metavar="FILE", help="also write the --json lines to FILE, whole or not at all (a "
+                                                      "mistake: {\"problem\": ...}): a run reads its plan there, "
+                                                      "whatever the recipe's code prints")
+    return _plan(parser.parse_intermixed_args(argv))
+
+
+def _plan(args) -> int:
+    """The plan the arguments ask for, said; the exit code."""
     try:
         if args.gpus_per_node < 1 or (args.slurm and args.devices % min(args.gpus_per_node, args.devices)):
             raise UserError(f"--gpus-per-node {args.gpus_per_node}: give a number of 1 or more that divides "
@@ -53,7 +60,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.devices < 1:
             raise UserError(f"--devices {args.devices}: give a number of devices of 1 or more")
         from launcher.plan import layouts, planner
-        from launcher.plan.fake import Layout
+        from launcher.plan.layouts import Layout
         from launcher.recipe import load
 
         memory = planner.size(args.memory, "--memory") if args.memory else None
@@ -78,7 +85,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows = planner.plan(recipe, found, memory, args.device, largest=not args.as_run, jobs=args.jobs)
     except UserError as e:
         mistake(e)
+        if args.out:
+            _write(args.out, json.dumps({"problem": e.problems[0]}))
         return EXIT_USER
+    if args.out:
+        _write(args.out, "\n".join(json.dumps(row.as_json()) for row in rows))
     best = planner.chosen(rows)
     if args.slurm:
         return _slurm(args, best)
@@ -87,7 +98,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps(row.as_json()))
         return 0
     print(table(rows, memory))
-    if memory is not None:
+    if all(r.peak is None for r in rows):
+        print(_none_planned(rows, recipe.data.batch_size, args.devices))
+    elif memory is not None:
         if best is None:
             print(f"none fits in {_size(memory)} per device: lower data.batch_size, or plan for more devices")
         else:
@@ -95,6 +108,24 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"use: {best.layout.name} (the least communication that fits)")
             print(f"  python -m launcher {args.recipe} {' '.join(args.overrides + [line])}".rstrip())
     return 0
+
+
+def _write(path: str, text: str) -> None:
+    """`text` in `path`, whole or not at all: a temporary file beside it, renamed."""
+    import os
+
+    part = f"{path}.part"
+    with open(part, "w") as out:
+        out.write(text + "\n")
+    os.replace(part, path)
+
+
+def _none_planned(rows, batch_size: int, devices: int) -> str:
+    if all(r.micro_batch is None for r in rows):  # the batch divides under no layout
+        return (f"none planned: data.batch_size {batch_size} does not divide among the data-parallel ranks of any "
+                f"layout on {devices} devices; plan for a number of devices that divides it, or give "
+                f"data.batch_size a multiple of {devices}")
+    return "none planned: each layout's row says why"
 
 
 def _slurm(args, best) -> int:

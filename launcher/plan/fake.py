@@ -1,29 +1,26 @@
 """One rank's memory at the peak of a training step, found by running the step on fake tensors.
 
-The recipe's model, optimizer, step and precision are built as a run builds them, but inside torch's
-`FakeTensorMode`: tensors have shapes, dtypes and storages of a size, and no memory. Distributed layouts
-run as rank 0 of a fake process group of their world size (torch's `fake` backend: collectives return at
-once), so FSDP2 shards, HSDP and tensor parallel split exactly as they would. torch's memory trackers
-(`torch.distributed._tools`: MemTracker, FSDPMemTracker) count each live storage by kind while two
-optimizer steps run in the loop's order (the second holds the optimizer state through its forward and
-backward: that is where steady training peaks).
-
-DDP's own memory is its all-reduce buckets, which its C++ reducer allocates and fills outside any
-tracker's sight (and it cannot run on fake tensors): a ddp layout is the single step plus one bucket byte
-per trainable parameter byte, or with `ddp.gradient_as_bucket_view` the gradients held for good in the
-buckets instead of freed between steps."""
+The recipe's model, optimizer, step and precision are built as a run builds them, the model on the meta
+device (its initialisation reads no values), then its parameters allocated inside torch's `FakeTensorMode`:
+tensors have shapes, dtypes and storages of a size, and no memory. The batch is real, and what is made of it
+alone (launcher/plan/standins.py says what else stands in for a run's kernels). Distributed layouts run as
+rank 0 of a fake process group of their world size (torch's `fake` backend: collectives return at once), so
+FSDP2 shards, HSDP and tensor parallel split exactly as they would. torch's memory trackers
+(`torch.distributed._tools`: MemTracker, FSDPMemTracker) count each live storage by kind while two optimizer
+steps run in the loop's order (the second holds the optimizer state through its forward and backward: that
+is where steady training peaks). DDP's buckets, which no tracker sees, are added by launcher/plan/peaks.py."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from launcher.errors import UserError, first_line
+from launcher.plan.layouts import Layout
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # the trackers' reference types, by kind
@@ -31,47 +28,6 @@ _KIND_OF = {"PARAM": "parameters", "SHARDED_PARAM": "parameters", "BUFFER": "par
             "SHARDED_GRAD": "gradients", "UNSHARDED_GRAD": "gradients", "OPT": "optimizer", "ACT": "activations",
             "INP": "activations", "TEMP": "temporaries", "OTH": "temporaries", "UNSHARDED_PARAM": "temporaries",
             "ALL_GATHER": "temporaries", "REDUCE_SCATTER": "temporaries"}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the ranks share the model: a strategy over `world` ranks, the fsdp mesh's tp and dp_replicate, and
-    whether the model's blocks recompute their activations."""
-
-    strategy: str  # single | ddp | fsdp
-    world: int = 1
-    tp: int = 1
-    dp_replicate: int = 1
-    recompute: bool = False
-
-    @property
-    def replicas(self) -> int:
-        """The ranks that read a share of the batch of their own."""
-        return self.world // self.tp
-
-    @property
-    def name(self) -> str:
-        if self.strategy in ("single", "ddp"):
-            return self.strategy if self.world == 1 else f"{self.strategy} x{self.world}"
-        shard = self.world // (self.tp * self.dp_replicate)
-        parts = ([f"hsdp {self.dp_replicate}x{shard}"] if self.dp_replicate > 1 else [f"fsdp x{shard}"] if shard > 1
-                 else [])
-        if self.tp > 1:
-            parts.append(f"tp x{self.tp}")
-        return " ".join(parts or ["fsdp x1"]) + (" +ac" if self.recompute else "")
-
-    def overrides(self) -> List[str]:
-        """The command line's keys for this layout."""
-        out = [f"strategy={self.strategy}"]
-        if self.strategy != "single":
-            out.append(f"nproc_per_node={self.world}")
-        if self.tp > 1:
-            out.append(f"parallel.tp={self.tp}")
-        if self.dp_replicate > 1:
-            out.append(f"parallel.dp_replicate={self.dp_replicate}")
-        if self.recompute:
-            out.append("trainer.activation_checkpointing=auto")
-        return out
 
 
 @dataclass
@@ -90,100 +46,47 @@ class Peak:
 
 
 class NotFake(UserError):
-    """The model or its step does an operation fake tensors cannot run."""
+    """The model or its step does an operation fake tensors cannot run: `row` says so for one layout's row,
+    the message for the whole plan (where every layout meets it)."""
+
+    def __init__(self, message: str, row: str = ""):  # (unpickled from a worker with its message alone)
+        super().__init__(message)
+        self.row = row or message
 
 
-def peak(recipe, layout: Layout, batch: Any, device_type: str) -> Peak:
-    return peaks(recipe, layout, [batch], device_type)[0]
-
-
-SHALLOW = (3, 6)  # the depths a model of more repeated blocks is planned at, then extrapolated to its own
-
-
-def peaks(recipe, layout: Layout, batches: List[Any], device_type: str, shallow: Optional[tuple] = SHALLOW) -> List[Peak]:
-    """The peak of rank 0 under `layout` with each of `batches` (micro-batches of that rank, on the host), on a
-    device of `device_type` (where the loop frees the gradients: after the step on CUDA, after the next
-    forward on the CPU).
-
-    A model whose largest part is a stack of identical blocks (a transformer's layers) more than
-    `shallow[1] + 2` deep is planned with its stack cut to each of the `shallow` depths, and each kind's bytes
-    at the peaks of forward, of backward and of the optimizer's step extrapolated in a line to its own depth
-    (_deeper): every block adds the same parameters, gradients, optimizer state and activations, and the time
-    of fake tensors grows with the operations run."""
-    depth = _depth(recipe) if shallow else None
-    if depth is None or depth <= shallow[1] + 2:
-        found, trainable = _peaks(recipe, layout, batches, device_type, None)
-    else:
-        (low, low_bytes), (high, high_bytes) = (_peaks(recipe, layout, batches, device_type, keep) for keep in shallow)
-
-        def line(a: float, b: float) -> int:
-            return max(0, round(a + (b - a) * (depth - shallow[0]) / (shallow[1] - shallow[0])))
-
-        found = [_deeper(a, b, line) for a, b in zip(low, high)]
-        trainable = line(low_bytes, high_bytes)
-    if layout.strategy == "ddp":
-        found = [_with_buckets(p, trainable, recipe.ddp.gradient_as_bucket_view) for p in found]
-    return found
-
-
-def _peaks(recipe, layout: Layout, batches: List[Any], device_type: str, keep: Optional[int]) -> tuple:
-    """The peaks (no DDP buckets), and the bytes of the trainable parameters, with the model's stack cut to
-    `keep` blocks (None: whole)."""
+def peaks(recipe, layout: Layout, batches: List[Any], device_type: str, keep: Optional[int]) -> tuple:
+    """The peaks of rank 0 under `layout` with each of `batches` (no DDP buckets), and the bytes of the trainable
+    parameters, with the model's stack cut to `keep` blocks (None: whole)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.checkpoint import CheckpointError
+
+    from launcher.model import empty
+    from launcher.plan.standins import quiet, standing_in
 
     sharded = layout.strategy == "fsdp"
-    with _world(layout.world) if sharded else contextlib.nullcontext():
+    with _world(layout.world) if sharded else contextlib.nullcontext(), quiet():
         strategy = _strategy(recipe, layout)
         try:
-            # Sharded, the model is built on the meta device and wrapped outside fake mode (FSDP2 and tensor
-            # parallel make device meshes of real rank numbers), then its shards are allocated as fake tensors.
-            model = _model(recipe, layout, strategy, on_meta=True, keep=keep) if sharded else None
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode, _fused_attention():
-                if sharded:
-                    from launcher.model import empty
-
-                    empty.materialise(model, torch.device("cpu"))
-                    strategy.after_forward(model)
-                else:
-                    model = _model(recipe, layout, strategy, on_meta=False, keep=keep)
-                return _run(recipe, layout, strategy, model, mode, batches, device_type)
+            # wrapped outside fake mode: FSDP2 and tensor parallel make device meshes of real rank numbers
+            model = _model(recipe, layout, strategy, keep=keep)
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                empty.materialise(model, torch.device("cpu"))
+                strategy.after_forward(model)
+                with standing_in(device_type):
+                    return _run(recipe, layout, strategy, model, batches, device_type)
         except UserError:
             raise
-        except Exception as e:  # an operation with no fake (meta) kernel, or one that reads tensor values
-                raise NotFake(f"model: {recipe.model.get('_target_')}: its training step cannot run on fake tensors "
-                              f"({type(e).__name__}: {first_line(e)}); the plan needs every operation of the step "
-                              f"to have a meta kernel and no step to read a tensor's values on the host") from None
+        except Exception as e:  # an operation with no fake (meta) kernel, one that reads a parameter's values
+            why = f"{type(e).__name__}: {first_line(e)}"
+            row = f"its training step fails on fake tensors under this layout ({why})"
+            if isinstance(e, CheckpointError):  # (a run fails alike)
+                row = f"its blocks cannot recompute their activations ({why})"
+            raise NotFake(f"model: {recipe.model.get('_target_')}: its training step cannot run on fake tensors "
+                          f"({why}); the plan needs every operation of the step to have a meta kernel and no step "
+                          f"to read the values of a tensor made from the model's on the host", row) from None
 
 
-def _deeper(low: Peak, high: Peak, line) -> Peak:
-    """The peak of the whole depth from those of two shallower ones: the peaks of forward, of backward and of
-    the optimizer's step, each kind on its line; the highest of the three is the peak."""
-    def kinds(a: Optional[Dict[str, int]], b: Optional[Dict[str, int]]) -> Dict[str, int]:
-        a, b = a or {}, b or {}
-        return {k: line(a.get(k, 0), b.get(k, 0)) for k in KINDS}
-
-    forward, backward, outside = (kinds(getattr(low, n), getattr(high, n)) for n in ("forward", "backward", "outside"))
-    by_kind = max(forward, backward, outside, key=lambda found: sum(found.values()))
-    running = max(sum(forward.values()), sum(backward.values()))
-    return Peak(by_kind, running, backward, forward, outside)
-
-
-def _depth(recipe) -> Optional[int]:
-    """The number of blocks in the model's stack (None: it has none), from the model built on meta."""
-    from launcher.model import empty
-    from launcher.run import build
-
-    try:
-        with empty.parameters_on_meta():
-            found = _stack(build.component(recipe.model, "model"))
-    except UserError:
-        raise
-    except Exception:  # planned whole, where the error is said
-        return None
-    return len(getattr(*found)) if found else None
-
-
-def _stack(model: torch.nn.Module) -> Optional[tuple]:
+def stack(model: torch.nn.Module) -> Optional[tuple]:
     """(parent, name) of the model's largest ModuleList of two or more blocks of one class and one shape."""
     best, most = None, 0
     for parent in model.modules():
@@ -195,33 +98,6 @@ def _stack(model: torch.nn.Module) -> Optional[tuple]:
             if len(shapes) == 1 and elements > most:
                 best, most = (parent, name), elements
     return best
-
-
-@contextlib.contextmanager
-def _fused_attention():
-    """On fake tensors torch's scaled_dot_product_attention takes its math path, which keeps the attention
-    weights for backward; a run takes a fused kernel (flash, on CUDA and on the CPU), which keeps their
-    log-sum-exp alone. Inside, the fused CPU kernel's fake counterpart runs (where it takes the arguments)."""
-    import torch.nn.functional as F
-
-    original = F.scaled_dot_product_attention
-
-    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        try:
-            if enable_gqa and key.shape[-3] != query.shape[-3]:
-                groups = query.shape[-3] // key.shape[-3]
-                key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-        except (RuntimeError, TypeError, ValueError):
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
-
-    F.scaled_dot_product_attention = fused
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
@@ -254,16 +130,14 @@ def _strategy(recipe, layout: Layout):
     return strategy
 
 
-def _model(recipe, layout: Layout, strategy, on_meta: bool, keep: Optional[int] = None) -> torch.nn.Module:
-    """The recipe's model as the run builds it (its blocks recomputing under +ac), its stack cut to `keep`
-    blocks where given, wrapped by the strategy."""
-    from launcher.model import empty, recompute
-    from launcher.run import build
+def _model(recipe, layout: Layout, strategy, keep: Optional[int] = None) -> torch.nn.Module:
+    """The recipe's model as the run builds it, on the meta device (its blocks recomputing under +ac), its stack
+    cut to `keep` blocks where given, wrapped by the strategy."""
+    from launcher.model import recompute
 
-    with empty.parameters_on_meta() if on_meta else contextlib.nullcontext():
-        model = build.component(recipe.model, "model")
+    model = on_meta(recipe)
     if keep:
-        parent, name = _stack(model)
+        parent, name = stack(model)
         setattr(parent, name, torch.nn.ModuleList(list(getattr(parent, name))[:keep]))
     setting = recipe.trainer.activation_checkpointing or ("auto" if layout.recompute else None)
     if setting:
@@ -271,9 +145,21 @@ def _model(recipe, layout: Layout, strategy, on_meta: bool, keep: Optional[int] 
     return strategy.wrap(model)
 
 
-def _run(recipe, layout: Layout, strategy, model, mode, batches: List[Any], device_type: str) -> List[Peak]:
-    from torch.utils._pytree import tree_map_only
+def on_meta(recipe) -> torch.nn.Module:
+    """The recipe's model with its parameters on the meta device. One that cannot be built so is said as the
+    planner's (a run builds it with memory), with the reason."""
+    from launcher.model import empty
+    from launcher.run import build
 
+    try:
+        with empty.parameters_on_meta():
+            return build.component(recipe.model, "model")
+    except UserError as e:
+        why = f"cannot be built on the meta device, as the plan builds it ({e.problems[0]})"
+        raise NotFake(f"model: {recipe.model.get('_target_')}: {why}", why) from None
+
+
+def _run(recipe, layout: Layout, strategy, model, batches: List[Any], device_type: str) -> List[Peak]:
     from launcher.model.precision import Precision
     from launcher.model.step import result
     from launcher.run import build
@@ -302,10 +188,9 @@ def _run(recipe, layout: Layout, strategy, model, mode, batches: List[Any], devi
     # A first step, untracked, makes the optimizer's state (and, on fake tensors, caches of its own that a run
     # does not have); each step tracked after it holds that state through its forward and backward, as every
     # step of a run after its first: the steady peak.
-    fakes = [tree_map_only(torch.Tensor, mode.from_tensor, batch) for batch in batches]
-    train_step(fakes[0])
+    train_step(batches[0])
     found = []
-    for batch in fakes:
+    for batch in batches:
         found.append(_tracked(lambda tracker: train_step(batch, tracker), model, optimizer, batch,
                               layout.strategy == "fsdp"))
     return found, sum(q.numel() * q.element_size() for q in params)
@@ -335,21 +220,3 @@ def _kinds(snapshot: Dict[Any, int]) -> Dict[str, int]:
     return by_kind
 
 
-def _with_buckets(found: Peak, buckets: int, as_view: bool) -> Peak:
-    """DDP's peak from one process's. Its buckets hold a copy of every trainable parameter's gradient for good,
-    and its backward one more while it reduces them (torch's tracker sees it in a real run: tests/test_plan.py);
-    with gradient_as_bucket_view the buckets are the gradients' own storage, which then is never freed."""
-    if as_view:
-        out = dict(found.by_kind, gradients=buckets)
-        return Peak(out, found.running + sum(out.values()) - found.total)
-    steady = dict(found.by_kind)
-    steady["temporaries"] += buckets
-    backward = dict(found.backward or found.by_kind)
-    backward["temporaries"] += 2 * buckets
-    out = max(steady, backward, key=lambda kinds: sum(kinds.values()))
-    return Peak(out, max(found.running + buckets, sum(backward.values())))
-
-
-def micro_batches(items: List[Any], size: int) -> List[Any]:
-    """`size` items from a rank's first ones, repeated as often as needed: a micro-batch of that size."""
-    return (items * math.ceil(size / len(items)))[:size]

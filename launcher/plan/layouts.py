@@ -1,10 +1,54 @@
-"""The layouts worth planning on N devices, in the order of preference: the least communication first."""
+"""A layout (how the ranks share the model: a strategy over a number of ranks, tensor parallel, replicas, and
+whether the blocks recompute), and the layouts worth planning on N devices, in the order of preference: the
+least communication first."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List
 
-from launcher.plan.fake import Layout
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks share the model: a strategy over `world` ranks, the fsdp mesh's tp and dp_replicate, and
+    whether the model's blocks recompute their activations."""
+
+    strategy: str  # single | ddp | fsdp
+    world: int = 1
+    tp: int = 1
+    dp_replicate: int = 1
+    recompute: bool = False
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that read a share of the batch of their own."""
+        return self.world // self.tp
+
+    @property
+    def name(self) -> str:
+        ac = " +ac" if self.recompute else ""
+        if self.strategy in ("single", "ddp"):
+            return (self.strategy if self.world == 1 else f"{self.strategy} x{self.world}") + ac
+        shard = self.world // (self.tp * self.dp_replicate)
+        parts = ([f"hsdp {self.dp_replicate}x{shard}"] if self.dp_replicate > 1 else [f"fsdp x{shard}"] if shard > 1
+                 else [])
+        if self.tp > 1:
+            parts.append(f"tp x{self.tp}")
+        return " ".join(parts or ["fsdp x1"]) + ac
+
+    def overrides(self) -> List[str]:
+        """The command line's keys for this layout."""
+        out = [f"strategy={self.strategy}"]
+        if self.strategy != "single":
+            out.append(f"nproc_per_node={self.world}")
+        if self.tp > 1:
+            out.append(f"parallel.tp={self.tp}")
+        if self.dp_replicate > 1:
+            out.append(f"parallel.dp_replicate={self.dp_replicate}")
+        if self.recompute:
+            out.append("trainer.activation_checkpointing=auto")
+        return out
+
 
 # Per step and rank, in parameter bytes P: ddp all-reduces the gradients (2P); hsdp gathers and
 # reduce-scatters within a shard group (3P) and all-reduces across replicas only a shard (2P / shard group);
@@ -16,7 +60,7 @@ PREFERENCE = ("single", "ddp", "hsdp", "fsdp", "fsdp+ac", "tp")
 def candidates(devices: int, gpus_per_node: int = 8) -> List[Layout]:
     """Every layout of `devices` ranks the launcher runs: one process; ddp; fsdp with and without activation
     checkpointing; hsdp (replicas of a node's shard group, or two); tensor parallel of 2, 4, ... within a
-    node, fsdp over the rest."""
+    node, fsdp over the rest. Pipeline stages (parallel.pp) are not planned."""
     if devices == 1:
         return [Layout("single"), Layout("single", recompute=True)]
     out = [Layout("ddp", devices), Layout("fsdp", devices), Layout("fsdp", devices, recompute=True)]

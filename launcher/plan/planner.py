@@ -12,7 +12,9 @@ import torch
 
 from launcher.errors import UserError
 from launcher.plan import layouts as ways
-from launcher.plan.fake import Layout, NotFake, Peak, micro_batches, peaks
+from launcher.plan.fake import NotFake, Peak
+from launcher.plan.layouts import Layout
+from launcher.plan.peaks import peaks
 
 
 @dataclass
@@ -56,6 +58,11 @@ class Batches:
 LOOKED_AT = 64  # items read for the longest
 
 
+def micro_batches(items: List[Any], size: int) -> List[Any]:
+    """`size` items from a rank's first ones, repeated as often as needed: a micro-batch of that size."""
+    return (items * math.ceil(size / len(items)))[:size]
+
+
 def _longest(items: List[Any], size: int) -> List[Any]:
     """The `size` items holding the most tensor elements (repeated where there are fewer), in their order."""
     from torch.utils._pytree import tree_flatten
@@ -84,11 +91,13 @@ def plan(recipe, layouts: List[Layout], memory: Optional[int], device_type: str,
         row.micro_batch = recipe.data.batch_size // replicas
         sizes = [row.micro_batch] + ([2 * row.micro_batch] if memory is not None and largest else [])
         work.append((row, [batches.of(size) for size in sizes]))
-    for (row, _), (found, problem) in zip(work, _side_by_side(recipe, work, device_type, jobs)):
-        if isinstance(problem, NotFake):
-            raise problem
-        if problem is not None:  # a layout this recipe's model cannot take (no tensor-parallel plan, say)
-            row.problem = problem
+    done = list(zip(work, _side_by_side(recipe, work, device_type, jobs)))
+    failed = [problem for _, (_, problem) in done if isinstance(problem, NotFake)]
+    if failed and all(found is None for _, (found, _) in done):  # nothing planned, for the step: one line
+        raise failed[0]
+    for (row, _), (found, problem) in done:
+        if problem is not None:  # a layout this recipe's model cannot take (no tensor-parallel plan, a step that
+            row.problem = problem.row if isinstance(problem, NotFake) else problem  # fails recomputed)
             continue
         row.peak = found[0]
         if memory is not None:

@@ -259,9 +259,9 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
 
 
 def _planning(loaded: Loaded, parts: Parts) -> Optional[memory.Planned]:
-    """The planner for this run's layout, started beside training on rank 0; its figure is said at the first
-    log step after it is ready, and at the last step beside the measured peak (where it is not ready by then,
-    the run does not wait for it unless logging.memory_plan is `wait`)."""
+    """The planner for this run's layout, started beside training on rank 0 at the first log step; its figure is
+    said at the first log step after it is ready, and at the last step beside the measured peak (where it is not
+    ready by then, the run does not wait for it unless logging.memory_plan is `wait`)."""
     strategy, setting = parts.strategy, loaded.recipe.logging.memory_plan
     if not (setting and strategy.placement.is_main and parts.measured is not None):
         return None
@@ -271,6 +271,7 @@ def _planning(loaded: Loaded, parts: Parts) -> Optional[memory.Planned]:
 
     def said_when_ready() -> None:
         idle()
+        planned.start()  # at the first log step: the run's start has every core
         if not planned.said and planned.ready():
             planned.said = True
             parts.console.info(planned.result(wait=False)[1])
@@ -291,9 +292,9 @@ def _memory(parts: Parts, planned: memory.Planned, wait: bool) -> Dict[str, floa
     if figure is not None and measured:
         parts.console.info(f"memory: {how}; planned {figure / 2**20:.1f} MiB (python -m launcher.plan), "
                            f"{100 * (figure - measured) / measured:+.1f}%")
-    elif line is None:  # not planned yet
-        parts.console.info(f"memory: {how}; the plan was not ready at the end (logging.memory_plan=wait waits for "
-                           f"it; {planned.command} gives it)" if how else "")
+    elif line is None:  # not planned yet: the measured figure alone (logging.memory_plan=wait waits for the plan)
+        if how:
+            parts.console.info(f"memory: {how}")
     else:
         parts.console.info(line + (f"; measured {how}" if how else ""))
     return values
