@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -14,9 +14,9 @@ from launcher.run import assemble
 from launcher.run import build
 from launcher.data import sampling as data
 from launcher.run import first_batch
+from launcher.run import planning
 from launcher.observe import holdings
-from launcher.observe import memory
-from launcher.placement import scheduler
+from launcher.placement import gpus, scheduler
 from launcher.placement import spawn
 from launcher.observe import hang
 from launcher.observe import throughput
@@ -33,7 +33,7 @@ from launcher.stopping import StopFlag, Stopped, requeue
 
 
 def _place(loaded: Loaded):
-    chosen = scheduler.select_gpus(loaded.recipe.devices, os.environ, _nvidia_smi)
+    chosen = scheduler.select_gpus(loaded.recipe.devices, os.environ, gpus.nvidia_smi)
     if chosen is not None:  # before anything starts CUDA, which reads it once
         os.environ["CUDA_VISIBLE_DEVICES"] = chosen
     visible = torch.cuda.device_count() if loaded.recipe.devices != "cpu" else 0
@@ -135,7 +135,7 @@ def _open(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, note
     logger, console = strategy.agree(lambda: loggers.make(placement.is_main, folder.path, recipe.logging))
     for note in notes + said:
         console.info(note)
-    rows = strategy.all_gather_object(_describe(placement))  # a collective: every rank takes part
+    rows = strategy.all_gather_object(gpus.row(placement))  # a collective: every rank takes part
     console.info(scheduler.table(rows))
     return resume, init_from, logger, console
 
@@ -179,17 +179,8 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                   save=lambda pos, final, wait: checkpoints.save(final, wait), stop=StopFlag(placement.world_size),
                   save_on_stop=recipe.checkpoint.on_signal, idle=lambda: checkpoints.finish_pending(wait=False),
                   watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
-    # torch's tracker on the CPU sees the operations of eager code: a compiled step's kernels pass it by, so a
-    # compiled run on the CPU is not checked (on CUDA the allocator counts every kernel's memory)
-    compiled_on_cpu = recipe.trainer.compile and device.type != "cuda"
-    if strategy.name in PLANNED and recipe.logging.memory_plan and not compiled_on_cpu:
-        buckets = memory.ddp_buckets(model, recipe.ddp.gradient_as_bucket_view) if strategy.name == "ddp" else 0
-        parts.measured = memory.Measured(wrapped, optimizer, device, strategy.sharded, buckets)
-        parts.watch.windows.append(parts.measured)
+    planning.measure(recipe, parts, model)
     return checkpoints, parts
-
-
-PLANNED = ("single", "ddp", "fsdp")  # the strategies python -m launcher.plan plans
 
 
 def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) -> Dict[str, float]:
@@ -212,7 +203,7 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
                 console.info(said)
         parts.stop.install()
         started = position.step
-        planned = _planning(loaded, parts)
+        planned = planning.planned(loaded, parts)
         collector.resume()  # paused while the process started (python -m launcher)
         try:
             try:
@@ -258,48 +249,6 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
     return results
 
 
-def _planning(loaded: Loaded, parts: Parts) -> Optional[memory.Planned]:
-    """The planner for this run's layout, started beside training on rank 0 at the first log step; its figure is
-    said at the first log step after it is ready, and at the last step beside the measured peak (where it is not
-    ready by then, the run does not wait for it unless logging.memory_plan is `wait`)."""
-    strategy, setting = parts.strategy, loaded.recipe.logging.memory_plan
-    if not (setting and strategy.placement.is_main and parts.measured is not None):
-        return None
-    planned = memory.Planned(loaded.path, loaded.overrides, strategy.name, strategy.placement.world_size,
-                             strategy.device.type)
-    idle = parts.idle
-
-    def said_when_ready() -> None:
-        idle()
-        planned.start()  # at the first log step: the run's start has every core
-        if not planned.said and planned.ready():
-            planned.said = True
-            parts.console.info(planned.result(wait=False)[1])
-
-    parts.idle = said_when_ready
-    parts.closing = lambda: _memory(parts, planned, wait=setting == "wait")
-    return planned
-
-
-def _memory(parts: Parts, planned: memory.Planned, wait: bool) -> Dict[str, float]:
-    """At the last step: the measured peak beside the planned one, said, and for the loggers."""
-    figure, line = planned.result(wait=wait or planned.ready())
-    measured = parts.measured.peak()
-    values = {} if measured is None else {"memory/peak_bytes": float(measured)}
-    how = f"{measured / 2**20:.1f} MiB per rank at the peak ({parts.measured.how()})" if measured is not None else ""
-    if figure is not None:
-        values["memory/predicted_peak_bytes"] = float(figure)
-    if figure is not None and measured:
-        parts.console.info(f"memory: {how}; planned {figure / 2**20:.1f} MiB (python -m launcher.plan), "
-                           f"{100 * (figure - measured) / measured:+.1f}%")
-    elif line is None:  # not planned yet: the measured figure alone (logging.memory_plan=wait waits for the plan)
-        if how:
-            parts.console.info(f"memory: {how}")
-    else:
-        parts.console.info(line + (f"; measured {how}" if how else ""))
-    return values
-
-
 def _save_before_failing(checkpoints: Checkpoints, parts: Parts, started: int, run_dir: Path, console) -> None:
     """Before an error ends the run after its first step: a checkpoint of the last whole step, where one
     process trains (several cannot agree on one once a rank has failed: there, the newest checkpoint),
@@ -316,26 +265,3 @@ def _save_before_failing(checkpoints: Checkpoints, parts: Parts, started: int, r
                      f"command resumes from step {checkpoints.saved_step}")
     elif step > started:
         console.info("no checkpoint was saved: the same command starts over")
-
-
-def _nvidia_smi() -> list:
-    """The GPUs this process may use as (id, free MiB), from nvidia-smi: no CUDA context is created."""
-    import shutil
-    import subprocess
-
-    if shutil.which("nvidia-smi") is None:
-        return []
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.free", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30).stdout
-    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.count(",") == 2]
-    allowed = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    return [(index, int(free)) for index, uuid, free in rows if not allowed or index in allowed or uuid in allowed]
-
-
-def _describe(placement: scheduler.Placement) -> Dict[str, Any]:
-    row = {"rank": placement.rank, "local rank": placement.local_rank, "node": placement.node_rank,
-           "device": placement.device, "physical GPU": "-"}
-    if placement.device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(torch.device(placement.device))
-        row["physical GPU"] = f"{placement.gpu} {props.name} {getattr(props, 'uuid', '')}".strip()
-    return row
