@@ -45,6 +45,23 @@ def planned_here(argv, out) -> int:
     return json.loads(out.read_text().splitlines()[0])["peak_bytes"]
 
 
+def linear(tmp_path, target: str, returned: str):
+    """The quickstart recipe, written in tmp_path with its model `target` (module.Class, a Linear(32, 10) whose
+    forward returns `returned`, of its output y; the module beside the recipe, whose folder is importable)."""
+    module, name = target.split(".")
+    (tmp_path / f"{module}.py").write_text(
+        "import torch\n"
+        f"class {name}(torch.nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        y = super().forward(x)\n"
+        f"        return {returned}\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((REPO / "recipes/quickstart.yaml").read_text().replace(
+        "model: {_target_: recipes.components.mlp.MLP, in_dim: 32, hidden: 128, classes: 10}",
+        f"model: {{_target_: {target}, in_features: 32, out_features: 10}}"))
+    return recipe
+
+
 def rows(*args):
     return {r["layout"]: r for r in map(json.loads, plan(*args, "--json").stdout.splitlines())}
 
@@ -102,16 +119,7 @@ def test_mistakes_are_one_line():
 
 @pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_step_fake_tensors_cannot_run_is_one_line_naming_the_operation(tmp_path):
-    (tmp_path / "reads.py").write_text(
-        "import torch\n"
-        "class Reads(torch.nn.Linear):\n"
-        "    def forward(self, x):\n"
-        "        y = super().forward(x)\n"
-        "        return y * float(y.abs().max())  # the host reads a value made from the weights\n")
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text((REPO / "recipes/quickstart.yaml").read_text().replace(
-        "model: {_target_: recipes.components.mlp.MLP, in_dim: 32, hidden: 128, classes: 10}",
-        "model: {_target_: reads.Reads, in_features: 32, out_features: 10}"))
+    recipe = linear(tmp_path, "reads.Reads", "y * float(y.abs().max())  # the host reads a value made from the weights")
     done = plan(str(recipe), check=False)
     assert done.returncode == 2
     assert "model: reads.Reads: its training step cannot run on fake tensors (DataDependentOutputException: " \
@@ -119,19 +127,10 @@ def test_a_step_fake_tensors_cannot_run_is_one_line_naming_the_operation(tmp_pat
     assert "Traceback" not in done.stderr
 
 
-
 @pytest.mark.slow  # a longer run: left out of the fast tier (-m "not slow")
 def test_a_fake_kernel_that_fails_is_one_line_without_torchs_traceback(tmp_path):
-    (tmp_path / "grouped.py").write_text(
-        "import torch\n"
-        "class Grouped(torch.nn.Linear):\n"
-        "    def forward(self, x):  # a grouped product of batches in fp32: a kernel whose fake takes bf16 alone\n"
-        "        y = super().forward(x)\n"
-        "        return torch._grouped_mm(y[None], y[None].transpose(1, 2))[0].sum(-1)\n")
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text((REPO / "recipes/quickstart.yaml").read_text().replace(
-        "model: {_target_: recipes.components.mlp.MLP, in_dim: 32, hidden: 128, classes: 10}",
-        "model: {_target_: grouped.Grouped, in_features: 32, out_features: 10}"))
+    # a grouped product of batches in fp32: a kernel whose fake takes bf16 alone
+    recipe = linear(tmp_path, "grouped.Grouped", "torch._grouped_mm(y[None], y[None].transpose(1, 2))[0].sum(-1)")
     done = subprocess.run([sys.executable, "-m", "launcher.plan", str(recipe), "--jobs", "1"], cwd=REPO,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
