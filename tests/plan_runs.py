@@ -75,7 +75,7 @@ def main(cases_file: str, apart_file: str) -> None:
         made = real(recipe_path, overrides, strategy, world, device_type)  # not started: its arguments
         own = bool(apart & set(overrides))
         with open(asked, "a") as out:  # less `python -m launcher.plan` and its --out FILE
-            out.write(json.dumps({"argv": made.argv[3:-2], "apart": own}) + "\n")
+            out.write(json.dumps({"argv": made.args, "apart": own}) + "\n")
         if own:
             return made
         made.close()

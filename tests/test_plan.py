@@ -395,3 +395,21 @@ def test_whatever_the_planner_leaves_its_result_is_a_line_and_never_an_error(tmp
     planned.start()  # no exception: a line
     assert planned.ready() and planned.result(wait=False)[1].startswith("memory: not planned: the planner could not start")
     planned.close()
+
+
+def test_the_planner_s_failure_names_the_command_that_plans_as_the_run_did(tmp_path):
+    """The line says the command that shows the planner's failure: its arguments are the run's own, the device type
+    included (the CPU's plan is not the default CUDA's: where gradients are freed, which attention stands in)."""
+    import shlex
+
+    from launcher.observe import memory
+
+    planned = memory.Planned(tmp_path / "r.yaml", ["trainer.max_steps=3"], "ddp", 2, "cpu")
+    planned.argv = [sys.executable, "-c", "import sys; sys.exit('launcher: it failed')"]
+    try:
+        figure, line = planned.result(wait=True)
+    finally:
+        planned.close()
+    assert figure is None and line == (f"memory: not planned: the planner failed (it failed; python -m launcher.plan "
+                                       f"{shlex.quote(str(tmp_path / 'r.yaml'))} trainer.max_steps=3 --as-run ddp "
+                                       f"--devices 2 --device cpu shows it)")

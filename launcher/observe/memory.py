@@ -207,10 +207,10 @@ class Planned:
         self.folder = tempfile.TemporaryDirectory(prefix="launcher-plan-")
         self.out = Path(self.folder.name) / "plan.json"
         self.err = Path(self.folder.name) / "plan.err"
-        self.command = " ".join(["python -m launcher.plan", shlex.quote(str(recipe_path)), *map(shlex.quote, overrides),
-                                 f"--as-run {strategy} --devices {world}"])
-        self.argv = [sys.executable, "-m", "launcher.plan", str(recipe_path), *overrides, "--as-run", strategy,
-                     "--devices", str(world), "--device", device_type, "--out", str(self.out)]
+        # the planner's arguments: run with the file it writes to, and said as the command that shows its failure
+        self.args = [str(recipe_path), *overrides, "--as-run", strategy, "--devices", str(world), "--device", device_type]
+        self.command = shlex.join(["python", "-m", "launcher.plan", *self.args])
+        self.argv = [sys.executable, "-m", "launcher.plan", *self.args, "--out", str(self.out)]
         self.process: Optional[subprocess.Popen] = None
         self.failed: Optional[str] = None  # why it could not start
         self.said = False
