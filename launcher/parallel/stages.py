@@ -264,7 +264,7 @@ def under_whole_names(models: List[nn.Module]) -> nn.Module:
         for path, module in model.named_modules():
             own = next(module.parameters(recurse=False), None) is not None or \
                 next(module.buffers(recurse=False), None) is not None
-            if not path or not own or has(root, path):
+            if not path or not own or _has(root, path):
                 continue
             parent = root
             *ancestors, leaf = path.split(".")
@@ -276,7 +276,7 @@ def under_whole_names(models: List[nn.Module]) -> nn.Module:
     return root
 
 
-def has(root: nn.Module, path: str) -> bool:
+def _has(root: nn.Module, path: str) -> bool:
     try:
         root.get_submodule(path)
         return True
