@@ -69,7 +69,6 @@ def depth(recipe) -> Optional[int]:
     return len(getattr(*found)) if found else None
 
 
-
 def _with_buckets(found: Peak, buckets: int, as_view: bool) -> Peak:
     """DDP's peak from one process's. Its buckets hold a copy of every trainable parameter's gradient for good,
     and its backward one more while it reduces them (torch's tracker sees it in a real run: tests/test_plan.py);
