@@ -111,13 +111,12 @@ def _plan(args) -> int:
 
 
 def _write(path: str, text: str) -> None:
-    """`text` in `path`, whole or not at all: a temporary file beside it, renamed."""
-    import os
+    """`text` in `path`, whole or not at all (the checkpoints' writer of small files: a temporary name, renamed)."""
+    from pathlib import Path
 
-    part = f"{path}.part"
-    with open(part, "w") as out:
-        out.write(text + "\n")
-    os.replace(part, path)
+    from launcher.checkpoint.files import write_text
+
+    write_text(Path(path), text + "\n")
 
 
 def _none_planned(rows, batch_size: int, devices: int) -> str:
