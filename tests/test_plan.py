@@ -413,3 +413,12 @@ def test_the_planner_s_failure_names_the_command_that_plans_as_the_run_did(tmp_p
     assert figure is None and line == (f"memory: not planned: the planner failed (it failed; python -m launcher.plan "
                                        f"{shlex.quote(str(tmp_path / 'r.yaml'))} trainer.max_steps=3 --as-run ddp "
                                        f"--devices 2 --device cpu shows it)")
+
+
+def test_an_out_file_that_cannot_be_written_is_one_line(tmp_path):
+    """--out naming a missing folder, or a folder: one line naming it, exit 2, no traceback (the plan itself made)."""
+    for out, why in ((tmp_path / "no-such-folder" / "plan.json", "No such file or directory"),
+                     (tmp_path, "Is a directory")):
+        done = plan(*QUICK, "--as-run", "single", "--device", "cpu", "--out", out, check=False)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == f"launcher: --out {out}: cannot be written ({why}); name a file in a writable folder\n"

@@ -6,6 +6,7 @@ Docs: docs/planning.md."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import List, Optional
@@ -83,13 +84,14 @@ def _plan(args) -> int:
             raise UserError(f"--jobs {args.jobs}: give 1 or more")
         collector.resume()  # (paused while python -m launcher.plan started)
         rows = planner.plan(recipe, found, memory, args.device, largest=not args.as_run, jobs=args.jobs)
+        if args.out:
+            _write(args.out, "\n".join(json.dumps(row.as_json()) for row in rows))
     except UserError as e:
         mistake(e)
         if args.out:
-            _write(args.out, json.dumps({"problem": e.problems[0]}))
+            with contextlib.suppress(UserError):  # (said already, where the mistake is --out's own)
+                _write(args.out, json.dumps({"problem": e.problems[0]}))
         return EXIT_USER
-    if args.out:
-        _write(args.out, "\n".join(json.dumps(row.as_json()) for row in rows))
     best = planner.chosen(rows)
     if args.slurm:
         return _slurm(args, best)
@@ -111,12 +113,17 @@ def _plan(args) -> int:
 
 
 def _write(path: str, text: str) -> None:
-    """`text` in `path`, whole or not at all (the checkpoints' writer of small files: a temporary name, renamed)."""
+    """`text` in `path`, whole or not at all (the checkpoints' writer of small files: a temporary name, renamed);
+    a path it cannot write is one line."""
     from pathlib import Path
 
     from launcher.checkpoint.files import write_text
 
-    write_text(Path(path), text + "\n")
+    try:
+        write_text(Path(path), text + "\n")
+    except OSError as e:
+        raise UserError(f"--out {path}: cannot be written ({e.strerror or e}); name a file in a writable folder") \
+            from None
 
 
 def _none_planned(rows, batch_size: int, devices: int) -> str:
