@@ -11,7 +11,8 @@ from tests.conftest import train
 from tests.float64 import built, in_float64
 from tests.rounding import assert_within_float32_rounding, assert_within_rounding, bound, float64
 
-EXACT = [*float64("recipes.components.mlp.MLP"), "trainer.max_steps=20", "data.batch_size=32"]
+RUN = ["trainer.max_steps=20", "data.batch_size=32"]  # the training compared: in float32 as the quickstart builds it
+EXACT = [*float64("recipes.components.mlp.MLP"), *RUN]
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +83,16 @@ def test_an_hf_model_s_casts_to_float32_stay_in_float64_while_it_runs():
 def in_float32(tmp_path_factory, whole):
     """The whole batch's 20 steps in float32 (from the same initial weights as `whole`, its float64 run)."""
     folder = tmp_path_factory.mktemp("float32")
-    train(folder, *EXACT[2:])
+    train(folder, *RUN)
     return folder / "model.pt"
 
 
 def test_a_float32_run_s_other_split_is_within_float32_s_own_rounding(whole, in_float32, tmp_path):
-    train(tmp_path, *EXACT[2:], "data.batch_size=8", "trainer.grad_accum_steps=4")
+    train(tmp_path, *RUN, "data.batch_size=8", "trainer.grad_accum_steps=4")
     assert_within_float32_rounding(in_float32, tmp_path / "model.pt", whole)
 
 
 def test_a_float32_run_with_a_step_missing_is_caught(whole, in_float32, tmp_path):
-    train(tmp_path, *EXACT[2:], "trainer.max_steps=19")
+    train(tmp_path, *RUN, "trainer.max_steps=19")
     with pytest.raises(AssertionError, match="past 32 x float32's rounding"):
         assert_within_float32_rounding(in_float32, tmp_path / "model.pt", whole)
