@@ -159,7 +159,8 @@ def on_meta(recipe) -> torch.nn.Module:
         raise NotFake(f"model: {recipe.model.get('_target_')}: {why}", why) from None
 
 
-def _run(recipe, layout: Layout, strategy, model, batches: List[Any], device_type: str) -> List[Peak]:
+def _run(recipe, layout: Layout, strategy, model, batches: List[Any], device_type: str) -> tuple:
+    """(the peak of a step with each of `batches`, the bytes of the trainable parameters): what `peaks` returns."""
     from launcher.model.precision import Precision
     from launcher.model.step import result
     from launcher.run import build
