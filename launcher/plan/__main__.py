@@ -14,6 +14,7 @@ from typing import List, Optional
 from launcher import collector
 from launcher.errors import EXIT_USER, UserError
 from launcher.report import mistake
+from launcher.run.planning import PLANNED
 
 USAGE = ("python -m launcher.plan RECIPE.yaml [key=value ...] [--devices N] [--memory 80GB] [--device cuda|cpu] "
          "[--json]")
@@ -42,7 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                                "launcher.slurm render), on --devices over nodes")
     parser.add_argument("--jobs", type=int, help="layouts planned at once, each in a process of its own (default: "
                                                  "the CPUs; 1 plans them one after another in this process)")
-    parser.add_argument("--as-run", metavar="STRATEGY",
+    parser.add_argument("--as-run", metavar="STRATEGY", choices=PLANNED,
                         help="only the layout a run of this strategy on --devices ranks has (what a run prints)")
     parser.add_argument("--out", metavar="FILE", help="also write the --json lines to FILE, whole or not at all (a "
                                                       "mistake: {\"problem\": ...}): a run reads its plan there, "
