@@ -135,6 +135,36 @@ def test_the_heartbeat_rewrites_the_lock_and_a_lock_taken_over_fails_every_later
     assert lock_of(s3, "beating")["pid"] == 2
 
 
+
+def test_a_beat_answered_after_the_release_removed_the_lock_does_not_make_it_again(s3, tmp_path, monkeypatch):
+    """release() waits a while for a beat under way, then goes on: it removes the lock (its ETag still the one it
+    knows) while the store has not yet answered the beat. That answer, "not found", is the release's doing, not a
+    deletion by hand: the lock is not made again, so that no run elsewhere is refused for STALE seconds by the
+    lock of a run that has ended."""
+    import threading
+
+    monkeypatch.setattr(prefix_lock, "HEARTBEAT", 0.05)
+    folder = storage.location(f"s3://{BUCKET}/outlived")
+    lock, _ = prefix_lock.take(folder, str(tmp_path))
+    put, beating, answered = prefix_lock._put, threading.Event(), threading.Event()
+
+    def late(folder, holder, **condition):  # a store that answers a beat late
+        if "IfMatch" in condition:
+            beating.set()
+            assert answered.wait(30)
+        return put(folder, holder, **condition)
+
+    monkeypatch.setattr(prefix_lock, "_put", late)
+    try:
+        assert beating.wait(30)
+        lock._stop.set()  # release() under way, its wait for the beat over:
+        s3.client.delete_object(Bucket=BUCKET, Key="outlived/.lock")  # it removed the lock
+    finally:
+        answered.set()
+    lock._beating.join(30)
+    assert not lock._beating.is_alive() and lock_of(s3, "outlived") is None
+    lock.release()
+
 def test_a_local_checkpoint_dir_in_use_by_another_run_is_refused(tmp_path, capsys):
     """checkpoint.dir a local folder outside the run folder: locked as a run folder is; missing, it is made."""
     elsewhere = tmp_path / "made" / "checkpoints"

@@ -53,6 +53,8 @@ class Lock:
                 try:
                     self.etag = _put(self.folder, self._now(), IfMatch=self.etag)
                 except FileNotFoundError:  # deleted by hand: this run's again, unless another has made it since
+                    if self._stop.is_set():  # or by release(), done waiting for this beat: not made again
+                        return
                     self.etag = _put(self.folder, self._now(), IfNoneMatch="*")
             except Exception as e:  # noqa: BLE001 - the store out of reach: the next beat tries again
                 if _conflict(e):

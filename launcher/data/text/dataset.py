@@ -78,7 +78,7 @@ class TextDataset(Dataset):
         # whether the samples were tokenized now or read from the cache, but the last, which says which
         self.notes = [making.tokenizer_line(self.tokenizer, tokenizer, format, make, chat_template),
                       _summary(files, format, counts["rows"], self.samples, loss_on),
-                      *making.unread(making.Counts(unread=set(counts["unread"])))]
+                      *making.unread(counts["unread"])]
         if counts["over"]:
             over, lost = counts["over"], counts["lost"]
             then = f"truncated at it{f' ({lost} of them, left with no answer token, dropped)' if lost else ''}"

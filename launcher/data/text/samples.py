@@ -127,12 +127,12 @@ def beyond(tokenizer: Any, token: int, rows: int) -> str:
             f"{len(tokenizer)}), then saved), or the model folder whose tokenizer it is")
 
 
-def unread(counts: Counts) -> List[str]:
-    """The line on what rows held that the chat template never reads, where they held any."""
-    if not counts.unread:
+def unread(said: Iterable[str]) -> List[str]:
+    """The line on what rows held that the chat template never reads (Counts.unread), where they held any."""
+    said = sorted(said)
+    if not said:
         return []
-    return [f"rows hold what the chat template never reads, so that no sample shows it: "
-            f"{', '.join(sorted(counts.unread))}"]
+    return [f"rows hold what the chat template never reads, so that no sample shows it: {', '.join(said)}"]
 
 
 def tokenizer_line(tokenizer: Any, folder: str, format: str, maker, chat_template: Optional[str]) -> str:

@@ -92,7 +92,7 @@ def chat_template(tokenizer: Any, given: Optional[str], folder: str) -> str:
     """The template that renders conversations: `given` (the recipe's Jinja, or a .jinja file), else the
     folder's own (its default one, where it has several)."""
     if given is not None:
-        if given.endswith(".jinja") and "{" not in given:
+        if _names_a_file(given):
             file = Path(given).expanduser()
             if not file.is_file():
                 raise UserError(f"chat_template: {given}: no such file; give a Jinja template, or the path of a "
@@ -113,11 +113,16 @@ def chat_template(tokenizer: Any, given: Optional[str], folder: str) -> str:
 def template_origin(given: Optional[str], folder: str) -> str:
     """Where the template used comes from, for a line: its file, or the recipe's chat_template."""
     if given is not None:
-        return given if given.endswith(".jinja") and "{" not in given else "the recipe's chat_template"
+        return given if _names_a_file(given) else "the recipe's chat_template"
     path = Path(folder).expanduser()
     found = [path / name for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
              if (path / name).is_file()]
     return str(found[0]) if found else str(path)
+
+
+def _names_a_file(given: str) -> bool:
+    """Whether the recipe's chat_template names a .jinja file (else it is the template's Jinja itself)."""
+    return given.endswith(".jinja") and "{" not in given
 
 
 def _instead(path: Path) -> str:
