@@ -163,8 +163,9 @@ def _reachable(named: dict) -> list:
     the lines to say (s3:// through s3fs alone, once)."""
     said = []
     for key, where in named.items():
+        place = storage.location(where, key=key) if where else None  # a file:// URL of another host: one line
         if where and storage.is_url(where):
-            note = storage.reachable(storage.location(where), key)
+            note = storage.reachable(place, key)
             said += [note] if note and note not in said else []
     return said[:1]
 

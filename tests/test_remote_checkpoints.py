@@ -370,6 +370,8 @@ NOT_A_STORE = [  # checkpoint.dir, the end of its one line
     (f"s3://{BUCKET}/a//b", f"the key has an empty part (//), or . or .. between slashes, which some S3 clients "
                             f"rewrite; {KEYS}"),
     (f"s3://{BUCKET}/a/../b", "the key has an empty part (//), or . or .. between slashes"),
+    ("file://otherhost/tmp/ckpt", f"a file:// URL names a folder of this machine (file:///path or "
+                                  f"file://localhost/path), not one on otherhost; {USE}"),  # once host/path, here
 ]
 
 

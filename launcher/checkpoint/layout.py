@@ -28,7 +28,7 @@ _STEP = re.compile(r"step_(\d+)")
 
 def folder_of(run_dir: Path, configured: Optional[str]) -> Path:
     """The checkpoints folder: checkpoint.dir (a folder or a URL), else <run_dir>/checkpoints."""
-    return storage.location(configured) if configured else Path(run_dir) / "checkpoints"
+    return storage.location(configured, key="checkpoint.dir") if configured else Path(run_dir) / "checkpoints"
 
 
 def of_run(run_dir: Path) -> Path:

@@ -35,14 +35,17 @@ def is_url(where: Any) -> bool:
     return isinstance(where, Remote) or ("://" in str(where) and not str(where).startswith(LOCAL))
 
 
-def location(where: Any, client: str = "auto") -> Union[Path, "Remote"]:
+def location(where: Any, client: str = "auto", key: str = "") -> Union[Path, "Remote"]:
     """A Path (file:///path, file://localhost/path, as fsspec reads them, too), or a Remote for a URL (its s3://
-    objects moved through `client`: Remote's)."""
+    objects moved through `client`: Remote's). `key`: the recipe's key that names it, for a mistake's line."""
     if isinstance(where, (Path, Remote)):
         return where
     if str(where).startswith(LOCAL):
-        local = str(where)[len(LOCAL):]
-        return Path(local[len("localhost"):] if local.startswith("localhost/") else local)
+        host, slash, path = str(where)[len(LOCAL):].partition("/")
+        if host not in ("", "localhost"):  # file://host/path: not a folder of this machine (nor host/path here)
+            raise UserError(f"{key + ': ' if key else ''}{where}: a file:// URL names a folder of this machine (file:///path or "
+                            f"file://localhost/path), not one on {host}; {USE}")
+        return Path(slash + path)
     return Remote(str(where), client=client) if is_url(where) else Path(where)
 
 
