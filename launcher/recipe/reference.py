@@ -21,7 +21,8 @@ from launcher.recipe.schema import Recipe
 HEADER = """# Recipe reference
 
 Every key of a recipe: its type, its default, and what it does. Generated from `launcher/recipe/schema.py`
-(and the sections it imports: `ranks.py`, `slurm_options.py`, `fault_tolerance.py`) by `python -m launcher.recipe.reference > docs/recipe.md`; [Writing recipes](writing-recipes.md#every-key-as-one-recipe)
+(and the sections it imports: `launcher/recipe/ranks.py`, `launcher/recipe/slurm_options.py`,
+`launcher/recipe/fault_tolerance.py`) by `python -m launcher.recipe.reference > docs/recipe.md`; [Writing recipes](writing-recipes.md#every-key-as-one-recipe)
 shows them as one recipe. A component (`model`, `loss`, `optimizer`, `data.train`, ...) is a mapping with `_target_` (the
 dotted path of a callable) and its keyword arguments.
 
