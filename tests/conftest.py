@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.slurm_cluster import slurm_session  # noqa: F401  (one cluster for the session, whichever module asks)
+
 # One intra-op thread: the machines running the tests are small and shared, and two spinning
 # OpenMP threads competing with another process make a tiny model a hundred times slower.
 torch.set_num_threads(1)

@@ -1,8 +1,12 @@
 """A real local Slurm cluster for tests: `from tests.slurm_cluster import slurm_cluster  # noqa: F401`.
 
-The session-scoped fixture runs `slurm/local/up.sh` (quick when the cluster is already up), skips
-the test when that cannot work here (not root, or apt-get cannot install Slurm), and yields a
-`SlurmCluster` whose helpers submit jobs and read their state with the real client commands.
+The session-scoped `slurm_session` (registered once, in tests/conftest.py) runs `slurm/local/up.sh`
+(quick when the cluster is already up), skips the test when that cannot work here (not root, or
+apt-get cannot install Slurm), and yields a `SlurmCluster` whose helpers submit jobs and read their
+state with the real client commands. Tests take `slurm_cluster`, which leaves the cluster as it found
+it: the jobs a test leaves queued or running (an array task still exiting, a job the test gave up
+on) are cancelled, and gone, before the next test submits. Two nodes are all there is: a job left
+running would hold the next test's job in PENDING (Reason=Resources) until its time limit.
 
 Daemons the session started are stopped at its end (`slurm/local/down.sh`); a cluster that was
 already up (started by hand, or by another test run) is left as it was. The state folder is never
@@ -94,7 +98,7 @@ class SlurmCluster:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
+def slurm_session():
     if shutil.which("bash") is None:
         pytest.skip("slurm cluster: no bash")
     try:
@@ -120,8 +124,19 @@ def slurm_cluster():
     yield cluster
     # Cancel what this session left queued or running (jobs submitted by the launcher included),
     # but not jobs that were there before it; stop the daemons if this session started them.
-    leftover = sorted(cluster.queued() - cluster.preexisting, key=int)
+    leftover = sorted(cluster.queued() - cluster.preexisting)
     if leftover:
         cluster.run("scancel", "--full", *leftover, check=False)
     if started:
         subprocess.run(["bash", str(DOWN)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def slurm_cluster(slurm_session):
+    yield slurm_session  # the Slurm tests run one at a time, on one worker (tests/conftest.py)
+    left = sorted(slurm_session.queued() - slurm_session.preexisting)
+    if left:
+        slurm_session.run("scancel", "--full", *left, check=False)
+        deadline = time.monotonic() + 60
+        while slurm_session.queued() & set(left) and time.monotonic() < deadline:
+            time.sleep(0.3)

@@ -58,7 +58,7 @@ def run_probe(cluster, tmp_path, *sbatch: str) -> list:
                       f'srun {sys.executable} -c "$PROBE"\n')
     out = tmp_path / "probe.out"
     job = cluster.sbatch(script, f"--output={out}")
-    info = cluster.wait(job, timeout=30)
+    info = cluster.wait(job, timeout=120)  # a busy machine starts even a short job late
     said = out.read_text() if out.exists() else ""
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), f"{info}\n{said}"
     rows = [json.loads(line[len("PROBE "):]) for line in said.splitlines() if line.startswith("PROBE ")]
