@@ -5,7 +5,8 @@ so that runs can be compared step for step.
 
     FT_TEST_DIE=<group>:<n>[:<point>][,<group>:<n>[:<point>] ...]
 
-read with REPLICA_GROUP_ID (which python -m launcher.ft gives each group). `n` counts this process's training
+read with REPLICA_GROUP_ID (which python -m launcher.ft and the Slurm jobs give each group), by a process's
+first start only (a Slurm task requeued, SLURM_RESTART_COUNT > 0, trains on). `n` counts this process's training
 forwards (a dropped step's forward counts again), so it is the step's number while no step was dropped before
 it; for `save` it is the step whose checkpoint is being written. The points of a step, in their order:
 
@@ -28,6 +29,8 @@ _trained = 0  # forwards in training mode (the first-batch check runs one in eva
 
 def _asked() -> tuple:
     """(the forward, the point) at which this group dies, or (0, '') where it does not."""
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0):
+        return 0, ""
     for one in filter(None, os.environ.get("FT_TEST_DIE", "").split(",")):
         group, n, *point = one.split(":")
         if group == os.environ.get("REPLICA_GROUP_ID"):
