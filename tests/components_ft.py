@@ -1,8 +1,21 @@
 """A step for the fault tolerance tests: it takes a set time, so that a group's steps come at a pace the test can
 act between (start a group again while another trains), whatever the machine's speed; and it kills its own
-process with SIGKILL in the forward of a chosen step, where the environment asks (FT_TEST_DIE=<group>:<step>,
-read with REPLICA_GROUP_ID, which python -m launcher.ft gives each group): a failure at a step known in advance,
-so that runs can be compared step for step."""
+process with SIGKILL at a chosen point of a chosen step, where the environment asks: a failure known in advance,
+so that runs can be compared step for step.
+
+    FT_TEST_DIE=<group>:<n>[:<point>][,<group>:<n>[:<point>] ...]
+
+read with REPLICA_GROUP_ID (which python -m launcher.ft and the Slurm jobs give each group), by a process's
+first start only (a Slurm task requeued, SLURM_RESTART_COUNT > 0, trains on). `n` counts this process's training
+forwards (a dropped step's forward counts again), so it is the step's number while no step was dropped before
+it; for `save` it is the step whose checkpoint is being written. The points of a step, in their order:
+
+    forward     in the step's forward, before its all-reduce
+    backward    in its backward (the hook of the output's gradient)
+    allreduce   once the gradients' all-reduce across groups has started (torchft's Manager.allreduce)
+    optimizer   after the groups committed the step, before this group's optimizer steps
+    save        writing the step's periodic checkpoint: model.pt written, state.pt not yet, no manifest
+"""
 
 from __future__ import annotations
 
@@ -10,7 +23,66 @@ import os
 import signal
 import time
 
+POINTS = ("forward", "backward", "allreduce", "optimizer", "save")
 _trained = 0  # forwards in training mode (the first-batch check runs one in eval mode)
+
+
+def _asked() -> tuple:
+    """(the forward, the point) at which this group dies, or (0, '') where it does not."""
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0):
+        return 0, ""
+    for one in filter(None, os.environ.get("FT_TEST_DIE", "").split(",")):
+        group, n, *point = one.split(":")
+        if group == os.environ.get("REPLICA_GROUP_ID"):
+            assert not point or point[0] in POINTS, f"FT_TEST_DIE: {one}: the points are {POINTS}"
+            return int(n), (point[0] if point else "forward")
+    return 0, ""
+
+
+DIES_AT, POINT = _asked()
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _now(point: str) -> bool:
+    return POINT == point and _trained == DIES_AT
+
+
+def _install() -> None:
+    """The hooks of the points outside the step's own code (this module is imported once per group process,
+    when its recipe's step is built)."""
+    if POINT == "allreduce":
+        from torchft import Manager
+
+        started = Manager.allreduce
+
+        def allreduce(self, tensor, *args, **kwargs):
+            work = started(self, tensor, *args, **kwargs)
+            if _now("allreduce"):
+                _die()
+            return work
+
+        Manager.allreduce = allreduce
+    elif POINT == "optimizer":
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _die() if _now("optimizer") else None)
+    elif POINT == "save":
+        from launcher.checkpoint import files
+
+        written = files.save
+
+        def save(path, obj, atomic=False):
+            if path.name == "state.pt" and path.parent.name == f".step_{DIES_AT}.partial":
+                _die()
+            return written(path, obj, atomic)
+
+        files.save = save
+
+
+_install()
 
 
 def paced_step(model, batch, loss, seconds: float = 0.02):
@@ -20,10 +92,11 @@ def paced_step(model, batch, loss, seconds: float = 0.02):
     x, y = batch
     if model.training:
         _trained += 1
-        group, _, step = os.environ.get("FT_TEST_DIE", "").partition(":")
-        if group and group == os.environ.get("REPLICA_GROUP_ID") and _trained == int(step):
-            os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the forward of that step, before its all-reduce
+        if _now("forward"):
+            _die()  # mid-step: the forward of that step, before its all-reduce
     output = model(x)
+    if model.training and _now("backward"):
+        output.register_hook(lambda grad: _die())
     return {"loss": loss(output, y), "output": output, "target": y}
 
 

@@ -3,84 +3,19 @@ one process each, gloo on the CPU. A group is killed with SIGKILL inside the for
 draw (tests/components_ft.py), so that runs can be compared step for step."""
 
 import os
-import random
 import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
 
-from tests.conftest import QUICKSTART, REPO, assert_same_weights, launch, state_dict, trained_here
+from tests.conftest import REPO, assert_same_weights, state_dict, trained_here
+from tests.ft_runs import GROUPS, KILLED_AT, PACED, RECIPE, Run, ddp, join, steps, unprefixed
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
-
-RECIPE = [str(QUICKSTART), "data.train.n=1024", "data.val=null", "data.batch_size=32", "trainer.log_every=1",
-          "logging.tensorboard=false", "logging.memory_plan=false", "logging.progress_bar=false"]
-# pg < quorum < join, short: a dead group is noticed in about 2 s (its heartbeat's silence)
-GROUPS = ["fault_tolerance.groups=2", "fault_tolerance.timeouts.pg=2", "fault_tolerance.timeouts.quorum=10",
-          "fault_tolerance.timeouts.join=20"]
-# 40 ms a step: the surviving group trains alone for as long as the killed one takes to start again (a few
-# seconds on a busy machine) and still has steps left to train with it
-PACED = ["step._target_=tests.components_ft.paced_step", "step._partial_=true", "step.seconds=0.04",
-         "trainer.max_steps=400"]
-KILLED_AT = random.Random(51).randint(10, 30)  # the step in whose forward group 1 kills itself
-
-
-class Run:
-    """python -m launcher.ft in the background, its lines collected as they come."""
-
-    def __init__(self, *args: str, env: dict = None):
-        self.process = subprocess.Popen([sys.executable, "-m", "launcher.ft", *args], cwd=REPO, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
-        self.lines = []
-        self.reading = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
-        self.reading.start()
-
-    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                found = re.search(pattern, line)
-                if found:
-                    return found
-            assert self.process.poll() is None or self.reading.is_alive(), self.text()[-3000:]
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r} in {timeout} s:\n{self.text()[-3000:]}")
-
-    def finish(self, timeout: float = 180) -> int:
-        code = self.process.wait(timeout=timeout)
-        self.reading.join(timeout=10)
-        return code
-
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def of(self, group: int) -> list:
-        return [line[len(f"[group {group}] "):] for line in self.lines if line.startswith(f"[group {group}] ")]
-
-
-def steps(lines: list) -> list:
-    return [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/\d+ \|", line))]
-
-
-def ddp(*args: str) -> None:
-    """The recipe under ddp on two processes (python -m launcher starts torchrun)."""
-    done = launch(*args, "strategy=ddp", "nproc_per_node=2", timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
-def join(lighthouse: str, run_dir, *overrides: str) -> subprocess.CompletedProcess:
-    """Group 1 started again by hand, joining the run at its lighthouse."""
-    env = {k: v for k, v in os.environ.items() if k != "FT_TEST_DIE"}
-    return subprocess.run([sys.executable, "-m", "launcher.ft", *RECIPE, *GROUPS, *PACED, f"run_dir={run_dir}",
-                           "fault_tolerance.group=1", f"fault_tolerance.lighthouse={lighthouse}", *overrides],
-                          cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
 
 
 def test_two_groups_end_with_the_weights_of_ddp_on_two_processes_and_their_checkpoint_resumes_anywhere(tmp_path):
@@ -112,10 +47,7 @@ def test_groups_of_two_ddp_processes_end_with_the_weights_of_ddp_on_four(tmp_pat
     run = Run(*RECIPE, *GROUPS, "trainer.max_steps=20", "strategy=ddp", "nproc_per_node=2", f"run_dir={tmp_path / 'ft'}")
     assert run.finish() == 0, run.text()[-3000:]
     assert "(ddp)" in "".join(run.of(0)) and steps(run.of(1)) == list(range(1, 21))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m",
-                           "launcher", *RECIPE, "trainer.max_steps=20", f"run_dir={tmp_path / 'ddp'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ddp(*RECIPE, "trainer.max_steps=20", f"run_dir={tmp_path / 'ddp'}", processes=4)
     assert_same_weights(tmp_path / "ft" / "group_0" / "model.pt", tmp_path / "ft" / "group_1" / "model.pt")
     four, ft = state_dict(tmp_path / "ddp" / "model.pt"), state_dict(tmp_path / "ft" / "group_0" / "model.pt")
     for key in ft:  # four gradients summed in another order ((a + b) + (c + d) against gloo's ring): rounding alone,
@@ -174,7 +106,7 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise_equal
     joined = again.stdout
     recovered = int(re.search(r"recovered live from a live group at step (\d+) \(.*no checkpoint read\)", joined).group(1))
     assert "resumed from" not in joined and KILLED_AT < recovered < 400
-    assert steps(re.sub(r"^\[group 1\] ", "", joined, flags=re.M).splitlines()) == list(range(recovered + 1, 401))
+    assert steps(unprefixed(joined, 1)) == list(range(recovered + 1, 401))
     assert f"fault tolerance: step {recovered + 1}: 2 of 2 groups live" in "".join(lived)
     assert_same_weights(tmp_path / "group_0" / "model.pt", tmp_path / "group_1" / "model.pt")
     assert sorted(p.name for p in (tmp_path / "group_1" / "checkpoints").glob("step_*")) == ["step_400"]
@@ -194,7 +126,7 @@ def test_a_group_with_another_recipe_is_refused_in_one_line_and_never_averaged_i
         "[group 1] launcher: fault_tolerance: this group's recipe differs from the live groups' in model.hidden (64 "
         "here, 128 in the live groups); seed (1 here, 0 in the live groups); a group joins only a run of the same "
         "recipe, and this one was not averaged in"], wrong.stderr
-    assert not steps(re.sub(r"^\[group 1\] ", "", wrong.stdout, flags=re.M).splitlines())  # it trained no step
+    assert not steps(unprefixed(wrong.stdout, 1))  # it trained no step
     assert run.finish() == 0 and alone.finish() == 0, run.text()[-3000:] + alone.text()[-3000:]
     assert steps(run.of(0)) == list(range(1, 251))
     assert_same_weights(tmp_path / "alone" / "group_0" / "model.pt", tmp_path / "run" / "group_0" / "model.pt")

@@ -69,6 +69,47 @@ def test_this_groups_index_from_the_key_else_the_environment():
             settings.group_index(section, env)
 
 
+# What a pod's environment holds (docs/fault-tolerance.md#kubernetes): Kubernetes' JOB_COMPLETION_INDEX and
+# HOSTNAME, JobSet's names where the manifest maps its labels, REPLICA_GROUP_ID where it maps the job index.
+JOBSET = {"JOB_COMPLETION_INDEX": "0", "HOSTNAME": "train-groups-2-0"}
+
+
+@pytest.mark.parametrize("env, group", [
+    (JOBSET, 2),  # a group of one pod: job 2 of the replicated job "groups"
+    ({"JOB_COMPLETION_INDEX": "1", "HOSTNAME": "my-run-7-groups-1-1"}, 1),  # a group's second node; names with '-'
+    ({**JOBSET, "JOBSET_NAME": "train", "REPLICATED_JOB_NAME": "groups"}, 2),  # the names confirm it
+    ({**JOBSET, "JOBSET_NAME": "train"}, 2),
+    ({**JOBSET, "REPLICA_GROUP_ID": "0"}, 0),  # the label mapped by the Downward API wins
+    ({"HOSTNAME": "train-groups-2-0"}, None),  # not an Indexed Job's pod: nothing read from the hostname
+])
+def test_a_jobset_pods_group_is_its_job_index(env, group):
+    section = FaultToleranceConfig(groups=3)
+    if group is None:
+        with pytest.raises(UserError, match="REPLICA_GROUP_ID is not in the environment"):
+            settings.group_index(section, env)
+    else:
+        assert settings.group_index(section, env) == group
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"JOB_COMPLETION_INDEX": "0", "HOSTNAME": "train-groups-2-0-x7k2p"},  # DNS hostnames off: the pod's name
+     "fault_tolerance.group: not set, and this pod of an Indexed Job (JOB_COMPLETION_INDEX='0') has "
+     "HOSTNAME='train-groups-2-0-x7k2p', not a JobSet pod's <jobset>-<replicated job>-<job index>-0; set "
+     "REPLICA_GROUP_ID from the label jobset.sigs.k8s.io/job-index by the Downward API "
+     "(docs/fault-tolerance.md#kubernetes), or fault_tolerance.group"),
+    ({**JOBSET, "HOSTNAME": "train-groups-2-1"}, "not a JobSet pod's <jobset>-<replicated job>-<job index>-0;"),
+    ({**JOBSET, "JOBSET_NAME": "other", "REPLICATED_JOB_NAME": "groups"},  # a plain Indexed Job named like one
+     "HOSTNAME='train-groups-2-0', not a JobSet pod's other-groups-<job index>-0;"),
+    ({**JOBSET, "HOSTNAME": "train-groups-3-0"},
+     "fault_tolerance.group: this JobSet pod's job index is 3 (HOSTNAME='train-groups-3-0'), not a group index of "
+     "fault_tolerance.groups=3: 0 to 2; the replicated job's replicas must be fault_tolerance.groups"),
+])
+def test_a_pod_whose_group_cannot_be_read_is_one_line_saying_how_to_set_it(env, said):
+    with pytest.raises(UserError) as e:
+        settings.group_index(FaultToleranceConfig(groups=3), env)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_lighthouse_from_the_key_else_the_environment():
     section = FaultToleranceConfig()
     assert settings.lighthouse_address(section, {"TORCHFT_LIGHTHOUSE": "http://a:1"}) == "http://a:1"

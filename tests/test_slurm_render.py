@@ -62,3 +62,49 @@ def test_bad_values_name_the_flag(capsys):
     err = capsys.readouterr().err
     assert err.splitlines() == ["launcher: --layout mpi: got 'mpi'; valid: torchrun, srun",
                                 "launcher: --time soon: got 'soon'; Slurm's forms: MM, HH:MM:SS, D-HH:MM:SS"]
+
+
+# A fault-tolerant run: the lighthouse's job and the groups' job array (launcher/slurm/groups.py).
+FT = {"ft_lighthouse.sbatch": 0, "ft_groups_torchrun_2x4.sbatch": 1}
+
+
+def _ft_scripts(section):
+    from launcher.slurm import groups
+
+    return groups.scripts(CASES["torchrun_2x4.sbatch"], section, Path("/repo/recipes/quickstart.yaml"),
+                          ["fault_tolerance.groups=3", "trainer.max_steps=100"], Path("/repo/runs/quickstart"),
+                          "quickstart", Path("/repo"))
+
+
+@pytest.mark.parametrize("name", sorted(FT))
+def test_replica_groups_render_a_lighthouse_job_and_a_job_array_matching_golden(name):
+    from launcher.recipe.fault_tolerance import FaultToleranceConfig
+
+    script = _ft_scripts(FaultToleranceConfig(groups=3))[FT[name]]
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(script)
+    assert script == path.read_text(), f"rendered script differs from {path}; UPDATE_GOLDEN=1 rewrites it"
+
+
+def test_replica_groups_with_a_lighthouse_named_render_the_groups_alone():
+    from launcher.recipe.fault_tolerance import FaultToleranceConfig
+
+    lighthouse, array = _ft_scripts(FaultToleranceConfig(groups=3, lighthouse="http://lh:29510"))
+    assert lighthouse == "" and "#SBATCH --array=0-2" in array and "lighthouse.address" not in array
+
+
+def test_replica_groups_on_the_command_line(capsys):
+    assert main(["render", "recipes/quickstart.yaml", "--replica-groups", "2", "--python=/venv/bin/python"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("# =====")]
+    assert [h.rsplit("/", 1)[1] for h in heads] == ["lighthouse.sbatch =====", "groups.sbatch ====="]
+    assert "--lighthouse --address-file" in out and "#SBATCH --array=0-1" in out
+    assert "fault_tolerance.groups=2 run_dir=" in out and out.rstrip().endswith("/group_$SLURM_ARRAY_TASK_ID")
+    assert main(["render", "recipes/quickstart.yaml", "--replica-groups", "0"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "launcher: --replica-groups 0: fault_tolerance.groups: must be 1 or more, got 0"
+    assert main(["render", "recipes/quickstart.yaml", "--replica-groups", "2", "fault_tolerance.group=1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "launcher: fault_tolerance.group: set to 1, but python -m launcher.slurm submits every group of the run (a "
+        "job array, task g for group g); leave it out")

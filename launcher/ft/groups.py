@@ -4,7 +4,8 @@ torchrun itself for a group of several processes, with its own free port), each 
 
 The run's exit code: 0 when a group finished training (the others' failures are said, one line each: the live
 groups trained on without them), 2 when a group met a user mistake, 128+N when this process got signal N (passed
-on to every group, which saves and stops), else the code of the lowest group that failed.
+on to every group, which saves and stops), else the code of the lowest group that failed
+(128+N where signal N killed it).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ class Groups:
                 self.say(f"the run finished: group{'s' * (len(codes) - len(failed) > 1)} {finished} trained to the end "
                          f"(each group's run folder holds its model.pt)")
             return 0
-        return failed[min(failed)]
+        lowest = failed[min(failed)]
+        return lowest if lowest > 0 else 128 - lowest  # killed by signal N: 128+N, as a shell says it
 
 
 def _copy(source: TextIO, sink: TextIO, prefix: str) -> None:

@@ -1,7 +1,8 @@
 """What a group is, read from its recipe and environment; pure functions, torchft not imported.
 
 - Its index: `fault_tolerance.group`, else `REPLICA_GROUP_ID` (the variable torchtitan and torchft's examples
-  read; nothing else is read yet: Slurm's and Kubernetes' own variables come with their launchers).
+  read, which python -m launcher.ft and the Slurm jobs of python -m launcher.slurm set), else a Kubernetes
+  JobSet pod's job index (kubernetes.py).
 - The lighthouse: `fault_tolerance.lighthouse`, else `TORCHFT_LIGHTHOUSE` (torchft's variable).
 - Its share of each global batch: group g of N, whose W processes read ranks g*W .. g*W+W-1 of N*W. A group
   always reads its own share, so a step's items are a function of (seed, step) and of which groups were live
@@ -17,6 +18,7 @@ import re
 from typing import Any, Dict, List, Mapping, Tuple
 
 from launcher.errors import UserError, short
+from launcher.ft import kubernetes
 from launcher.recipe.fault_tolerance import LIGHTHOUSE, FaultToleranceConfig
 from launcher.recipe.flat import flatten
 
@@ -37,6 +39,8 @@ def group_index(section: FaultToleranceConfig, env: Mapping[str, str]) -> int:
     if section.group is not None:
         return section.group
     raw = env.get(GROUP_VARIABLE)
+    if raw is None and kubernetes.INDEX in env:
+        return kubernetes.group(env, section.groups)
     if raw is None:
         raise UserError(f"fault_tolerance.group: not set, and {GROUP_VARIABLE} is not in the environment; set "
                         f"fault_tolerance.group=<0 to {section.groups - 1}>, or start the groups with python -m "

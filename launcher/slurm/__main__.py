@@ -24,6 +24,9 @@ USAGE = "python -m launcher.slurm {submit,render} RECIPE [--nodes N --gpus-per-n
 LISTS = {"sbatch", "setup"}  # options that may be given more than once
 COMMANDS = {"submit": "write the sbatch script into <run_dir>/slurm/job.sbatch and submit it with sbatch",
             "render": "print the sbatch script; submit nothing"}
+# Options that set a recipe key (passed on to the job as an override, like key=value).
+KEYS = {"replica-groups": ("fault_tolerance.groups", "replica groups of a fault-tolerant run: the lighthouse as "
+                                                     "one job, the groups as a job array (docs/fault-tolerance.md)")}
 # What each option means (every field of SlurmConfig; tests/test_slurm_render.py checks that none is missing).
 MEANING = {
     "nodes": "nodes to allocate",
@@ -47,7 +50,7 @@ MEANING = {
 
 
 def options_help() -> str:
-    return ", ".join(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(SlurmConfig))
+    return ", ".join([*(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(SlurmConfig)), *(f"--{k}" for k in KEYS)])
 
 
 def help_text(command: Optional[str] = None) -> str:
@@ -66,6 +69,7 @@ def help_text(command: Optional[str] = None) -> str:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = f" [default: {default}]" if default not in (None, []) else ""  # unset ones say theirs in words
         lines.append(f"  --{f.name.replace('_', '-'):16} {MEANING[f.name]}{shown}")
+    lines += [f"  --{flag:16} {meaning} [the recipe's {key}]" for flag, (key, meaning) in KEYS.items()]
     lines += ["", "Example: python -m launcher.slurm submit recipes/quickstart.yaml --nodes 2 --gpus-per-node 4 \\",
               "           --time 12:00:00 --setup 'source .venv/bin/activate' trainer.max_steps=20000",
               "", "Docs: docs/slurm-and-sweeps.md (in the source tree)."]
@@ -95,14 +99,16 @@ def parse(argv: List[str]):
         arg = rest[i]
         if arg.startswith("--"):
             flag, eq, value = arg[2:].partition("=")
-            if flag not in names:
+            if flag not in names and flag not in KEYS:
                 raise UserError(f"unknown option --{flag}; valid: {options_help()}")
             if not eq:
                 if i + 1 >= len(rest):
                     raise UserError(f"option --{flag} needs a value")
                 i += 1
                 value = rest[i]
-            if names[flag] in LISTS:
+            if flag in KEYS:
+                training.append(f"{KEYS[flag][0]}={value}")
+            elif names[flag] in LISTS:
                 lists.setdefault(names[flag], []).append(value)
             else:
                 slurm.append(f"slurm.{names[flag]}={value}")
@@ -129,6 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         loaded = load(recipe, [*training, *slurm])
         run_dir = Path(loaded.recipe.run_dir).resolve()
+        if loaded.recipe.fault_tolerance is not None:
+            return _replica_groups(command, loaded, recipe, training, run_dir)
         script = render(loaded.recipe.slurm, recipe.resolve(), training, run_dir, loaded.recipe.name, Path.cwd())
         if bare_python(loaded.recipe.slurm):  # beside the script, not in it: `render > job.sbatch` stays a script
             print(f"launcher.slurm: {BARE_PYTHON}", file=sys.stderr)
@@ -142,28 +150,57 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
 
+def _replica_groups(command: str, loaded, recipe: Path, training: List[str], run_dir: Path) -> int:
+    """A fault-tolerant run: the lighthouse's job and the groups' job array (launcher/slurm/groups.py)."""
+    from launcher.slurm import groups
+    from launcher.slurm.render import BARE_PYTHON, bare_python
+
+    section = loaded.recipe.fault_tolerance
+    lighthouse, array = groups.scripts(loaded.recipe.slurm, section, recipe.resolve(), training, run_dir,
+                                       loaded.recipe.name, Path.cwd())
+    if bare_python(loaded.recipe.slurm):
+        print(f"launcher.slurm: {BARE_PYTHON}", file=sys.stderr)
+    if command == "render":  # two scripts, each under the name submit writes it as
+        for name, script in (("lighthouse.sbatch", lighthouse), ("groups.sbatch", array)):
+            if script:
+                print(f"# ===== {run_dir / 'slurm' / name} =====\n{script}", end="")
+        return 0
+    return groups.submit(lighthouse, array, run_dir, section.groups)
+
+
 def _as_flag(problem: str) -> str:
     """"override 'slurm.nodes=two': slurm.nodes: ..." -> "--nodes two: ...": name what the user typed."""
     m = re.match(r"override 'slurm\.(\w+)=(.*?)': slurm\.\w+: (.*)", problem)
-    return f"--{m.group(1).replace('_', '-')} {m.group(2)}: {m.group(3)}" if m else problem
+    if m:
+        return f"--{m.group(1).replace('_', '-')} {m.group(2)}: {m.group(3)}"
+    for flag, (key, _) in KEYS.items():  # "--replica-groups 0: fault_tolerance.groups: ...": the flag and its key
+        if problem.startswith(f"override '{key}="):
+            value, _, rest = problem[len(f"override '{key}="):].partition("': ")
+            return f"--{flag} {value}: {rest}"
+    return problem
 
 
 def submit(script: str, run_dir: Path, name: str = "job.sbatch", what: str = "job", logs: str = "{job}.out") -> int:
     """Write the script into <run_dir>/slurm/ and sbatch it; one line says the job and where its logs go."""
-    if shutil.which("sbatch") is None:
-        raise UserError("sbatch is not on PATH. HINT: submit from a Slurm login node, or start the local "
-                        "cluster (bash slurm/local/up.sh) and export SLURM_CONF as it says")
     folder = run_dir / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     path.write_text(script)
-    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, env=os.environ)
+    job = sbatch(path)
+    print(f"submitted {what} {job}: script {path}, logs {folder / logs.format(job=job)}")
+    return 0
+
+
+def sbatch(path: Path, *options: str) -> str:
+    """`sbatch [options] path`: the job's id."""
+    if shutil.which("sbatch") is None:
+        raise UserError("sbatch is not on PATH. HINT: submit from a Slurm login node, or start the local "
+                        "cluster (bash slurm/local/up.sh) and export SLURM_CONF as it says")
+    done = subprocess.run(["sbatch", "--parsable", *options, str(path)], capture_output=True, text=True, env=os.environ)
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise UserError(f"sbatch refused {path}: {reason}")
-    job = done.stdout.strip().split(";")[0]
-    print(f"submitted {what} {job}: script {path}, logs {folder / logs.format(job=job)}")
-    return 0
+    return done.stdout.strip().split(";")[0]
 
 
 if __name__ == "__main__":
