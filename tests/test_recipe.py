@@ -463,3 +463,17 @@ def test_every_kind_of_problem_at_once(tmp_path):
                      "loss._target_=torch.nn.Nope", "optimizer.lrr=1")
     keys = [line.split(": ")[1] for line in lines]
     assert keys == ["trainer.max_step", "seed", "data.batch_size", "loss._target_", "optimizer.lrr"], lines
+
+
+@pytest.mark.parametrize("first", ["data=${nope}", "data=${name}", "logging=${seed}"])
+def test_a_key_inside_a_section_set_to_an_interpolation_is_one_line(first):
+    """`data=${x}` then `data.batch_size=3` (found by tests/test_fuzz.py): OmegaConf resolved the section to fill it
+    in, and its InterpolationKeyError or type error was a traceback."""
+    section = first.split("=")[0]
+    inner = {"data": "data.batch_size=3", "logging": "logging.mlflow.tracking_uri=x"}[section]
+    with pytest.raises(UserError) as e:
+        load(QUICKSTART, [first, inner])
+    held = first.split("=", 1)[1]
+    assert f"override '{inner}': {inner.split('=')[0]}: {section} is '{held}', an interpolation, not a section whose " \
+           f"keys can be set one by one; set {section} as a mapping, or leave the interpolation out" in e.value.problems
+    assert all("\n" not in p for p in e.value.problems)

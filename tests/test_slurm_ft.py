@@ -51,3 +51,21 @@ def test_replica_groups_as_jobs_a_killed_group_is_requeued_and_rejoins_live(slur
     assert "(restart 1)" in back and KILLED_AT < recovered < 800
     assert slurm_cluster.job_state(f"{array}_1")["Restarts"] == "1"
     assert_same_weights(tmp_path / "group_0" / "model.pt", tmp_path / "group_1" / "model.pt")
+
+
+def test_a_groups_array_sbatch_refuses_cancels_the_lighthouse_job_it_would_wait_for(slurm_cluster, tmp_path):  # noqa: F811
+    # The local cluster's MaxArraySize is Slurm's default, 1001: an array of 1002 tasks is refused by sbatch
+    # after the lighthouse's job was queued. Left there, it would serve no group until its time limit.
+    before = slurm_cluster.queued()
+    done = subprocess.run([sys.executable, "-m", "launcher.slurm", "submit", *RECIPE, f"run_dir={tmp_path}",
+                           "--replica-groups", "1002", f"--python={sys.executable}", "--time=5"],
+                          cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"launcher: sbatch refused {tmp_path / 'slurm' / 'groups.sbatch'}: "), line
+    script = (tmp_path / "slurm" / "lighthouse.sbatch").read_text()
+    assert "--lighthouse" in script
+    deadline = time.monotonic() + 30
+    while slurm_cluster.queued() - before:  # the lighthouse's job, cancelled
+        assert time.monotonic() < deadline, slurm_cluster.queued() - before
+        time.sleep(0.3)

@@ -201,6 +201,12 @@ def _apply_at(cfg: DictConfig, dotted: str, value: Any, where, origin, problems,
         section = _section(kind)
         if section is not None and (i < len(parts) - 1 or isinstance(value, dict)):
             kind = section
+            held = _interpolation(cfg, full)
+            if held is not None:  # `data=${x}` then `data.batch_size=3`: a key inside a value not yet resolved
+                problems.append(f"{where(dotted)}: {dotted}: {full} is {short(held)}, an interpolation, not a "
+                                f"section whose keys can be set one by one; set {full} as a mapping, or leave the "
+                                f"interpolation out")
+                return
             _fill(cfg, full, section)  # an optional section (logging.mlflow) that was null gets its defaults
         if dataclasses.is_dataclass(kind):
             if i == len(parts) - 1 and isinstance(value, dict):
@@ -231,6 +237,13 @@ def _section(kind: Any) -> Optional[type]:
         return kind
     found = [k for k in typing.get_args(kind) if dataclasses.is_dataclass(k)]
     return found[0] if found else None
+
+
+def _interpolation(cfg: DictConfig, key: str) -> Optional[str]:
+    """The `${...}` that `key` holds, unresolved (resolving it may fail, or give a value of another type); else None."""
+    parent_key, _, last = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg  # a section walked into: not an interpolation
+    return str(parent._get_node(last)._value()) if OmegaConf.is_interpolation(parent, last) else None
 
 
 def _fill(cfg: DictConfig, key: str, section: type) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import shlex
+import subprocess
 from pathlib import Path
 from string import Template
 from typing import List, Tuple
@@ -97,7 +98,12 @@ def submit(lighthouse: str, groups: str, run_dir: Path, count: int) -> int:
         job = sbatch(folder / "lighthouse.sbatch")
         after, said = [f"--dependency=after:{job}"], f"lighthouse job {job} (log {folder / f'lighthouse-{job}.out'}), "
     (folder / "groups.sbatch").write_text(groups)
-    array = sbatch(folder / "groups.sbatch", *after)
+    try:
+        array = sbatch(folder / "groups.sbatch", *after)
+    except UserError:
+        if lighthouse:  # it would serve no group until its time limit
+            subprocess.run(["scancel", job], capture_output=True)
+        raise
     (folder / GROUPS_JOB).write_text(f"{array}\n")
     print(f"submitted {said}replica groups 0 to {count - 1} as job array {array} (logs {folder}/{array}_<group>.out); "
           f"scripts in {folder}")
