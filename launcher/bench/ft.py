@@ -93,10 +93,11 @@ def ft(args) -> List[str]:
                      f"{statistics.median(step['ft']) * 1e3:7.2f}ms  {statistics.median(r):.3f} "
                      f"({min(r):.3f}-{max(r):.3f})")
     lines += [f"a process SIGKILLed in the forward of step {k}, a checkpoint every {every} steps (a restart resumes "
-              f"step {(k - 1) // every * every}); its cost from step {k - 1} to step {k + AFTER}, beyond as many steady "
-              f"steps (stall: to training again; again: steps trained twice; short: steps trained by 1 group of 2; "
-              f"rejoin: the group started again, to its first step with the other; copy: of which the live copy, "
-              f"as its log says; serve: what the rejoin cost the live group)",
+              f"step {(k - 1) // every * every}), a log line every step; cost: from step {k - 1}'s line to step "
+              f"{k + AFTER}'s, beyond as many steady steps",
+              "stall: to training again; again: steps trained twice; short: steps trained by 1 group of 2; rejoin: the "
+              "killed group started again, to its first step with the other; copy: of which the live copy (its log); "
+              "serve: what the rejoin cost the live group",
               f"{'width':>6} {'side':<24} {'steady':>8} {'stall':>7} {'cost':>7} {'again':>5} {'short':>5} "
               f"{'rejoin':>7} {'copy':>6} {'serve':>6}"]
     for width in args.ft_widths:
