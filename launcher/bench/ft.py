@@ -9,14 +9,16 @@ whose clock leaves checkpoint saves out; and their lines), not timed inside the 
 
 - no failure: the steady step of each side (the batch over samples/s, per 10-step interval, after a quarter of
   the run), alternating fresh runs, the order reversed every repetition; ft / ddp per pair, its median and range.
-- a failure: a process SIGKILLed in the forward of step `--ft-steps` (launcher/bench/dying.py), every
-  `--ft-every` steps a checkpoint. With fault tolerance, group 1 is killed, started again at once by this row
-  (as a supervisor would) and copies the state from group 0 live; without it, ddp's rank 1 is killed, torchrun
-  stops the run, and the same command started again resumes the newest checkpoint. Both then train AFTER steps
-  more and are stopped (SIGTERM). The cost of the failure is the time from the line of step k-1 to that of step
-  k+AFTER (the run back where it was, and a few steps on) beyond as many steady steps, the checkpoint saves in it
-  left out: the stall while the quorum drops the dead group (about timeouts.pg) against the restart (torchrun's
-  stop, the processes started again, the checkpoint read) and the steps since that checkpoint trained again.
+- a failure: a process SIGKILLed in the forward of step k = `--ft-steps` (launcher/bench/dying.py), a checkpoint
+  every `--ft-every` steps, a log line every step. With fault tolerance, group 1 dies, is started again at once by
+  this row (as a supervisor would) and copies group 0's state live; without it, ddp's rank 1 dies, torchrun stops
+  the run, and the same command started again resumes the newest checkpoint. Both then train AFTER steps more and
+  are stopped (SIGTERM). The stall runs from step k-1's line to the first step trained after the failure, the
+  cost to step k+AFTER's (the run back where it was, and a few steps on), each beyond as many steady steps and
+  the checkpoint saves in it left out: the wait for the quorum to drop the dead group (about timeouts.pg) against
+  the restart (torchrun's stop, the processes started again, the checkpoint read) and the steps since that
+  checkpoint trained again. The group started again: from its start to its first step with the other (its
+  metrics.jsonl), of which the live copy (its log line `recovered live ... in N s`).
 """
 
 from __future__ import annotations
