@@ -178,3 +178,26 @@ def test_gpu_benchmark_s_sft_row_runs_tiny_on_the_cpu():
     assert gain and plausible(float(gain.group(1))), done.stdout  # a sanity bound on what was measured, not a target
     assert "python -m launcher.bench.gpu --device cpu --size tiny --steps 12 --reps 1 --sft --no-peers" in done.stdout
     assert "TRL peer skipped (--no-peers)" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_the_fault_tolerance_row_runs_tiny_and_sets_a_failure_against_a_restart():
+    pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
+    # A failure at step 30, a checkpoint every 20: the restarted run resumes step 20 and trains steps 21 to 30 again
+    out = bench("--ft", "--ft-steps", "30", "--ft-every", "20", "--ft-widths", "64")
+    ratio = re.search(r"^ +64 +0\.02M +(\d+\.\d\d)ms +(\d+\.\d\d)ms +(\d+\.\d{3}) \(\S+\)$", out, re.M)
+    assert ratio and plausible(float(ratio.group(3))), out  # a sanity bound on what was measured, not a target
+    assert float(ratio.group(1)) > 0 and float(ratio.group(2)) > 0, out
+    number = r"(-?\d+\.\d\d)"
+    tolerant = re.search(rf"^ +64 fault tolerance +{number}ms +{number}s +{number}s +(\d+) +(\d+) +{number}s "
+                         rf"+{number}s +{number}s$", out, re.M)
+    restarted = re.search(rf"^ +64 restart from checkpoint +{number}ms +{number}s +{number}s +(\d+) +0 +- +- +-$",
+                          out, re.M)
+    assert tolerant and restarted, out
+    steady, stall, cost, again, short, rejoin, copy, serve = map(float, tolerant.groups())
+    assert steady > 0 and stall > 0 and cost > 0 and rejoin > 0 and copy >= 0 and math.isfinite(serve), out
+    assert again == 1 and short >= 1, out  # the step the group died in, trained again by the live group alone
+    assert copy < rejoin, out  # the copy is part of the rejoin (the group's start, then its quorum)
+    steady, stall, cost, again = map(float, restarted.groups())
+    assert steady > 0 and stall > 0 and cost > 0 and again == 10, out  # steps 21 to 30, from the checkpoint of 20
+    assert "command: python -m launcher.bench --ft --reps 1 --ft-steps 30 --ft-every 20 --ft-widths 64" in out, out
