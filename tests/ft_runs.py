@@ -1,9 +1,10 @@
 """What the fault tolerance tests share: python -m launcher.ft in the background with its lines as they come, the
 recipe of a short run (its timeouts short: a dead group is noticed in about 2 s), a group started again by hand,
-and the reference runs under ddp."""
+and the reference runs under torchrun."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -69,10 +70,15 @@ def without_die() -> dict:
 
 
 def ddp(*args: str, processes: int = 2) -> None:
-    """The recipe under ddp on `processes` processes, started by torchrun (more of them than this machine's cores
-    too: python -m launcher would refuse that)."""
+    """The recipe under ddp on `processes` processes, started by torchrun."""
+    torchrun(*args, "strategy=ddp", processes=processes)
+
+
+def torchrun(*args: str, processes: int) -> None:
+    """The recipe on `processes` processes, started by torchrun (more of them than this machine's cores too:
+    python -m launcher would refuse that)."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={processes}", "-m", "launcher", *args, "strategy=ddp"],
+                           f"--nproc_per_node={processes}", "-m", "launcher", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=180, env=without_die())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -88,3 +94,19 @@ def join(lighthouse: str, run_dir, *overrides: str, group: int = 1, groups: tupl
 def unprefixed(out: str, group: int) -> list:
     """A group's lines as python -m launcher.ft printed them, without its prefix."""
     return re.sub(rf"^\[group {group}\] ", "", out, flags=re.M).splitlines()
+
+
+def assert_logged_as(reference, ft, rel: float) -> None:
+    """What each of two groups logged (`logging.jsonl`) is its own share's: their losses' mean is the reference run's
+    loss, and the gradients' norm, taken after the average across groups, is the reference's."""
+    def metrics(folder):
+        return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    import pytest
+
+    logged = [metrics(ft / f"group_{g}") for g in (0, 1)]
+    expected = metrics(reference)
+    assert [len(m) for m in logged] == [len(expected)] * 2
+    for ref, *mine in zip(expected, *logged):
+        assert sum(m["train/loss"] for m in mine) / 2 == pytest.approx(ref["train/loss"], rel=rel), ref["step"]
+        assert [m["train/grad_norm"] for m in mine] == pytest.approx([ref["train/grad_norm"]] * 2, rel=rel), ref["step"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, assert_same_weights, state_dict, trained_here
-from tests.ft_runs import GROUPS, KILLED_AT, PACED, RECIPE, Run, ddp, join, steps, unprefixed
+from tests.ft_runs import GROUPS, KILLED_AT, PACED, RECIPE, Run, assert_logged_as, ddp, join, steps, unprefixed
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
@@ -44,10 +44,12 @@ def test_two_groups_end_with_the_weights_of_ddp_on_two_processes_and_their_check
 
 
 def test_groups_of_two_ddp_processes_end_with_the_weights_of_ddp_on_four(tmp_path):
-    run = Run(*RECIPE, *GROUPS, "trainer.max_steps=20", "strategy=ddp", "nproc_per_node=2", f"run_dir={tmp_path / 'ft'}")
+    run = Run(*RECIPE, *GROUPS, "trainer.max_steps=20", "logging.jsonl=true", "strategy=ddp", "nproc_per_node=2",
+              f"run_dir={tmp_path / 'ft'}")
     assert run.finish() == 0, run.text()[-3000:]
     assert "(ddp)" in "".join(run.of(0)) and steps(run.of(1)) == list(range(1, 21))
-    ddp(*RECIPE, "trainer.max_steps=20", f"run_dir={tmp_path / 'ddp'}", processes=4)
+    ddp(*RECIPE, "trainer.max_steps=20", "logging.jsonl=true", f"run_dir={tmp_path / 'ddp'}", processes=4)
+    assert_logged_as(tmp_path / "ddp", tmp_path / "ft", rel=1e-5)  # (a mean over the group's two processes)
     assert_same_weights(tmp_path / "ft" / "group_0" / "model.pt", tmp_path / "ft" / "group_1" / "model.pt")
     four, ft = state_dict(tmp_path / "ddp" / "model.pt"), state_dict(tmp_path / "ft" / "group_0" / "model.pt")
     for key in ft:  # four gradients summed in another order ((a + b) + (c + d) against gloo's ring): rounding alone,

@@ -36,8 +36,10 @@ def test_the_section_is_null_by_default_and_set_by_one_key():
     (["fault_tolerance.groups=0"], "fault_tolerance.groups: must be 1 or more, got 0"),
     (["fault_tolerance.lighthouse=localhost:29510"], "fault_tolerance.lighthouse: must be the lighthouse's "
                                                      "http://host:port, got 'localhost:29510'"),
-    (["fault_tolerance.groups=2", "strategy=fsdp"], "strategy: fault_tolerance runs strategy single or ddp inside a "
-                                                    "group"),
+    (["fault_tolerance.groups=2", "strategy=dp"], "strategy: fault_tolerance runs strategy single, ddp or fsdp inside "
+                                                  "a group (auto picks single or ddp), got 'dp'"),
+    (["fault_tolerance.groups=2", "strategy=fsdp", "parallel.pp=2"], "parallel.pp: fault_tolerance runs no pipeline "
+                                                                     "stages inside a group (not built yet)"),
     (["fault_tolerance.timeouts.pg=-1"], "fault_tolerance.timeouts.pg: must be a positive number of seconds, got -1"),
 ])
 def test_a_bad_value_is_one_line_naming_the_key(overrides, expected):
@@ -138,6 +140,11 @@ def test_the_fingerprint_holds_what_shapes_training_and_names_what_differs():
                                                  "seed (0 here, 1 in the live groups)"]
     assert settings.differences(mine, settings.fingerprint(base, 2)) == [
         "processes per group (1 here, 2 in the live groups)"]
+    # how a group's processes hold the model: rank r of each group averages its shards with rank r of the others
+    sharded = load(QUICKSTART, ["fault_tolerance.groups=2", "strategy=fsdp", "parallel.tp=2"]).config
+    assert settings.differences(settings.fingerprint(sharded, 2, "shards of dp_shard 1 x tp 2"),
+                                settings.fingerprint(base, 2)) == [
+        "model per process ('shards of dp_shard 1 x tp 2' here, 'whole' in the live groups)"]
 
 
 def _live(seed: int, step: int) -> Live:
@@ -175,6 +182,65 @@ def test_a_joining_group_takes_the_live_groups_state_exactly():
     assert taker.schedule.state_dict() == giver.schedule.state_dict() and taker.precision.loaded == {"scale": 0}
     assert (taker.position.step, taker.position.epoch, taker.position.batch) == (17, 1, 17)
     assert torch.equal(torch.rand(3), drawn)
+
+
+@pytest.fixture
+def one_process_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _sharded(seed: int, steps: int) -> Live:
+    """A live state whose weights and optimizer state are DTensors (FSDP2 on a mesh of this one process)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    live = _live(seed, steps)
+    live.model, live.optimizer, live.schedule = model, optimizer, None
+    return live
+
+
+def test_a_joining_group_takes_each_shard_in_place_of_its_own(one_process_group):
+    import io
+
+    from torch.distributed._serialization import _streaming_load, _streaming_save
+    from torch.distributed.tensor import DTensor
+
+    giver, taker = _sharded(0, 2), _sharded(1, 0)  # the taker's optimizer has no state yet
+    given = recovery.given(giver, {"seed": 0})
+    # Each shard goes as a plain tensor (torchft moves plain tensors to the host), not with the giver's mesh: the
+    # taker puts it on its own
+    leaves = []
+    torch.utils._pytree.tree_map(leaves.append, given)
+    assert leaves and not any(isinstance(leaf, DTensor) for leaf in leaves)
+    sent = io.BytesIO()
+    _streaming_save(given, sent)  # as torchft's HTTP transfer sends it
+    sent.seek(0)
+    recovery.take(_streaming_load(sent, weights_only=False), taker, {"seed": 0})
+    for a, b in zip(giver.model.parameters(), taker.model.parameters()):
+        assert isinstance(b, DTensor) and b.placements == a.placements and torch.equal(a.to_local(), b.to_local())
+    theirs, mine = giver.optimizer.state_dict()["state"], taker.optimizer.state_dict()["state"]
+    assert theirs.keys() == mine.keys()
+    for i in theirs:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(mine[i][key], DTensor) and torch.equal(theirs[i][key].to_local(), mine[i][key].to_local())
+    x = torch.randn(5, 4)
+    for live in (giver, taker):  # and they train on alike
+        live.model(x).sum().backward()
+        live.optimizer.step()
+    for a, b in zip(giver.model.parameters(), taker.model.parameters()):
+        assert torch.equal(a.to_local(), b.to_local())
 
 
 def test_a_joining_group_with_another_recipe_refuses_before_taking_anything():

@@ -28,6 +28,7 @@ import warnings
 from typing import Any, Callable, List, Mapping, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from launcher import seeding
 from launcher.errors import Hung, UserError, first_line
@@ -79,6 +80,12 @@ def _transport(timeout: datetime.timedelta) -> Any:
     server = transport._server  # its handler class is made inside __init__: quieted where the server holds it
     server.RequestHandlerClass = type("Quiet", (server.RequestHandlerClass,), {"log_message": lambda *args: None})
     return transport
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: its local shard where it is a DTensor (a view: copied into, the DTensor has
+    it)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class Replicas:
@@ -180,7 +187,9 @@ class Replicas:
         for q in params:
             if q.grad is None:  # a parameter this group's batch did not reach: the others' may have
                 q.grad = torch.zeros_like(q)
-        grads = [q.grad for q in params]
+        # A sharded gradient (fsdp, tp) is averaged as this rank's shard: the same rank of every group holds the
+        # same shard of it (groups of one recipe have one layout), and its group has reduced it already.
+        grads = [local(q.grad) for q in params]
         flat = torch._utils._flatten_dense_tensors(grads)
         self.manager.allreduce(flat).wait()  # the mean over the live groups; a failure is kept by the manager
         if not self.manager.should_commit():

@@ -30,8 +30,10 @@ LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
 # waits are not among them.
 TRAINING_KEYS = ("seed", "precision", "model", "loss", "step", "optimizer", "lr_schedule", "data.train",
                  "data.batch_size", "data.shuffle", "data.collate", "trainer.max_steps", "trainer.max_epochs",
-                 "trainer.grad_accum_steps", "trainer.clip_grad_norm", "fault_tolerance.groups")
+                 "trainer.grad_accum_steps", "trainer.clip_grad_norm", "fault_tolerance.groups", "parallel.tp_plan",
+                 "fsdp.reduce_dtype")
 PROCESSES = "processes per group"  # not a key: each group's share of a batch depends on it too
+LAYOUT = "model per process"  # nor this: how each process holds the model (whole, or its shards of a mesh)
 
 
 def group_index(section: FaultToleranceConfig, env: Mapping[str, str]) -> int:
@@ -73,11 +75,12 @@ def share(group: int, groups: int, inside: Tuple[int, int]) -> Tuple[int, int]:
     return count * groups, group * count + place
 
 
-def fingerprint(recipe: Any, processes: int) -> Dict[str, Any]:
-    """The recipe's training keys, flattened (`model.hidden: 128`), with the group's process count."""
+def fingerprint(recipe: Any, processes: int, layout: str = "whole") -> Dict[str, Any]:
+    """The recipe's training keys, flattened (`model.hidden: 128`), with the group's process count and how each of
+    its processes holds the model (the strategy's `layout()`: rank r of every group must hold the same shards)."""
     flat = flatten(recipe)
     kept = {k: v for k, v in flat.items() if any(k == key or k.startswith(key + ".") for key in TRAINING_KEYS)}
-    return {**kept, PROCESSES: processes}
+    return {**kept, PROCESSES: processes, LAYOUT: layout}
 
 
 def differences(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> List[str]:

@@ -1,10 +1,11 @@
 """The recipe's `fault_tolerance:` section: replica groups that train on when one of them dies (torchft).
 
 Null by default: the run is what it is without it, and torchft is never imported. Set, the run is one of
-`groups` replica groups; each trains the recipe's layout inside itself (one process, or ddp under torchrun),
-and the groups average their gradients through torchft every step, agreeing first (a quorum, through the
-lighthouse) which of them are live. `python -m launcher.ft` starts the lighthouse and every group on one
-machine (docs/fault-tolerance.md).
+`groups` replica groups; each trains the recipe's layout inside itself (one process, ddp, or fsdp with its
+parallel.tp and parallel.dp_replicate, under torchrun), and the groups average their gradients through torchft
+every step (each rank with the same rank of the others, which holds the same shards), agreeing first (a quorum,
+through the lighthouse) which of them are live. `python -m launcher.ft` starts the lighthouse and every group on
+one machine (docs/fault-tolerance.md).
 
 The timeouts nest, each longer than the one before, so that a shorter wait gives up (and the live groups go
 on) before a longer one ends the run: a collective across groups (`pg`) < a step's wait for a quorum
@@ -20,9 +21,9 @@ from typing import List, Optional
 from launcher.errors import short
 from launcher.recipe.checks import at_least, positive
 
-# The strategies a group runs inside itself in this release; fsdp (HSDP's replicate dimension), tp and pipeline
-# stages inside a group are later work (docs/fault-tolerance.md says what is built).
-INSIDE_A_GROUP = ("auto", "single", "ddp")
+# The strategies a group runs inside itself (fsdp with its tp and dp_replicate too); pipeline stages inside a
+# group are later work (docs/fault-tolerance.md says what is built).
+INSIDE_A_GROUP = ("auto", "single", "ddp", "fsdp")
 LIGHTHOUSE = re.compile(r"https?://[^\s/:]+(:\d+)?/?")  # torchft's form: http://host:port
 
 
@@ -45,7 +46,7 @@ class FaultToleranceConfig:
     min_groups: int = 1  # live groups a step needs: with fewer the step waits for them (up to timeouts.quorum)
     timeouts: FaultToleranceTimeouts = field(default_factory=FaultToleranceTimeouts)
 
-    def problems(self, strategy: str, dist_timeout: float) -> List[tuple[str, str]]:
+    def problems(self, strategy: str, dist_timeout: float, pp: int = 1) -> List[tuple[str, str]]:
         out = at_least("fault_tolerance.groups", self.groups, 1) + at_least("fault_tolerance.group", self.group, 0)
         if self.group is not None and self.groups >= 1 and self.group >= self.groups:
             out.append(("fault_tolerance.group", f"is an index among fault_tolerance.groups={self.groups} groups: "
@@ -58,9 +59,13 @@ class FaultToleranceConfig:
             out.append(("fault_tolerance.lighthouse", f"must be the lighthouse's http://host:port, got "
                                                       f"{short(self.lighthouse)}"))
         if strategy not in INSIDE_A_GROUP:
-            out.append(("strategy", f"fault_tolerance runs strategy single or ddp inside a group (auto picks them), "
-                                    f"got {short(strategy)}; fsdp, tp and pipeline stages inside a group are not built "
-                                    f"yet"))
+            out.append(("strategy", f"fault_tolerance runs strategy single, ddp or fsdp inside a group (auto picks "
+                                    f"single or ddp), got {short(strategy)}; use one of them, or remove "
+                                    f"fault_tolerance"))
+        elif pp > 1:
+            out.append(("parallel.pp", f"fault_tolerance runs no pipeline stages inside a group (not built yet), got "
+                                       f"parallel.pp={pp}; set parallel.pp=1 (fsdp with parallel.tp and dp_replicate "
+                                       f"runs inside a group), or remove fault_tolerance"))
         return out + timeout_problems(self.timeouts, dist_timeout)
 
 

@@ -243,6 +243,6 @@ class Recipe:
                         self.memory_snapshot, self.slurm):
             out += section.problems()
         if self.fault_tolerance is not None:
-            out += self.fault_tolerance.problems(self.strategy, self.dist_timeout)
+            out += self.fault_tolerance.problems(self.strategy, self.dist_timeout, self.parallel.pp)
         # A value past 64 bits is reported once, not again by the range checks of its own key.
         return huge + [p for p in out if p[0] not in {key for key, _ in huge}]

@@ -95,6 +95,11 @@ class Strategy:
         """Every data-parallel rank's `state` (its place in a stream), in the order of data_share. Collective."""
         return self.all_gather_object(state)
 
+    def layout(self) -> str:
+        """How each process holds the model, in a few words: "whole", or the mesh whose shards it holds. Replica
+        groups must agree on it (rank r of each averages its gradients with rank r of the others)."""
+        return "whole"
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model to train, already on `self.device`, wrapped for this strategy."""
         return model

@@ -1,5 +1,7 @@
-"""Fault tolerance around a strategy: the recipe's strategy inside a replica group (one process, or ddp under
-torchrun), torchft's quorum and gradient average across the groups (launcher/ft/).
+"""Fault tolerance around a strategy: the recipe's strategy inside a replica group (one process, or ddp or fsdp
+under torchrun, fsdp with its tp and dp_replicate), torchft's quorum and gradient average across the groups
+(launcher/ft/): HSDP's replicate dimension made fault tolerant, each rank averaging its gradient shards with the
+same rank of the other live groups.
 
 `around(cls, ...)` is `cls` with the few methods fault tolerance changes in front of it: the data share (this
 group's of every batch), the step's start (a quorum, maybe a live recovery) and commit (the gradients averaged
@@ -35,7 +37,7 @@ class FaultTolerant:
         super().setup()
         from launcher.ft.replicas import Replicas  # torchft
 
-        fingerprint = settings.fingerprint(self.recipe, self.placement.world_size)
+        fingerprint = settings.fingerprint(self.recipe, self.placement.world_size, self.layout())
         self.replicas = Replicas(self.section, self.group, self.placement.rank, self.placement.world_size,
                                  lighthouse, fingerprint, self.all_gather_object, self._log())
 
@@ -59,6 +61,11 @@ class FaultTolerant:
 
     def gradient_share(self) -> int:
         return super().data_share()[0] * self.replicas.live_groups()
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Over this group's ranks alone (each group logs its own share): the inner strategy's mean would divide
+        # its ranks' sum by data_share's count, every group's ranks.
+        return super().all_reduce_sum(tensor) / super().data_share()[0]
 
     def sum_counts(self, count: torch.Tensor) -> torch.Tensor:
         return self.replicas.sum(super().all_reduce_sum(count))

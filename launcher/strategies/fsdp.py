@@ -44,6 +44,9 @@ class FSDP(DDP):
     def data_share(self) -> Tuple[int, int]:
         return self.shape.data_replicas, self.shape.data_rank(self.placement.rank)
 
+    def layout(self) -> str:
+        return f"shards of {self.shape.describe()}"
+
     def data_states(self, state):
         # the ranks of a tp group, and the stages of a pipeline, read the same: the first stage's, a tp rank each
         return self.all_gather_object(state)[:self.shape.stage_ranks:self.shape.tp]
