@@ -66,12 +66,13 @@ def two(tmp_path_factory, one):
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, two):
     """Four processes (dp_shard 4, ep 2: two ep groups, each expert's slice held by two ranks), one launch: from
-    scratch (routing reported), and resuming ep x 2's step 3."""
+    scratch (routing reported), resuming ep x 2's step 3, and under HSDP (dp_replicate 2 x dp_shard 2, ep 2)."""
     from tests.several_runs import several
 
     root = tmp_path_factory.mktemp("ep4")
     cases = {"ep-fsdp": [*MOE, *EP, "model.report=true"],
-             "ep-fsdp-from-ep": [*MOE, *EP, f"checkpoint.resume={two[0] / 'ep' / 'checkpoints' / 'step_3'}"]}
+             "ep-fsdp-from-ep": [*MOE, *EP, f"checkpoint.resume={two[0] / 'ep' / 'checkpoints' / 'step_3'}"],
+             "ep-hsdp": [*MOE, *EP, "parallel.dp_replicate=2"]}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, nproc=4,
                          timeout=900)
 
@@ -112,10 +113,13 @@ def test_ep_x2_gives_one_process_weights_with_uneven_routing(one, two):
 
 
 @pytest.mark.slow
-def test_ep_x2_inside_fsdp_over_four_processes_gives_one_process_weights(one, four):
+def test_ep_x2_inside_fsdp_and_hsdp_over_four_processes_gives_one_process_weights(one, four):
     folder, said = ran(four, "ep-fsdp")
-    assert "fsdp: dp_shard 4 (ep 2) = 4 ranks" in said and "each sharded over the 2 ranks that hold them" in said
+    assert "fsdp: dp_shard 4 (ep 2) = 4 ranks" in said and "each sharded over the 2 ranks of dp_shard that hold them" in said
     assert_routing_uneven(received(four[1], "ep-fsdp"), groups=[(0, 1), (2, 3)])
+    assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)
+    folder, said = ran(four, "ep-hsdp")
+    assert "dp_replicate 2 x dp_shard 2 (ep 2) = 4 ranks" in said and "; replicated over dp_replicate 2" in said
     assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)
 
 

@@ -36,7 +36,7 @@ the reduction takes part in it."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 from torch import nn
@@ -66,8 +66,7 @@ def is_experts(module: nn.Module) -> bool:
         params = list(inspect.signature(type(module).forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
 def problems(model: nn.Module, ep: int) -> List[str]:
@@ -118,6 +117,8 @@ class _Dispatch:
 
 def dispatched(module: nn.Module, forward: Any, group: Any, ep: int, hidden: torch.Tensor, index: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output for this rank's tokens [T, H], their experts [T, K] and weights [T, K]: the module's
+    docstring, steps 1 to 4. Collective over the ep group."""
     import torch.distributed as dist
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
@@ -161,7 +162,6 @@ class _Local:
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
-
 
 
 class _Mean(torch.autograd.Function):

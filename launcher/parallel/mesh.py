@@ -111,6 +111,16 @@ def holders_mesh(experts, shape: Layout):
     return experts["dp_replicate", "dp_shard_mod_ep"] if shape.dp_replicate > 1 else experts["dp_shard_mod_ep"]
 
 
+def forget() -> None:
+    """When a run's mesh goes: DTensor's sharding propagation keeps each op's output layout by its inputs', and a
+    mesh equals any other of the same shape and names, so a later run in this process (the tests' runs, one
+    after another in a pool of ranks) would get this run's mesh back, whose process groups are gone (ep under
+    HSDP after ep under fsdp alone: `Could not resolve the process group registered under the name 12`)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # both: the Python one and the C++ fast path's
+
+
 def quiet_redistribution() -> None:
     """DTensor warns, on every rank, each time it reduces or gathers over two mesh dimensions one after the other
     (the gradients' norm, a save's gather), that its reduction orders could differ between ranks. Both are

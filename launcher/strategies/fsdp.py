@@ -138,6 +138,7 @@ class FSDP(DDP):
     def teardown(self) -> None:
         # their process groups too are released before the default one ends (DDP.teardown)
         self.device_mesh = self.experts_mesh = None
+        mesh.forget()
         super().teardown()
 
     def no_sync(self, model: nn.Module, skip: bool):
@@ -165,9 +166,11 @@ def experts_line(split: Dict[str, int], shape: mesh.Layout) -> str:
     names = list(split)
     how = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
     each = " or ".join(str(c // shape.ep) for c in sorted(set(split.values())))
-    holders = shape.data_replicas // shape.ep
-    where = f"each sharded over the {holders} ranks that hold them" if holders > 1 else "no other rank holds them"
-    return f"parallel.ep: {len(names)} experts modules split over {shape.ep} ranks, {each} experts on each ({how}); {where}"
+    shard = shape.dp_shard // shape.ep
+    where = " and ".join(([f"each sharded over the {shard} ranks of dp_shard that hold them"] if shard > 1 else []) +
+                         ([f"replicated over dp_replicate {shape.dp_replicate}"] if shape.dp_replicate > 1 else []))
+    return (f"parallel.ep: {len(names)} experts modules split over {shape.ep} ranks, {each} experts on each ({how}); "
+            f"{where or 'no other rank holds them'}")
 
 
 def _keeping_ties(model: nn.Module, units: List[nn.Module], named: bool) -> List[nn.Module]:
