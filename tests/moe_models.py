@@ -1,10 +1,10 @@
 """A tiny HF Qwen3-MoE, built from its config, for the expert-parallel tests (tests/test_experts.py): hidden 32, two
 layers, 8 experts, top 2, its experts' eager loop (transformers' grouped kernels have no float64 kernel, and the
-tests train in float64: tests/rounding.py).
+tests train in float64: tests/rounding.py; `implementation=grouped_mm` takes them, in float32).
 
 Its routing is uneven by construction. Each router's rows are one direction u scaled by 4, 3, 2, 1, -1, -2, -3,
 -4 (a little noise added to all but the middle two), so a token whose hidden state leans along u goes to experts 0
-and 1, one leaning against it to experts 6 and 7, and the middle ones get few tokens or none. Every token's
+and 1, one leaning against it to experts 6 and 7, and the middle ones get none, or few once training turns them. Every token's
 embedding holds 1 in its first dimension (the others are HF's initial ones, ~0.02), so every hidden state leans
 along that dimension: the first layer's u is it, and every token goes to experts 0 and 1 (under ep x 2, experts
 0-3 on one rank and 4-7 on the other, the second rank's experts get no token at all); the second layer's u is
@@ -21,7 +21,8 @@ import transformers
 SCALES = (4.0, 3.0, 2.0, 1.0, -1.0, -2.0, -3.0, -4.0)
 
 
-def qwen3_moe(experts: int = 8, report: bool = False, vocab_size: int = 256, implementation: str = "eager") -> torch.nn.Module:
+def qwen3_moe(experts: int = 8, report: bool = False, vocab_size: int = 256,
+              implementation: str = "eager") -> torch.nn.Module:
     config = transformers.Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                                          moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=8, max_position_embeddings=128,

@@ -115,7 +115,8 @@ def test_ep_x2_gives_one_process_weights_with_uneven_routing(one, two):
 @pytest.mark.slow
 def test_ep_x2_inside_fsdp_and_hsdp_over_four_processes_gives_one_process_weights(one, four):
     folder, said = ran(four, "ep-fsdp")
-    assert "fsdp: dp_shard 4 (ep 2) = 4 ranks" in said and "each sharded over the 2 ranks of dp_shard that hold them" in said
+    assert "fsdp: dp_shard 4 (ep 2) = 4 ranks" in said
+    assert "; each sharded over the 2 ranks of dp_shard that hold them" in said
     assert_routing_uneven(received(four[1], "ep-fsdp"), groups=[(0, 1), (2, 3)])
     assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)
     folder, said = ran(four, "ep-hsdp")
@@ -125,7 +126,8 @@ def test_ep_x2_inside_fsdp_and_hsdp_over_four_processes_gives_one_process_weight
 
 @pytest.mark.slow
 def test_checkpoints_move_between_ep_and_fsdp_and_between_ep_layouts(one, two, four):
-    for runs, name, source in ((two, "fsdp-from-ep", "ep"), (two, "ep-from-fsdp", "fsdp"), (four, "ep-fsdp-from-ep", "ep")):
+    for runs, name, source in ((two, "fsdp-from-ep", "ep"), (two, "ep-from-fsdp", "fsdp"),
+                               (four, "ep-fsdp-from-ep", "ep")):
         folder, said = ran(runs, name)
         assert f"resumed from {two[0] / source / 'checkpoints' / 'step_3'} (step 3, epoch 0)" in said, said
         assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)

@@ -58,7 +58,8 @@ class Layout:
     def describe(self) -> str:
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         said = " x ".join(f"{name} {size}" for name, size in zip(PP_NAMES, sizes) if size > 1 or name == "dp_shard")
-        return said.replace(f"dp_shard {self.dp_shard}", f"dp_shard {self.dp_shard} (ep {self.ep})") if self.ep > 1 else said
+        return said.replace(f"dp_shard {self.dp_shard}", f"dp_shard {self.dp_shard} (ep {self.ep})", 1) if self.ep > 1 \
+            else said
 
 
 def layout(tp: int, dp_replicate: int, world_size: int, pp: int = 1, ep: int = 1) -> Layout:

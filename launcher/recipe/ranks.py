@@ -78,8 +78,9 @@ class ParallelConfig:
         out += at_least("parallel.pp", self.pp, 1) + at_least("parallel.ep", self.ep, 1)
         if self.ep > 1 and (self.tp > 1 or self.pp > 1):
             other = "tp" if self.tp > 1 else "pp"
-            out.append(("parallel.ep", f"splits experts over data-parallel ranks, and is not built with parallel.{other} "
-                                       f"({getattr(self, other)}); set parallel.{other}=1, or parallel.ep=1"))
+            out.append(("parallel.ep", f"splits experts over data-parallel ranks, and is not built with "
+                                       f"parallel.{other} ({getattr(self, other)}); set parallel.{other}=1, or "
+                                       f"parallel.ep=1"))
         if self.microbatches is not None:
             out += at_least("parallel.microbatches", self.microbatches, 1)
         if self.stages_per_rank is not None:

@@ -32,7 +32,7 @@ class FSDP(DDP):
     units: List[str] = []
     left: List[str] = []  # default units left to the root, which would have split a tied parameter
     split: Dict[str, str] = {}  # the layers split over the tp ranks, with their styles
-    experts: Dict[str, int] = {}  # the experts modules split over the ep ranks, with their expert counts
+    expert_split: Dict[str, int] = {}  # the experts modules split over the ep ranks, with their expert counts
     shape: mesh.Layout
     device_mesh = None
     experts_mesh = None  # under ep: the mesh with dp_shard split into dp_shard_mod_ep x ep
@@ -78,15 +78,15 @@ class FSDP(DDP):
                  f"{units}{left}"]
         if self.split:
             lines.append(split_line(self.split, self.shape.tp, "layers"))
-        if self.experts:
-            lines.append(experts_line(self.experts, self.shape))
+        if self.expert_split:
+            lines.append(experts_line(self.expert_split, self.shape))
         return lines
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.shape.tp > 1:  # before FSDP2 shards what the plan leaves whole, and the split layers' other dimension
             self.split = plans.apply(model, self.device_mesh["tp"], self.parallel.tp_plan)
         if self.shape.ep > 1:  # the experts' slices before FSDP2 shards them over the ranks that hold the same
-            self.experts = experts.split(model, self.experts_mesh["ep"])
+            self.expert_split = experts.split(model, self.experts_mesh["ep"])
         self.shard(model, model)
         return model
 
@@ -108,8 +108,8 @@ class FSDP(DDP):
                    "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=self._reduce_dtype(root)),
                    "offload_policy": CPUOffloadPolicy() if self.fsdp.cpu_offload and self.device.type == "cuda"
                    else OffloadPolicy()}
-        holders = {**options, "mesh": mesh.holders_mesh(self.experts_mesh, self.shape)} if self.experts else {}
-        for name in self.experts:  # each a unit over the ranks that hold its experts (experts.py: why they average)
+        holders = {**options, "mesh": mesh.holders_mesh(self.experts_mesh, self.shape)} if self.expert_split else {}
+        for name in self.expert_split:  # a unit over the ranks that hold its experts (experts.py: why they average)
             fully_shard(model.get_submodule(name), **holders)
         for unit in reversed(found):  # innermost first: a unit inside another is its own shard group
             fully_shard(unit, **options)
@@ -162,7 +162,7 @@ def split_line(split: Dict[str, str], tp: int, what: str) -> str:
 
 
 def experts_line(split: Dict[str, int], shape: mesh.Layout) -> str:
-    """The console's line for the experts expert parallelism split: how many modules, each rank's experts."""
+    """The console's line for what expert parallelism split: the modules, each rank's experts, who else holds them."""
     names = list(split)
     how = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
     each = " or ".join(str(c // shape.ep) for c in sorted(set(split.values())))
