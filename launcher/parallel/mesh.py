@@ -4,7 +4,12 @@ Global rank = (stage x data-parallel ranks + data-parallel rank) x tp + tp rank.
 
 The ranks of one tp group, and the stages of one pipeline, read the same batch; the global batch is split over
 the data-parallel ranks (dp_replicate x dp_shard) alone, so a recipe's batch means what it means under every
-layout."""
+layout.
+
+Expert parallelism (ep) splits dp_shard in two, dp_shard_mod_ep x ep, ep innermost (torchtitan's order): the ep
+ranks of one group are neighbours, and read different tokens. The dense parts are sharded over dp_shard as
+without ep, each experts module over dp_shard_mod_ep (the ranks that hold the same experts), its experts split
+over ep (launcher/parallel/experts.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ class Layout:
     dp_shard: int
     tp: int
     pp: int = 1
+    ep: int = 1  # the ranks each MoE layer's experts are split over, of dp_shard's
 
     @property
     def data_replicas(self) -> int:
@@ -47,14 +53,16 @@ class Layout:
     @property
     def plain(self) -> bool:
         """One dimension: every rank shards the model and reads its own share (FSDP alone)."""
-        return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1
+        return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1 and self.ep == 1
 
     def describe(self) -> str:
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        return " x ".join(f"{name} {size}" for name, size in zip(PP_NAMES, sizes) if size > 1 or name == "dp_shard")
+        said = " x ".join(f"{name} {size}" for name, size in zip(PP_NAMES, sizes) if size > 1 or name == "dp_shard")
+        return said.replace(f"dp_shard {self.dp_shard}", f"dp_shard {self.dp_shard} (ep {self.ep})", 1) if self.ep > 1 \
+            else said
 
 
-def layout(tp: int, dp_replicate: int, world_size: int, pp: int = 1) -> Layout:
+def layout(tp: int, dp_replicate: int, world_size: int, pp: int = 1, ep: int = 1) -> Layout:
     """The mesh for `world_size` ranks; one line when the sizes do not divide it."""
     if world_size % (tp * dp_replicate * pp):
         if pp == 1:
@@ -66,7 +74,12 @@ def layout(tp: int, dp_replicate: int, world_size: int, pp: int = 1) -> Layout:
                  " x ".join(f"{k}={v}" for k, v in (("pp", pp), ("tp", tp), ("dp_replicate", dp_replicate)) if v > 1))
         raise UserError(f"{key}: {sizes} does not divide the world of {world_size} processes; use sizes whose "
                         f"product divides {world_size} (dp_shard takes the rest)")
-    return Layout(dp_replicate, world_size // (tp * dp_replicate * pp), tp, pp)
+    shard = world_size // (tp * dp_replicate * pp)
+    if shard % ep:
+        raise UserError(f"parallel.ep: ep={ep} does not divide the {shard} ranks of dp_shard (world {world_size}"
+                        f"{f' / dp_replicate {dp_replicate}' if dp_replicate > 1 else ''}); use an ep that divides "
+                        f"{shard}")
+    return Layout(dp_replicate, shard, tp, pp, ep)
 
 
 def device_mesh(shape: Layout, device_type: str):
@@ -86,6 +99,27 @@ def data_mesh(mesh, shape: Layout):
     if shape.plain:
         return mesh
     return mesh["dp_replicate", "dp_shard"] if shape.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def experts_mesh(mesh, shape: Layout):
+    """Under ep: the mesh with dp_shard split in two, dp_replicate x dp_shard_mod_ep x ep x tp; collective (its
+    groups are made)."""
+    return mesh._unflatten("dp_shard", (shape.dp_shard // shape.ep, shape.ep), ("dp_shard_mod_ep", "ep"))
+
+
+def holders_mesh(experts, shape: Layout):
+    """What FSDP2 shards each experts module over under ep: the ranks that hold the same experts."""
+    return experts["dp_replicate", "dp_shard_mod_ep"] if shape.dp_replicate > 1 else experts["dp_shard_mod_ep"]
+
+
+def forget() -> None:
+    """When a run's mesh goes: DTensor's sharding propagation keeps each op's output layout by its inputs', and a
+    mesh equals any other of the same shape and names, so a later run in this process (the tests' runs, one
+    after another in a pool of ranks) would get this run's mesh back, whose process groups are gone (ep under
+    HSDP after ep under fsdp alone: `Could not resolve the process group registered under the name 12`)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # both: the Python one and the C++ fast path's
 
 
 def quiet_redistribution() -> None:

@@ -57,10 +57,11 @@ class FSDPConfig:
 @dataclass
 class ParallelConfig:
     """The device mesh of strategy fsdp: pp x dp_replicate x dp_shard x tp ranks, dp_shard = world / (pp x tp x
-    dp_replicate)."""
+    dp_replicate); ep of dp_shard's ranks split each MoE layer's experts."""
 
     tp: int = 1  # tensor parallel: each layer's matmuls split over this many ranks (of one node), which read one batch
     dp_replicate: int = 1  # replicas of the sharded model (HSDP: sharded within a group, replicated across groups)
+    ep: int = 1  # expert parallel: each MoE layer's experts split over this many of dp_shard's ranks (which read different tokens), tokens sent by all-to-all; divides dp_shard and num_experts
     tp_plan: Any = "auto"  # auto: the model's own (an HF model's _tp_plan); or {module name pattern: style}
     pp: int = 1  # pipeline stages (the outermost dimension): each rank holds a share of the model's repeated blocks
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb (zero bubble), zbv
@@ -74,7 +75,12 @@ class ParallelConfig:
 
     def problems(self) -> List[tuple[str, str]]:
         out = at_least("parallel.tp", self.tp, 1) + at_least("parallel.dp_replicate", self.dp_replicate, 1)
-        out += at_least("parallel.pp", self.pp, 1)
+        out += at_least("parallel.pp", self.pp, 1) + at_least("parallel.ep", self.ep, 1)
+        if self.ep > 1 and (self.tp > 1 or self.pp > 1):
+            other = "tp" if self.tp > 1 else "pp"
+            out.append(("parallel.ep", f"splits experts over data-parallel ranks, and is not built with "
+                                       f"parallel.{other} ({getattr(self, other)}); set parallel.{other}=1, or "
+                                       f"parallel.ep=1"))
         if self.microbatches is not None:
             out += at_least("parallel.microbatches", self.microbatches, 1)
         if self.stages_per_rank is not None:

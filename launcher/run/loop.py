@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -235,8 +235,11 @@ class LossWeights:
     def finish(self) -> None:
         """After the last backward: the accumulated, reduced gradients scaled to the step's total."""
         if self.rescale is not None:
-            grads = [q.grad for q in self.params if q.grad is not None]
-            if grads:  # (gradients offloaded to the CPU get the factor there)
+            meshes: Dict[Any, List[torch.Tensor]] = {}  # DTensor's foreach takes one mesh at a time (ep's experts'
+            for q in self.params:                       # own beside the dense parts')
+                if q.grad is not None:
+                    meshes.setdefault(getattr(q.grad, "device_mesh", None), []).append(q.grad)
+            for grads in meshes.values():  # (gradients offloaded to the CPU get the factor there)
                 torch._foreach_mul_(grads, self.rescale.to(grads[0].device, non_blocking=True))
 
 

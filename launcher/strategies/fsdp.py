@@ -3,7 +3,11 @@ ranks, one process per device as under DDP (started by torchrun, or by the launc
 on the CPU, nccl on CUDA). Each sharding unit (`fsdp.units`: class names, by default the model's
 repeated layers) gathers its parameters for its forward and backward and reduce-scatters its gradients;
 the root holds what is left. Checkpoints are written by every rank as shards (DCP), so a run resumes at
-any world size; model.pt is gathered on rank 0."""
+any world size; model.pt is gathered on rank 0.
+
+Under expert parallelism (parallel.ep) each experts module is a unit of its own, sharded over the ranks that
+hold the same experts (dp_shard / ep, and dp_replicate), its slices split over the ep ranks before
+(launcher/parallel/experts.py, which says why FSDP's average over those ranks gives one process's gradient)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from torch import nn
 
 from launcher.model import modules
 from launcher.errors import UserError
-from launcher.parallel import mesh, plans
+from launcher.parallel import experts, mesh, plans
 from launcher.model.plain import tied_names
 from launcher.strategies.ddp import DDP
 
@@ -28,15 +32,18 @@ class FSDP(DDP):
     units: List[str] = []
     left: List[str] = []  # default units left to the root, which would have split a tied parameter
     split: Dict[str, str] = {}  # the layers split over the tp ranks, with their styles
+    expert_split: Dict[str, int] = {}  # the experts modules split over the ep ranks, with their expert counts
     shape: mesh.Layout
     device_mesh = None
+    experts_mesh = None  # under ep: the mesh with dp_shard split into dp_shard_mod_ep x ep
 
     def setup(self) -> None:
         # before the process group: a world the mesh does not fit stops every rank at once, with one line
         p = self.parallel
-        self.shape = mesh.layout(p.tp, p.dp_replicate, self.placement.world_size, p.pp)
+        self.shape = mesh.layout(p.tp, p.dp_replicate, self.placement.world_size, p.pp, p.ep)
         super().setup()
         self.device_mesh = mesh.device_mesh(self.shape, self.device.type)
+        self.experts_mesh = mesh.experts_mesh(self.device_mesh, self.shape) if self.shape.ep > 1 else None
         self.data_group = mesh.data_group(self.shape, self.placement.rank)
         if not self.shape.plain:
             mesh.quiet_redistribution()
@@ -74,11 +81,15 @@ class FSDP(DDP):
                  f"{units}{left}"]
         if self.split:
             lines.append(split_line(self.split, self.shape.tp, "layers"))
+        if self.expert_split:
+            lines.append(experts_line(self.expert_split, self.shape))
         return lines
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.shape.tp > 1:  # before FSDP2 shards what the plan leaves whole, and the split layers' other dimension
             self.split = plans.apply(model, self.device_mesh["tp"], self.parallel.tp_plan)
+        if self.shape.ep > 1:  # the experts' slices before FSDP2 shards them over the ranks that hold the same
+            self.expert_split = experts.split(model, self.experts_mesh["ep"])
         self.shard(model, model)
         return model
 
@@ -100,6 +111,9 @@ class FSDP(DDP):
                    "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=self._reduce_dtype(root)),
                    "offload_policy": CPUOffloadPolicy() if self.fsdp.cpu_offload and self.device.type == "cuda"
                    else OffloadPolicy()}
+        holders = {**options, "mesh": mesh.holders_mesh(self.experts_mesh, self.shape)} if self.expert_split else {}
+        for name in self.expert_split:  # a unit over the ranks that hold its experts (experts.py: why they average)
+            fully_shard(model.get_submodule(name), **holders)
         for unit in reversed(found):  # innermost first: a unit inside another is its own shard group
             fully_shard(unit, **options)
         fully_shard(root, **options)
@@ -125,7 +139,9 @@ class FSDP(DDP):
                 module.reshard()
 
     def teardown(self) -> None:
-        self.device_mesh = None  # its process groups too are released before the default one ends (DDP.teardown)
+        # their process groups too are released before the default one ends (DDP.teardown)
+        self.device_mesh = self.experts_mesh = None
+        mesh.forget()
         super().teardown()
 
     def no_sync(self, model: nn.Module, skip: bool):
@@ -146,6 +162,18 @@ def split_line(split: Dict[str, str], tp: int, what: str) -> str:
     how = ", ".join(f"{n} ({s})" for n, s in list(split.items())[:4])
     more = f" and {len(split) - 4} more" if len(split) > 4 else ""
     return f"parallel.tp: {len(split)} {what} split over {tp} ranks: {how}{more}"
+
+
+def experts_line(split: Dict[str, int], shape: mesh.Layout) -> str:
+    """The console's line for what expert parallelism split: the modules, each rank's experts, who else holds them."""
+    names = list(split)
+    how = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+    each = " or ".join(str(c // shape.ep) for c in sorted(set(split.values())))
+    shard = shape.dp_shard // shape.ep
+    where = " and ".join(([f"each sharded over the {shard} ranks of dp_shard that hold them"] if shard > 1 else []) +
+                         ([f"replicated over dp_replicate {shape.dp_replicate}"] if shape.dp_replicate > 1 else []))
+    return (f"parallel.ep: {len(names)} experts modules split over {shape.ep} ranks, {each} experts on each ({how}); "
+            f"{where or 'no other rank holds them'}")
 
 
 def _keeping_ties(model: nn.Module, units: List[nn.Module], named: bool) -> List[nn.Module]:

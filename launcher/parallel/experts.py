@@ -1,0 +1,177 @@
+"""Expert parallelism: each mixture-of-experts layer's experts split over the `ep` ranks of an ep group, the
+tokens sent to their experts' ranks and back by all-to-all (torchtitan's and Megatron's EP).
+
+An experts module is recognised by the interface transformers 5's MoE models share (Qwen3-MoE, Mixtral,
+gpt-oss, DeepSeek-V3, ...), not by its class: an int `num_experts`; parameters all indexed by expert first
+(`gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], gpt-oss's transposed weights and biases too), among them a
+3-D `down_proj`; and `forward(hidden_states, top_k_index, top_k_weights)` on the flattened tokens [T, H], each
+token's K experts [T, K] and their weights [T, K]. Its code is not changed: `split` makes each of those
+parameters a DTensor sharded by expert over the ep mesh (Shard(0): rank r holds experts r*E/ep to (r+1)*E/ep - 1,
+as the whole tensor's rows, so DCP and a full state dict see the whole [E, ...] tensor), and replaces the
+module's forward (on the instance) by `dispatched`:
+
+1. The (token, slot) pairs sorted by expert (stably: the slots of one token keep their order), which groups
+   them by the rank that holds the expert; how many go to each rank is exchanged first (all_to_all_single of
+   ep counts, read on the host: the split sizes of the next all-to-all; HF's own eager experts read their
+   hit experts on the host too).
+2. Each pair's hidden state sent to its expert's rank (an all-to-all with autograd: its backward sends the
+   gradients back), with the expert's index among that rank's.
+3. The module's own forward, as written, on what the rank received: each row a token of one slot, weight 1,
+   seen through a view of the module whose parameters are the rank's local slices and whose `num_experts` is
+   the rank's count. Its eager loop and transformers' grouped kernels both run unchanged.
+4. The results sent back (all-to-all), put back in (token, slot) order, weighted by the router's weights and
+   summed over the slots: the same products and sums as one process's forward, in another order.
+
+The ranks of an ep group read different tokens (they are data-parallel ranks, each loss a mean over its own
+share), so the gradient each rank's slice gets in backward is a sum over the ep group's losses: the view of the
+weights scales it by 1/ep, to their mean. The strategy shards each experts module on its own over the ranks
+that hold the same experts (dp_shard / ep, and dp_replicate: the data-parallel ranks / ep), and FSDP's average
+over them makes it the mean over every data-parallel rank, as the dense parts' is: one process's gradient.
+(Not FSDP's own gradient_divide_factor: torch 2.13 divides twice by it where the experts' shards are one
+rank's, in float64 or with a plain sum forced, as gloo needs.)
+A rank whose experts got no token in a step still gets a gradient (of zeros), as one process's unused
+experts do: an optimizer that steps on zeros (momentum, weight decay) steps them alike, and every rank of
+the reduction takes part in it."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+from launcher.errors import UserError
+
+EXPECTED = ("an HF mixture of experts' experts: an int num_experts, parameters indexed by expert first "
+            "(gate_up_proj, down_proj), forward(hidden_states, top_k_index, top_k_weights)")
+
+
+def found(model: nn.Module) -> Dict[str, nn.Module]:
+    """The model's experts modules, by name (see the module's docstring)."""
+    return {name: module for name, module in model.named_modules() if is_experts(module)}
+
+
+def is_experts(module: nn.Module) -> bool:
+    count = getattr(module, "num_experts", None)
+    own = dict(module.named_parameters(recurse=False))
+    down = own.get("down_proj")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1 or down is None or down.dim() != 3:
+        return False
+    if any(p.dim() < 1 or p.shape[0] != count for p in own.values()):
+        return False
+    if any(True for child in module.children() for _ in child.parameters()):
+        return False  # weights outside the expert-indexed tensors: not this interface
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
+
+
+def problems(model: nn.Module, ep: int) -> List[str]:
+    """What stops the experts splitting over `ep` ranks, one line each; empty when they split."""
+    modules = found(model)
+    if not modules:
+        return [f"parallel.ep: the model ({type(model).__name__}) has no experts module this launcher can split "
+                f"({EXPECTED}); set parallel.ep=1"]
+    out = []
+    for name, module in modules.items():
+        if module.num_experts % ep:
+            out.append(f"parallel.ep: {name} holds {module.num_experts} experts, which do not split over ep={ep} "
+                       f"ranks; use an ep that divides {module.num_experts}")
+    return out
+
+
+def split(model: nn.Module, mesh) -> Dict[str, int]:
+    """Each experts module's parameters sharded by expert over the 1-D `mesh` (the ep ranks) and its forward
+    dispatching tokens to them; returns each module's expert count, by name. Every rank holds the same initial
+    weights (one seed), so each keeps its own slice and nothing is sent."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep = mesh.size()
+    modules = found(model)
+    wrong = problems(model, ep)
+    if wrong:
+        raise UserError(*wrong)
+    for module in modules.values():
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.forward = _Dispatch(module, type(module).forward, mesh.get_group(), ep)
+    return {name: module.num_experts for name, module in modules.items()}
+
+
+class _Dispatch:
+    """An experts module's forward under expert parallelism (the module's docstring, steps 1 to 4)."""
+
+    def __init__(self, module: nn.Module, forward: Any, group: Any, ep: int):
+        self.module, self.forward, self.group, self.ep = module, forward, group, ep
+        self.signature = inspect.signature(forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = self.signature.bind(self.module, *args, **kwargs)
+        hidden, index, weights = list(bound.arguments.values())[1:4]
+        return dispatched(self.module, self.forward, self.group, self.ep, hidden, index, weights)
+
+
+def dispatched(module: nn.Module, forward: Any, group: Any, ep: int, hidden: torch.Tensor, index: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output for this rank's tokens [T, H], their experts [T, K] and weights [T, K]: the module's
+    docstring, steps 1 to 4. Collective over the ep group."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    tokens, k = index.shape
+    local = module.num_experts // ep
+    experts = index.reshape(-1)
+    order = torch.sort(experts, stable=True).indices  # pairs by expert, so by the rank that holds it
+    sending = torch.bincount(experts // local, minlength=ep)
+    receiving = torch.empty_like(sending)
+    dist.all_to_all_single(receiving, sending, group=group)
+    send, receive = sending.tolist(), receiving.tolist()  # the split sizes, on the host (a sync)
+    rows = all_to_all_single_autograd(hidden[order // k], receive, send, group)
+    which = torch.empty(sum(receive), dtype=experts.dtype, device=experts.device)
+    dist.all_to_all_single(which, (experts[order] % local).contiguous(), receive, send, group=group)
+    view = _Local(module, local, ep)
+    out = forward(view, rows, which[:, None], torch.ones(len(which), 1, dtype=weights.dtype, device=weights.device))
+    if not len(which):
+        # No token for this rank's experts: the forward's zeros depend on neither the rows nor the weights, so
+        # the rows' all-to-all would get no backward here (the others' would wait for it) and the experts no
+        # gradient; both joined in, adding zeros: their gradients are zeros, as one process's unused experts'.
+        out = out + rows * 0 + sum(t.reshape(-1)[:1].sum() for t in view.tensors.values()) * 0
+    back = all_to_all_single_autograd(out, send, receive, group)
+    pairs = back[torch.argsort(order)]  # (token, slot) order again
+    return (pairs.view(tokens, k, -1) * weights[..., None]).to(hidden.dtype).sum(dim=1)
+
+
+class _Local:
+    """An experts module as its own forward sees it on this rank: each expert-indexed parameter its local slice
+    (a plain tensor, whose gradient reaches the DTensor's, over ep), `num_experts` the rank's count; anything else
+    the module's own (its activation, its gate function, its config)."""
+
+    def __init__(self, module: nn.Module, count: int, ep: int):
+        self.tensors = {name: _Mean.apply(_local(p), ep) for name, p in module.named_parameters(recurse=False)}
+        self.__dict__.update(self.tensors)
+        self.num_experts = count
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+class _Mean(torch.autograd.Function):
+    """The identity, its gradient divided by `ep`: a sum over the ep group's losses made their mean."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, ep: int) -> torch.Tensor:
+        ctx.ep = ep
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.ep, None
