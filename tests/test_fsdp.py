@@ -35,6 +35,12 @@ BF16 = [*QUICK, "precision=bf16", "trainer.max_steps=20", "checkpoint.every=null
 CONSOLIDATE = [*EXACT, *FSDP, "trainer.max_steps=20", "checkpoint.every=10"]
 
 
+# Validation sets that split into a different number of batches per rank (8 items a rank's batch): 17 items are
+# 9 on rank 0 (two batches) and 8 on rank 1 (one); 1 item leaves rank 1 none.
+UNEVEN = ["trainer.max_steps=4", "checkpoint.every=null", "logging.jsonl=true", "dist_timeout=60"]
+UNEVEN_VAL = (17, 1)
+
+
 def launch(run_dir, *args):
     return run([sys.executable, "-m", "launcher", *args, f"run_dir={run_dir}"], timeout=300)
 
@@ -78,6 +84,7 @@ def two(tmp_path_factory, single):
         "charlm": [*CHARLM64, *FSDP, "trainer.activation_checkpointing=[Block]"],
         "consolidate-every": [*CONSOLIDATE, "checkpoint.consolidate=every"],
         "consolidate-never": [*CONSOLIDATE, "checkpoint.consolidate=never"],
+        **{f"val-{n}": [*EXACT, *FSDP, *UNEVEN, f"data.val.n={n}"] for n in UNEVEN_VAL},
     }
     ranks = several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=1200)
     return root, ranks
@@ -235,3 +242,19 @@ def test_a_sharded_checkpoint_of_another_model_names_the_difference_on_every_ran
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("launcher:") or "Traceback" in x]
     assert code == 2 and lines == expected, err[-2000:]
+
+
+@pytest.mark.parametrize("n", UNEVEN_VAL)
+def test_a_validation_set_of_uneven_batches_per_rank_is_evaluated_whole(two, tmp_path, n):
+    """A rank with a batch fewer ran one forward fewer, and fsdp's all-gathers in the other's last forward waited
+    for it until dist_timeout (exit 6). Now it runs a padding batch it does not count: the sharded run's validation
+    loss is one process's over the same items."""
+    folder, said = ran(two, f"val-{n}")
+    here(tmp_path, *EXACT, *UNEVEN, f"data.val.n={n}")
+
+    def val_loss(run_dir):
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [line["val/loss"] for line in lines if "val/loss" in line]
+
+    ours, alone = val_loss(folder), val_loss(tmp_path)
+    assert len(ours) == len(alone) == 1 and ours[0] == pytest.approx(alone[0], rel=1e-12), (ours, alone)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
@@ -63,18 +63,31 @@ class EpochSampler(Sampler[int]):
 
 
 class ShardSampler(Sampler[int]):
-    """Validation: every item exactly once across ranks (no padding), rank r takes r, r+W, ...
-    `keyed`: as (-1, index), the key its item is seeded from (an epoch of its own)."""
+    """Validation: every item exactly once across ranks, rank r takes r, r+W, ... `keyed`: as (-1, index), the
+    key its item is seeded from (an epoch of its own).
 
-    def __init__(self, n: int, replicas: int, rank: int, keyed: bool = False):
+    Every rank runs as many batches as rank 0, which has the most items: a sharded model's forward is collective
+    (fsdp's all-gathers, ep's all-to-alls), and a rank with a batch fewer left the others waiting in their last
+    forward until dist_timeout. Ranks differ by one item at most, so a rank short of a batch has a whole number of
+    batches and gets one more, of one item (item 0), `padded`: run, never counted (ValBatches, evaluate)."""
+
+    def __init__(self, n: int, replicas: int, rank: int, keyed: bool = False, batch_size: int = 1):
         self.indices = range(rank, n, replicas)
         self.keyed = keyed
+        batches = lambda items: -(-items // batch_size)  # noqa: E731
+        self.padded = batches(len(range(0, n, replicas))) > batches(len(self.indices))
 
     def __iter__(self) -> Iterator[int]:
-        return iter([(-1, i) for i in self.indices]) if self.keyed else iter(self.indices)
+        indices = [*self.indices, *([0] if self.padded else [])]
+        return iter([(-1, i) for i in indices]) if self.keyed else iter(indices)
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.indices) + self.padded
+
+
+class Padding(NamedTuple):
+    """A validation batch that a rank runs only so that its collectives meet the other ranks' (ShardSampler)."""
+    batch: Any
 
 
 def check_batch(batch_size: int, replicas: int, world: Optional[int] = None) -> None:
@@ -182,18 +195,23 @@ def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank
     if dataset is None:
         return None
     n = _length(dataset, "data.val")
-    loader = _loader(dataset, max(batch_size // replicas, 1), ShardSampler(n, replicas, rank, keyed=_draws(dataset)),
-                     num_workers, device, seed, collate_fn or default, drop_last=False, key="data.val")
+    size = max(batch_size // replicas, 1)
+    sampler = ShardSampler(n, replicas, rank, keyed=_draws(dataset), batch_size=size)
+    loader = _loader(dataset, size, sampler, num_workers, device, seed, collate_fn or default, drop_last=False,
+                     key="data.val")
 
-    return ValBatches(loader, device)
+    return ValBatches(loader, device, sampler.padded)
 
 
 class ValBatches:
-    def __init__(self, loader: DataLoader, device: torch.device):
-        self.loader, self.device = loader, device
+    def __init__(self, loader: DataLoader, device: torch.device, padded: bool = False):
+        self.loader, self.device, self.padded = loader, device, padded
 
     def __iter__(self) -> Iterator[Any]:
-        return (to_device(b, self.device) for b in self.loader)
+        last = len(self.loader) - 1
+        for i, batch in enumerate(self.loader):
+            batch = to_device(batch, self.device)
+            yield Padding(batch) if self.padded and i == last else batch
 
     def close(self) -> None:
         shut(self.loader)

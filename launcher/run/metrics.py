@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from launcher.data.sampling import Padding
 from launcher.errors import TrainingDiverged
 from launcher.model.step import IGNORE_INDEX, Result, items_in
 from launcher.observe.throughput import Throughput
@@ -203,6 +204,9 @@ def evaluate(model, batches, results: Callable[[Any, Any], List[Tuple[Result, An
     model.eval()
     sums = torch.zeros(2 + 2 * len(metrics), device=device)  # [loss sum, items, (metric sum, count) ...]
     for batch in batches:
+        if isinstance(batch, Padding):  # run for its collectives alone (launcher/data/sampling.py: ShardSampler)
+            results(model, batch.batch)
+            continue
         for out, part in results(model, batch):
             n = out.num_items if out.num_items is not None else items_in(part)
             sums[0].add_(out.loss.detach().float() * n)
