@@ -18,6 +18,7 @@ import torch
 from launcher import checkpoint, seeding, strategies
 from launcher.run import build
 from launcher.model import empty
+from launcher.model import moe
 from launcher.model import precision
 from launcher.model import recompute
 from launcher.errors import UserError
@@ -57,6 +58,9 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
     if init_from and not on_meta:
         _initialised(console, init_from, lambda: checkpoint.load_model_state(model, init_from,
                                                                               map_location=strategy.device))
+    said = moe.described(model)
+    if said:
+        console.info(said)
     if recipe.trainer.activation_checkpointing:
         names = recompute.chosen(model, recipe.trainer.activation_checkpointing)
         count = recompute.apply(model, names)
