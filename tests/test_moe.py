@@ -7,6 +7,8 @@ config with shared experts and grouped routing: tests/moe_zoo.py).
   the shards of a model built on the meta device, each rank reading its experts; export writes the model back
   as save_pretrained would, and from_pretrained gives the trained logits.
 - The start line names the experts and whether the router's load-balancing loss is trained; it is, in train/loss.
+- LoRA (peft) adapts the experts' own 3-D weights where its target_parameters name them, from a published folder,
+  under one process and fsdp x2 alike; export writes the adapters as peft does, and refuses to merge them.
 - Each MoE layer's expert load is logged (metrics.jsonl): its shares bounded as top k allows, a router forced to
   two experts giving them 1.0, the same under ddp and fsdp as in one process (the counts summed over the ranks),
   counted once per routed token (not again when a layer is recomputed, not in evaluation), read on the host
@@ -32,6 +34,8 @@ STEPS = 4
 # one length: no padding, so that one process and two route the same tokens
 DATA = {"_target_": "recipes.components.passages.Passages", "n": 256, "min_len": 24, "max_len": 24, "prompt": 4}
 FINETUNE = REPO / "recipes" / "hf_finetune.yaml"
+LORA = REPO / "recipes" / "hf_lora.yaml"
+EXPERTS_LORA = "model.peft_config.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
 SHORT = ["on_cpu=null", "precision=fp32", f"trainer.max_steps={STEPS}", "trainer.log_every=2", "trainer.eval_every=null",
          "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null",
          "trainer.activation_checkpointing=null", "data.batch_size=8", "logging.memory_plan=false",
@@ -88,7 +92,15 @@ def two_processes(tmp_path_factory):
                                      f"run_dir={root / family}-folder", *SHORT, "strategy=fsdp",
                                      "trainer.activation_checkpointing=auto", *float64(
                                          "transformers.AutoModelForCausalLM.from_config")]
+    base = root / "qwen3_moe-published"
+    cases["lora-fsdp"] = [str(LORA), *lora(base, root / "lora-fsdp", "strategy=fsdp", *float64("peft.get_peft_model"))]
     return root, several(cases, root, timeout=900)[0]
+
+
+def lora(base, run_dir, *extra) -> list:
+    """hf_lora.yaml's overrides: LoRA on the attention's q_proj and v_proj and on the experts' weights of `base`."""
+    return [f"model.model.config.pretrained_model_name_or_path={base}", f"run_dir={run_dir}",
+            *[o for o in SHORT if not o.startswith("trainer.activation")], EXPERTS_LORA, *extra]
 
 
 @pytest.mark.slow
@@ -128,6 +140,53 @@ def test_a_published_folder_loads_into_shards_and_trains_as_one_process(family, 
     train(load(FINETUNE, [f"model.config.pretrained_model_name_or_path={base}", f"run_dir={tmp_path / 'one'}",
                           *SHORT, *float64("transformers.AutoModelForCausalLM.from_config")]))
     assert_within_rounding(tmp_path / "one" / "model.pt", root / f"{family}-folder" / "model.pt", steps=STEPS)
+
+
+@pytest.mark.slow
+def test_lora_on_the_experts_weights_under_fsdp_ends_as_one_process(tmp_path, two_processes):
+    root, results = two_processes
+    done = results["lora-fsdp"]
+    assert done["error"] is None, done
+    assert "LoRA adapts the experts' weights (peft's target_parameters)" in done["said"], done["said"]
+    here(LORA, *lora(root / "qwen3_moe-published", tmp_path / "one", *float64("peft.get_peft_model")))
+    assert_within_rounding(tmp_path / "one" / "model.pt", root / "lora-fsdp" / "model.pt", steps=STEPS)
+
+
+def test_lora_on_the_experts_weights_trains_from_a_published_folder_and_exports_as_peft_does(tmp_path, capsys):
+    import peft
+
+    from tests.test_hf_folders import export
+
+    base = moe_zoo.folder(tmp_path / "base", "qwen3_moe")
+    here(LORA, *lora(base, tmp_path / "run"))
+    said = capsys.readouterr().out
+    assert "(the base model's weights; its 16 adapter tensors as built)" in said, said  # q, v and 2 experts' A, B a layer
+    assert "LoRA adapts the experts' weights (peft's target_parameters)" in said, said
+    got = state_dict(tmp_path / "run" / "model.pt")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(base).state_dict()
+    fused = "base_model.model.model.layers.1.mlp.experts.base_layer.base_layer.gate_up_proj"
+    assert torch.equal(got[fused], loaded["model.layers.1.mlp.experts.gate_up_proj"])  # frozen, as joined from the folder
+    experts_b = [k for k in got if ".mlp.experts." in k and ".lora_B." in k]
+    assert len(experts_b) == 4 and all(got[k].abs().sum() > 0 for k in experts_b)  # built as zeros, trained
+    done = export(tmp_path / "run", tmp_path / "adapters", "--format", "peft")
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
+    trained = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), peft.LoraConfig(
+        **{k: config[k] for k in ("r", "lora_alpha", "target_modules", "target_parameters", "task_type")}))
+    trained.load_state_dict(got)
+    read = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapters")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(read(ids).logits, trained(ids).logits, rtol=0, atol=1e-6)
+    done = export(tmp_path / "run", tmp_path / "merged", "--format", "hf", "--merge-lora")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "the adapters include LoRA on parameters (mlp.experts.down_proj, mlp.experts.gate_up_proj" in done.stderr
+    from launcher.errors import UserError
+
+    with pytest.raises(UserError, match="checkpoint.export_hf: merges the adapters into the HF folder, and the adapters "
+                                        "include LoRA on parameters"):  # said at start, not after training
+        here(LORA, *lora(base, tmp_path / "to-hf", "checkpoint.export_hf=true"))
+    assert not (tmp_path / "to-hf" / "model.pt").exists()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -27,7 +27,7 @@ This face is what the rest of the launcher uses; one file per concern behind it:
                   checked before anything they describe is read
 """
 
-from launcher.checkpoint.adapters import config_of as adapter_config, is_adapted, keep_config as keep_adapter_config
+from launcher.checkpoint.adapters import config_of as adapter_config, is_adapted, keep_config as keep_adapter_config, unmerged
 from launcher.checkpoint.files import crc32, write_text
 from launcher.checkpoint.hf import config_of as model_config, keep_config, named_configs
 from launcher.checkpoint.layout import choose, complete, folder_of, settle, step_of, steps
@@ -38,4 +38,4 @@ from launcher.checkpoint.sliced import load as load_into_shards
 from launcher.checkpoint.weights import load_model_state
 
 __all__ = ["Checkpoints", "RunState", "adapter_config", "keep_adapter_config", "choose", "complete", "crc32", "folder_of", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
-           "model_config", "named_configs", "settle", "step_of", "steps", "verify", "write_text"]
+           "model_config", "named_configs", "settle", "step_of", "steps", "unmerged", "verify", "write_text"]

@@ -48,7 +48,18 @@ def described(model: nn.Module) -> Optional[str]:
     groups = getattr(config, "n_group", None)
     if groups and groups > 1:
         parts[0] += f", routed within the best {config.topk_group} of {groups} groups"
-    return f"moe: {parts[0]}; {_balance(model, config)}"
+    return f"moe: {parts[0]}; {_balance(model, config)}" + _lora(model, found)
+
+
+def _lora(model: nn.Module, found: List[Tuple[str, nn.Module]]) -> str:
+    """Of a peft model: whether LoRA adapts the experts' own 3-D weights (peft wraps each such parameter's module
+    in a ParamWrapper, under whose `base_layer` the experts module then is)."""
+    if not hasattr(model, "peft_config"):
+        return ""
+    if any(name.endswith(".base_layer") for name, _ in found):
+        return "; LoRA adapts the experts' weights (peft's target_parameters) besides its target modules"
+    return ("; LoRA adapts its target modules alone, the experts' weights stay frozen (peft's target_parameters, "
+            "e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj], adapts them)")
 
 
 def _balance(model: nn.Module, config) -> str:
