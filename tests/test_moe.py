@@ -92,6 +92,7 @@ def two_processes(tmp_path_factory):
                                      f"run_dir={root / family}-folder", *SHORT, "strategy=fsdp",
                                      "trainer.activation_checkpointing=auto", *float64(
                                          "transformers.AutoModelForCausalLM.from_config")]
+    cases["qwen3_moe-pp"] = [recipe(root / "pp.yaml", "qwen3_moe", root / "pp"), "strategy=fsdp", "parallel.pp=2"]
     base = root / "qwen3_moe-published"
     cases["lora-fsdp"] = [str(LORA), *lora(base, root / "lora-fsdp", "strategy=fsdp", *float64("peft.get_peft_model"))]
     return root, several(cases, root, timeout=900)[0]
@@ -259,9 +260,21 @@ def test_the_load_is_logged_per_layer_within_what_top_k_allows(family, tmp_path)
             assert abs(row[f"moe/load_{m}"] - sum(row[f"moe/load_{m}/layer_{i}"] for i in layers) / len(layers)) < 1e-12
 
 
-def test_a_router_forced_to_two_experts_gives_them_all_the_tokens(tmp_path):
+@pytest.mark.slow
+def test_the_load_is_not_logged_under_pipeline_stages(two_processes):
+    """Each stage counts its own layers, and the pipeline's reduction keeps its last stage's values: said, not
+    logged (before, the first stage's layers were logged as never routed)."""
+    root, results = two_processes
+    done = results["qwen3_moe-pp"]
+    assert done["error"] is None and "moe: the expert load is not logged under parallel.pp" in done["said"], done
+    assert all(not row for row in loads(root / "pp"))
+
+
+def test_a_router_forced_to_two_experts_gives_them_all_the_tokens(tmp_path, capsys):
     here(recipe(tmp_path / "r.yaml", "gpt_oss", tmp_path / "run",
                 model={"_target_": "tests.moe_zoo.forced"}))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert lines and all(line.endswith("| load_max 1.0000 | load_min 0.0000") for line in lines), lines  # per layer: not here
     for row in loads(tmp_path / "run"):
         assert row["moe/load_max"] == 1.0 and row["moe/load_min"] == 0.0, row
         assert row["moe/load_max/layer_1"] == 1.0 and row["moe/load_min/layer_0"] == 0.0, row

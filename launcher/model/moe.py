@@ -84,6 +84,16 @@ def _hf_model(model: nn.Module) -> Optional[nn.Module]:
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
 
 
+def watched(model: nn.Module, device: torch.device, stages: int) -> Tuple[Optional["ExpertLoad"], Optional[str]]:
+    """The expert load the run logs (None for a model without experts), and a line to say. Not under pipeline
+    stages: each stage counts its own layers, and the pipeline's reduction keeps its last stage's values."""
+    if not experts_of(model):
+        return None, None
+    if stages > 1:
+        return None, "moe: the expert load is not logged under parallel.pp (each stage counts its own layers)"
+    return ExpertLoad(model, device), None
+
+
 class ExpertLoad:
     """Tokens routed to each expert of each MoE layer since the last read, on the device."""
 
@@ -99,10 +109,6 @@ class ExpertLoad:
         self.top_k = [top_k or 0] * len(found)  # and from the routers' output shapes, as they run
         self.handles = [module.register_forward_pre_hook(self._hook(i), with_kwargs=True)
                         for i, (_, module) in enumerate(found)]
-
-    @classmethod
-    def of(cls, model: nn.Module, device: torch.device) -> Optional["ExpertLoad"]:
-        return cls(model, device) if experts_of(model) else None
 
     def _hook(self, layer: int):
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:

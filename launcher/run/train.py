@@ -145,7 +145,9 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     """Every part of the run from its section of the recipe, the model wrapped by the strategy."""
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
     model = assemble.built(recipe, strategy, run_dir, console, init_from)
-    loads = moe.ExpertLoad.of(model, device)  # an MoE model's tokens per expert, read with the other metrics
+    loads, said = moe.watched(model, device, recipe.parallel.pp)  # an MoE model's tokens per expert, as it trains
+    if said:
+        console.info(said)
     cfg = recipe.data
     train_data, val, notes = build.data_for(cfg, recipe.trainer.grad_accum_steps, strategy.data_share(), recipe.seed,
                                              device, placement.world_size, model)
