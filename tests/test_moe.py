@@ -341,3 +341,19 @@ def test_the_loop_reads_the_load_on_the_host_at_log_steps_only(tmp_path, monkeyp
     assert any(c.startswith("tolist from") for c in short)  # the read per interval is seen: the patch works
     assert sorted(short) == sorted(long), f"reads grow with steps: {sorted(long)} vs {sorted(short)}"
     assert loads(tmp_path / "9")[0]["moe/load_max"] > 0
+
+
+def test_a_published_form_made_by_moving_values_is_refused_in_one_line(monkeypatch):
+    """A conversion that transposes the experts (Qwen3-VL-MoE's), even where it keeps their shape, is not mistaken
+    for a block of rows: its probe's values come back out of order."""
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    from launcher.checkpoint import hf_layout
+    from launcher.errors import UserError
+
+    monkeypatch.setattr(hf_layout, "conversions", lambda model: [WeightConverter(
+        "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj", operations=[Transpose(1, 2)])])
+    model = moe_zoo.model("qwen3_moe", hidden_size=64, moe_intermediate_size=32)  # [8, 64, 64]: square
+    with pytest.raises(UserError, match=r"^model.layers.0.mlp.experts.gate_up_proj: its published form \(model.layers.0."
+                                        r"mlp.experts.gate_up_proj\) moves values across its dimensions"):
+        hf_layout.pieces(model, {k: v.shape for k, v in model.state_dict().items()})

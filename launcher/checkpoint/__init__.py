@@ -20,6 +20,8 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     weights.py    the plain model's weights from any checkpoint, run folder or file (export, init_from)
     sliced.py     the same read into a sharded model, each rank its own slices (init_from under fsdp)
     adapters.py   a peft model seen as the model it adapts (init_from of the base model's weights)
+    hf_layout.py  an HF model's tensors as published folders hold them (each expert's matrices) and as the
+                  model holds them (fused 3-D experts), by transformers' own conversion mapping
     fitting.py    whether weights fit a model, naming the first difference
     dcp_safe.py   DCP's files read without unpickling anything but data
     dcp_io.py     DCP's streams: CRC-32s kept while shards are written; an object store's items fetched exactly

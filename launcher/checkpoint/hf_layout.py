@@ -10,7 +10,7 @@ and saves, by the model's conversion mapping. Here the same mapping is read, nev
   each published tensor and the block of the model's tensor it is. Found by running transformers' own
   reversal (what save_pretrained does) on a probe, a small tensor of the model's tensor's positions along
   its first two dimensions: each published tensor's values say where it came from. A mapping that moves
-  values along other dimensions (a transpose) is not read here: one line says so.
+  values across dimensions (Qwen3-VL-MoE's transposed experts) is not converted here: one line says so.
 - `as_model(found, model)`: a folder's tensors keyed as the model's; a fused tensor is `Joined`, read an
   expert (a row of its first dimension) at a time, so that a rank reads only its shard's experts.
 - `as_published(tensors, config)`: the model's tensors keyed as the folder transformers would write (export).
@@ -45,71 +45,76 @@ def conversions(model: nn.Module) -> list:
     return [c for c in get_model_conversion_mapping(hf_model, add_legacy=False) if not isinstance(c, PrefixChange)]
 
 
-def pieces(model: nn.Module, keys: Optional[Dict[str, torch.Size]] = None) -> Dict[str, List[Piece]]:
-    """For each tensor of `model` (keys: name -> shape; default its state_dict's, a peft model's base model's)
-    whose published name or form differs: its published pieces, in the order save_pretrained writes them."""
+def pieces(model: nn.Module, keys: Dict[str, torch.Size]) -> Dict[str, List[Piece]]:
+    """For each of the model's tensors (`keys`: name -> shape; a peft model's: its base model's names) whose
+    published name or form differs: its published pieces, in the order save_pretrained writes them."""
     found = conversions(model)
     if not found:
         return {}
     from transformers import PreTrainedModel
 
-    hf_model = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
-    keys = keys if keys is not None else {k: v.shape for k, v in hf_model.state_dict().items()}
-    revert = functools.partial(_revert, found, hf_model.config)
-    shapes = revert({k: torch.empty(s, device="meta") for k, s in keys.items()}, keyed=True)
+    from transformers.core_model_loading import WeightConverter, apply_converters
+
+    config = next(m for m in model.modules() if isinstance(m, PreTrainedModel)).config
+    revert = functools.partial(_reverted, found, config)
+    converters = [c.reverse_transform() for c in found[::-1] if isinstance(c, WeightConverter)]
     out: Dict[str, List[Piece]] = {}
     for key, shape in keys.items():
-        published = shapes.get(key, {})
-        if list(published) == [key]:
-            continue
-        if len(published) == 1 and next(iter(published.values())) == shape:  # renamed alone
+        published = {n: t.shape for n, t in revert({key: torch.empty(shape, device="meta")}).items()}
+        if apply_converters(key, converters)[1] is not None:  # its values moved, split or joined: probed
+            out[key] = _blocks(key, shape, published, revert)
+        elif published and published != {key: shape}:  # renamed alone
             out[key] = [(next(iter(published)), shape, ())]
-            continue
-        out[key] = _blocks(key, shape, published, revert)
     return out
 
 
-def _revert(found: list, config: Any, state: Dict[str, torch.Tensor], keyed: bool = False):
-    """transformers' save-time reversal of `state`; with `keyed`, {model key: {published name: shape}} (each key
-    reverted alone: a converter's outputs are known to be its input's)."""
+def _reverted(found: list, config: Any, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """transformers' save-time reversal of `state` by the conversions `found` (a converter's outputs are its
+    input's: each key can be reverted alone)."""
     import types
 
     from transformers.core_model_loading import revert_weight_conversion
 
-    stand_in = types.SimpleNamespace(_weight_conversions=found, config=config)
-    if not keyed:
-        return revert_weight_conversion(stand_in, state)
-    return {key: {n: t.shape for n, t in revert_weight_conversion(stand_in, {key: t}).items()} for key, t in state.items()}
+    return revert_weight_conversion(types.SimpleNamespace(_weight_conversions=found, config=config), state)
 
 
 def _blocks(key: str, shape: torch.Size, published: Dict[str, torch.Size], revert) -> List[Piece]:
-    """Where each published tensor of `key` lies in it, from transformers' reversal of a probe that numbers
-    the positions of its first dimension (and second, of a 3-D or larger tensor)."""
+    """Where each published tensor of `key` lies in it, from transformers' reversal of a probe numbering the
+    positions of its first dimension (and second, of a 3-D or larger tensor) and of the first two of each later
+    one: a piece that is a block of whole rows keeps them in order; one made by moving values across the later
+    dimensions (a transpose) does not, and is refused."""
     lead = tuple(shape[:2]) if len(shape) > 2 else tuple(shape[:1])
-    grid = torch.arange(torch.Size(lead).numel(), dtype=torch.int64).reshape(lead)
-    probe = grid.reshape(lead + (1,) * (len(shape) - len(lead)))
+    later = tuple(shape[len(lead):])
+    tail = tuple(min(size, 2) for size in later)
+    probe = torch.arange(torch.Size(lead + tail).numel(), dtype=torch.int64).reshape(lead + tail)
     out = []
     for name, values in revert({key: probe}).items():
-        block = _block(values, published.get(name), shape, grid)
+        block = _block(values, published.get(name), probe, later)
         if block is None:
-            raise UserError(f"{key}: its published form ({name}) is made by moving values along its later "
-                            f"dimensions, which the launcher does not read or write; load such a model's folder "
-                            f"once with from_pretrained and save it with save_pretrained(..., "
-                            f"save_original_format=False), which keeps the model's own layout")
+            raise UserError(f"{key}: its published form ({name}) moves values across its dimensions (transformers' "
+                            f"conversion mapping for {getattr(revert.args[1], 'model_type', 'this model')}), which the launcher does not "
+                            f"convert: name the folder in the recipe's model (its from_pretrained) rather than in "
+                            f"checkpoint.init_from, and save what you train with save_pretrained")
         out.append((name, published[name], block))
     return out
 
 
-def _block(values: torch.Tensor, shape: Optional[torch.Size], whole: torch.Size, grid: torch.Tensor):
-    """The block of the model's tensor (slices of its first one or two dimensions, the rest whole) that a
-    published tensor's probe values cover, or None when they cover no such block."""
-    if shape is None or values.numel() == 0:
+def _block(values: torch.Tensor, shape: Optional[torch.Size], probe: torch.Tensor, later: tuple):
+    """The block of the model's tensor (slices of its lead dimensions, the later ones whole) that a published
+    tensor of `shape` is, from its probe `values`; None when it is no such block."""
+    lead = probe.dim() - len(later)
+    if shape is None or values.numel() == 0 or (later and tuple(shape[-len(later):]) != later):
         return None
+    if later and tuple(values.shape[-len(later):]) != tuple(probe.shape[lead:]):
+        return None
+    rows = probe.reshape(probe.shape[:lead] + (-1,))[..., 0]  # each lead position's first probe value
     flat = values.reshape(-1)
-    corners = [divmod(int(v), grid.shape[1]) if grid.dim() == 2 else (int(v),) for v in (flat.min(), flat.max())]
+    per = probe[(0,) * lead].numel()
+    corners = [torch.nonzero(rows == int(v) // per * per)[0].tolist() for v in (flat.min(), flat.max())]
     block = tuple(slice(a, b + 1) for a, b in zip(*corners))
-    covered = grid[block].reshape(-1)
-    if not torch.equal(flat, covered) or shape.numel() != covered.numel() * whole[grid.dim():].numel():
+    covered = probe[block]
+    if not torch.equal(flat, covered.reshape(-1)) or shape.numel() != covered[(Ellipsis,) + (0,) * len(later)].numel() \
+            * torch.Size(later).numel():
         return None
     return block
 
