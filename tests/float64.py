@@ -6,9 +6,11 @@ builds the recipe's model as the recipe would (its initial values those of the f
 casts it to float64: parameters, buffers, and the floating inputs it is called with. A model written for
 float32 and bf16 may round to float32 on purpose: HF's models do in their RMS norms
 (`hidden_states.to(torch.float32)`), their eager attention's softmax (`dtype=torch.float32`), their loss
-(`logits.float()`) and DeepSeek-V3's router (`hidden_states.type(torch.float32)`), so that a bf16 model keeps float32's range there. In a float64 model those casts narrow
-instead, and put float32's rounding back into every layout's arithmetic. So while any module of such a model
-runs forward (or its loss is computed), a cast of a float64 tensor to float32 leaves it in float64."""
+(`logits.float()`) and DeepSeek-V3's router (`hidden_states.type(torch.float32)`), so that a bf16 model keeps
+float32's range there. In a float64 model those casts narrow instead, and put float32's rounding back into every
+layout's arithmetic. So while any module of such a model runs forward (or its loss is computed), a cast of a
+float64 tensor to float32 leaves it in float64. An MoE model's experts run transformers' loop over the experts
+(its default, torch's grouped_mm, has no float64 kernel)."""
 
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ def _widened(loss_function):
 def _enter(*_: Any) -> None:
     global _depth
     if _depth == 0:
-        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type, torch.nn.functional.softmax = _to, _float, _type, _softmax
+        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = _to, _float, _type
+        torch.nn.functional.softmax = _softmax
     _depth += 1
 
 

@@ -36,8 +36,8 @@ DATA = {"_target_": "recipes.components.passages.Passages", "n": 256, "min_len":
 FINETUNE = REPO / "recipes" / "hf_finetune.yaml"
 LORA = REPO / "recipes" / "hf_lora.yaml"
 EXPERTS_LORA = "model.peft_config.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
-SHORT = ["on_cpu=null", "precision=fp32", f"trainer.max_steps={STEPS}", "trainer.log_every=2", "trainer.eval_every=null",
-         "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null",
+SHORT = ["on_cpu=null", "precision=fp32", f"trainer.max_steps={STEPS}", "trainer.log_every=2",
+         "trainer.eval_every=null", "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false", "data.val=null",
          "trainer.activation_checkpointing=null", "data.batch_size=8", "logging.memory_plan=false",
          "optimizer={_target_: torch.optim.SGD, lr: 0.5}"]
 
@@ -161,12 +161,12 @@ def test_lora_on_the_experts_weights_trains_from_a_published_folder_and_exports_
     base = moe_zoo.folder(tmp_path / "base", "qwen3_moe")
     here(LORA, *lora(base, tmp_path / "run"))
     said = capsys.readouterr().out
-    assert "(the base model's weights; its 16 adapter tensors as built)" in said, said  # q, v and 2 experts' A, B a layer
+    assert "(the base model's weights; its 16 adapter tensors as built)" in said, said  # q, v, 2 experts: A, B
     assert "LoRA adapts the experts' weights (peft's target_parameters)" in said, said
     got = state_dict(tmp_path / "run" / "model.pt")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(base).state_dict()
     fused = "base_model.model.model.layers.1.mlp.experts.base_layer.base_layer.gate_up_proj"
-    assert torch.equal(got[fused], loaded["model.layers.1.mlp.experts.gate_up_proj"])  # frozen, as joined from the folder
+    assert torch.equal(got[fused], loaded["model.layers.1.mlp.experts.gate_up_proj"])  # frozen, joined from the folder
     experts_b = [k for k in got if ".mlp.experts." in k and ".lora_B." in k]
     assert len(experts_b) == 4 and all(got[k].abs().sum() > 0 for k in experts_b)  # built as zeros, trained
     done = export(tmp_path / "run", tmp_path / "adapters", "--format", "peft")
@@ -175,7 +175,8 @@ def test_lora_on_the_experts_weights_trains_from_a_published_folder_and_exports_
     trained = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base), peft.LoraConfig(
         **{k: config[k] for k in ("r", "lora_alpha", "target_modules", "target_parameters", "task_type")}))
     trained.load_state_dict(got)
-    read = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapters")
+    read = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
+                                          tmp_path / "adapters")
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(read(ids).logits, trained(ids).logits, rtol=0, atol=1e-6)
@@ -255,7 +256,8 @@ def test_the_load_is_logged_per_layer_within_what_top_k_allows(family, tmp_path)
         assert sorted(row) == sorted(["moe/load_max", "moe/load_min", *[f"moe/load_{m}/layer_{i}" for i in layers
                                                                          for m in ("max", "min")]])
         for i in layers:  # shares sum to k: the largest at least k / experts, the smallest at most
-            assert k / experts <= row[f"moe/load_max/layer_{i}"] <= 1.0 and 0.0 <= row[f"moe/load_min/layer_{i}"] <= k / experts
+            assert k / experts <= row[f"moe/load_max/layer_{i}"] <= 1.0
+            assert 0.0 <= row[f"moe/load_min/layer_{i}"] <= k / experts
         for m in ("max", "min"):
             assert abs(row[f"moe/load_{m}"] - sum(row[f"moe/load_{m}/layer_{i}"] for i in layers) / len(layers)) < 1e-12
 
@@ -274,7 +276,8 @@ def test_a_router_forced_to_two_experts_gives_them_all_the_tokens(tmp_path, caps
     here(recipe(tmp_path / "r.yaml", "gpt_oss", tmp_path / "run",
                 model={"_target_": "tests.moe_zoo.forced"}))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
-    assert lines and all(line.endswith("| load_max 1.0000 | load_min 0.0000") for line in lines), lines  # per layer: not here
+    # the console shows the means alone
+    assert lines and all(line.endswith("| load_max 1.0000 | load_min 0.0000") for line in lines), lines
     for row in loads(tmp_path / "run"):
         assert row["moe/load_max"] == 1.0 and row["moe/load_min"] == 0.0, row
         assert row["moe/load_max/layer_1"] == 1.0 and row["moe/load_min/layer_0"] == 0.0, row

@@ -29,7 +29,8 @@ This face is what the rest of the launcher uses; one file per concern behind it:
                   checked before anything they describe is read
 """
 
-from launcher.checkpoint.adapters import config_of as adapter_config, is_adapted, keep_config as keep_adapter_config, unmerged
+from launcher.checkpoint.adapters import config_of as adapter_config, is_adapted, keep_config as keep_adapter_config
+from launcher.checkpoint.adapters import unmerged
 from launcher.checkpoint.files import crc32, write_text
 from launcher.checkpoint.hf import config_of as model_config, keep_config, named_configs
 from launcher.checkpoint.layout import choose, complete, folder_of, settle, step_of, steps

@@ -52,7 +52,6 @@ def pieces(model: nn.Module, keys: Dict[str, torch.Size]) -> Dict[str, List[Piec
     if not found:
         return {}
     from transformers import PreTrainedModel
-
     from transformers.core_model_loading import WeightConverter, apply_converters
 
     config = next(m for m in model.modules() if isinstance(m, PreTrainedModel)).config
@@ -91,10 +90,11 @@ def _blocks(key: str, shape: torch.Size, published: Dict[str, torch.Size], rever
     for name, values in revert({key: probe}).items():
         block = _block(values, published.get(name), probe, later)
         if block is None:
+            model_type = getattr(revert.args[1], "model_type", "this model")
             raise UserError(f"{key}: its published form ({name}) moves values across its dimensions (transformers' "
-                            f"conversion mapping for {getattr(revert.args[1], 'model_type', 'this model')}), which the launcher does not "
-                            f"convert: name the folder in the recipe's model (its from_pretrained) rather than in "
-                            f"checkpoint.init_from, and save what you train with save_pretrained")
+                            f"conversion mapping for {model_type}), which the launcher does not convert: name the "
+                            f"folder in the recipe's model (its from_pretrained) rather than in checkpoint.init_from, "
+                            f"and save what you train with save_pretrained")
         out.append((name, published[name], block))
     return out
 
@@ -113,8 +113,8 @@ def _block(values: torch.Tensor, shape: Optional[torch.Size], probe: torch.Tenso
     corners = [torch.nonzero(rows == int(v) // per * per)[0].tolist() for v in (flat.min(), flat.max())]
     block = tuple(slice(a, b + 1) for a, b in zip(*corners))
     covered = probe[block]
-    if not torch.equal(flat, covered.reshape(-1)) or shape.numel() != covered[(Ellipsis,) + (0,) * len(later)].numel() \
-            * torch.Size(later).numel():
+    rows_covered = covered[(Ellipsis,) + (0,) * len(later)].numel()
+    if not torch.equal(flat, covered.reshape(-1)) or shape.numel() != rows_covered * torch.Size(later).numel():
         return None
     return block
 

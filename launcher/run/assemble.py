@@ -51,8 +51,8 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
         strategy.agree(lambda: checkpoint.keep_config(run_dir, model_config) if strategy.placement.is_main else None)
     adapters = checkpoint.adapter_config(model)
     if adapters is not None and recipe.checkpoint.export_hf and checkpoint.unmerged(adapters):
-        raise UserError(f"checkpoint.export_hf: merges the adapters into the HF folder, and {checkpoint.unmerged(adapters)}; "
-                        f"set checkpoint.export_hf=false")
+        raise UserError(f"checkpoint.export_hf: merges the adapters into the HF folder, and "
+                        f"{checkpoint.unmerged(adapters)}; set checkpoint.export_hf=false")
     if adapters is not None:  # a peft model's: export --merge-lora and --format peft read it
         strategy.agree(lambda: checkpoint.keep_adapter_config(run_dir, adapters) if strategy.placement.is_main else None)
     if model_config is None and recipe.checkpoint.export_hf:

@@ -32,7 +32,8 @@ def write(folder: str, dtype: str = "fp32", shard_size: str = "5GB", layers: int
         built = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate or width // 2))
     else:
-        built = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, intermediate_size=intermediate or 2 * width))
+        built = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape,
+                                                                       intermediate_size=intermediate or 2 * width))
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar for a folder of one or two files
     model = built.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     model.save_pretrained(folder, max_shard_size=shard_size)
