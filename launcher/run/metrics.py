@@ -2,7 +2,8 @@
 
 Between two reads nothing here touches a tensor's value on the host: each micro-batch appends its
 detached loss (and item count) and its metric values to lists, and `read()` stacks them, makes one
-reduction across ranks and one device-to-host copy.
+reduction across ranks and one device-to-host copy. An MoE model's expert load (launcher/model/moe.py),
+counted on the device by hooks as it runs, rides in that same reduction and copy.
 
 A metric is `metric(output, target) -> per-item values` (first dimension: the batch), with the output
 and target the step gives; the mean is over its values, leaving out NaN ones (how a metric says an
