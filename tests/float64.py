@@ -5,10 +5,12 @@
 builds the recipe's model as the recipe would (its initial values those of the float32 run, exactly) and
 casts it to float64: parameters, buffers, and the floating inputs it is called with. A model written for
 float32 and bf16 may round to float32 on purpose: HF's models do in their RMS norms
-(`hidden_states.to(torch.float32)`), their eager attention's softmax (`dtype=torch.float32`) and their loss
-(`logits.float()`), so that a bf16 model keeps float32's range there. In a float64 model those casts narrow
-instead, and put float32's rounding back into every layout's arithmetic. So while any module of such a model
-runs forward (or its loss is computed), a cast of a float64 tensor to float32 leaves it in float64."""
+(`hidden_states.to(torch.float32)`), their eager attention's softmax (`dtype=torch.float32`), their loss
+(`logits.float()`) and DeepSeek-V3's router (`hidden_states.type(torch.float32)`), so that a bf16 model keeps
+float32's range there. In a float64 model those casts narrow instead, and put float32's rounding back into every
+layout's arithmetic. So while any module of such a model runs forward (or its loss is computed), a cast of a
+float64 tensor to float32 leaves it in float64. An MoE model's experts run transformers' loop over the experts
+(its default, torch's grouped_mm, has no float64 kernel)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any, List
 
 import torch
 
-_TO, _FLOAT, _SOFTMAX = torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax
+_TO, _FLOAT, _TYPE, _SOFTMAX = torch.Tensor.to, torch.Tensor.float, torch.Tensor.type, torch.nn.functional.softmax
 _depth = 0  # modules of float64 models running forward, nested
 
 
@@ -37,6 +39,9 @@ def built(of: str, **kwargs: Any) -> torch.nn.Module:
 def in_float64(model: torch.nn.Module) -> torch.nn.Module:
     """`model`, cast to float64 in place, and run in float64 (the module's docstring)."""
     model.double()
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) == "grouped_mm":  # an MoE model's: torch has no float64 kernel
+        config._experts_implementation = "eager"  # of grouped_mm; transformers' loop over the experts computes the same
     model.register_forward_pre_hook(_inputs_in_float64, with_kwargs=True)
     if hasattr(model, "loss_function"):  # an HF model: its casts to float32 kept in float64
         for module in model.modules():
@@ -69,7 +74,8 @@ def _widened(loss_function):
 def _enter(*_: Any) -> None:
     global _depth
     if _depth == 0:
-        torch.Tensor.to, torch.Tensor.float, torch.nn.functional.softmax = _to, _float, _softmax
+        torch.Tensor.to, torch.Tensor.float, torch.Tensor.type = _to, _float, _type
+        torch.nn.functional.softmax = _softmax
     _depth += 1
 
 
@@ -77,7 +83,7 @@ def _leave(*_: Any) -> None:
     global _depth
     _depth -= 1
     if _depth == 0:
-        del torch.Tensor.to, torch.Tensor.float  # torch's own again (they are torch.Tensor's base class's)
+        del torch.Tensor.to, torch.Tensor.float, torch.Tensor.type  # torch's own again (torch.Tensor's base class's)
         torch.nn.functional.softmax = _SOFTMAX
 
 
@@ -91,6 +97,12 @@ def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 def _float(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return self if self.dtype == torch.float64 else _FLOAT(self, *args, **kwargs)
+
+
+def _type(self: torch.Tensor, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+    if self.dtype == torch.float64 and dtype is torch.float32:
+        return self
+    return _TYPE(self, *args, **kwargs) if dtype is None else _TYPE(self, dtype, *args, **kwargs)
 
 
 def _softmax(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

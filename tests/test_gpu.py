@@ -227,3 +227,30 @@ def test_the_fused_optimizer_is_chosen_on_cuda_and_trains(tmp_path, capsys, prec
     assert "optimizer: torch.optim.AdamW with fused=True, torch's fastest implementation on cuda" in capsys.readouterr().out
     assert values["train/loss"] < 2.3 and torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def test_the_expert_load_is_counted_and_kept_without_a_host_sync():
+    """An MoE model's counting hook, the meter's mark and rollback of it, and its reset, under
+    torch.cuda.set_sync_debug_mode("error") (index_add_ on the device: torch.bincount would read its input's
+    largest value on the host). Called on the experts module's inputs alone: the model's own experts code is
+    transformers'."""
+    pytest.importorskip("transformers")
+    from launcher.model import moe
+    from tests import moe_zoo
+
+    model = moe_zoo.model("qwen3_moe").cuda()
+    load = moe.ExpertLoad(model, torch.device("cuda"))
+    name, experts = moe.experts_of(model)[0]
+    hidden = torch.randn(64, 32, device="cuda")
+    index = torch.randint(0, 8, (64, 2), device="cuda")
+    weights = torch.rand(64, 2, device="cuda")
+    hook = next(iter(experts._forward_pre_hooks.values()))
+    torch.cuda.set_sync_debug_mode("error")
+    mark = load.mark()
+    hook(experts, (hidden, index, weights), {})
+    load.back_to(mark)
+    hook(experts, (hidden, index, weights), {})
+    packed = load.packed()
+    torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(load.counts[0, :8].cpu(), torch.bincount(index.reshape(-1).cpu(), minlength=8))
+    assert packed.sum().item() == 128

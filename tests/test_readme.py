@@ -168,7 +168,8 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
         assert done.returncode == 0, f"{shown}\n{out}"
         if argv[:3] == ["python", "-m", "recipes.components.hf_folder"]:  # writes a folder from_pretrained loads
             model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / argv[3])
-            assert type(model).__name__ == "LlamaForCausalLM" and f"`{argv[3]}/`" in text
+            kind = "Qwen3MoeForCausalLM" if "--moe" in argv else "LlamaForCausalLM"  # a mixture of experts' section
+            assert type(model).__name__ == kind and f"`{argv[3]}/`" in text
         elif argv[:3] == ["python", "-m", "launcher"]:  # trains a run of its own, from the folder, every step
             recipe = yaml.safe_load((tmp_path / argv[3]).read_text())
             name = _option(argv, "name", recipe["name"])
@@ -177,7 +178,12 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
             assert f"training {name}: {steps} steps" in out and f"step {steps}/{steps}" in out, f"{shown}\n{out}"
             assert name not in trained, f"{shown}: the run folder of an earlier command"
             trained.append(name)
-            assert "initialised the model from runs/tiny-llama" in out, out
+            folder = _option(argv, "model.config.pretrained_model_name_or_path",
+                             _option(argv, "model.model.config.pretrained_model_name_or_path"))
+            assert f"initialised the model from {folder}" in out, out
+            if folder == "runs/tiny-qwen3-moe":  # the line it shows, and each rank reading its experts
+                assert "moe: 2 layers of 8 experts, top 2; the router's load-balancing loss is not trained" in out
+                assert f"initialised the model from {folder} into this rank's shards" in out, out
             if _option(argv, "strategy") == "fsdp":
                 assert f"fsdp: sharded over {_option(argv, 'nproc_per_node')} ranks" in out, out
             assert (tmp_path / "runs" / name / "model.pt").exists()
@@ -188,12 +194,17 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
                 assert f"`runs/{name}/`" in text, f"{shown}: the text does not say where it trains"
         elif argv[:3] == ["python", "-m", "launcher.export"]:  # the run as an HF folder from_pretrained loads
             run, out_dir = tmp_path / argv[3], tmp_path / argv[4]
-            assert f"`{argv[4]}/`" in text and f"from_pretrained(\"{argv[4]}\")" in text
-            assert f"{argv[4]} --format hf --dtype bf16" in (REPO / "recipes" / "hf_finetune.yaml").read_text()
+            assert f"`{argv[4]}/`" in text
             model, info = transformers.AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
             assert not any(info.values()), info
             with safetensors.safe_open(out_dir / "model.safetensors", "pt") as f:
-                assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+                names, dtypes = set(f.keys()), {f.get_slice(k).get_dtype() for k in f.keys()}
+            if argv[3] == "runs/moe":  # as the folder it came from: each expert's own matrices
+                assert "model.layers.0.mlp.experts.7.gate_proj.weight" in names and dtypes == {"F32"}, names
+            else:
+                assert f"from_pretrained(\"{argv[4]}\")" in text
+                assert f"{argv[4]} --format hf --dtype bf16" in (REPO / "recipes" / "hf_finetune.yaml").read_text()
+                assert dtypes == {"BF16"}
             trained_weights = torch.load(run / "model.pt", weights_only=True)
             for key, value in model.state_dict().items():
                 if key in trained_weights:
@@ -204,7 +215,7 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
                                             ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
                                             ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
                                             ["python", "-m", "launcher.export", "runs/hf_finetune"]]
-    assert trained == ["hf_finetune", "hf_finetune-fsdp", "hf_lora"], trained
+    assert trained == ["hf_finetune", "hf_finetune-fsdp", "hf_lora", "moe"], trained
 
 
 def test_the_text_data_sections_lines_at_start_are_those_its_command_gives(tmp_path, monkeypatch):

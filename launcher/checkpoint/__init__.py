@@ -20,6 +20,8 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     weights.py    the plain model's weights from any checkpoint, run folder or file (export, init_from)
     sliced.py     the same read into a sharded model, each rank its own slices (init_from under fsdp)
     adapters.py   a peft model seen as the model it adapts (init_from of the base model's weights)
+    hf_layout.py  an HF model's tensors as published folders hold them (each expert's matrices) and as the
+                  model holds them (fused 3-D experts), by transformers' own conversion mapping
     fitting.py    whether weights fit a model, naming the first difference
     dcp_safe.py   DCP's files read without unpickling anything but data
     dcp_io.py     DCP's streams: CRC-32s kept while shards are written; an object store's items fetched exactly
@@ -28,6 +30,7 @@ This face is what the rest of the launcher uses; one file per concern behind it:
 """
 
 from launcher.checkpoint.adapters import config_of as adapter_config, is_adapted, keep_config as keep_adapter_config
+from launcher.checkpoint.adapters import unmerged
 from launcher.checkpoint.files import crc32, write_text
 from launcher.checkpoint.hf import config_of as model_config, keep_config, named_configs
 from launcher.checkpoint.layout import choose, complete, folder_of, settle, step_of, steps
@@ -38,4 +41,4 @@ from launcher.checkpoint.sliced import load as load_into_shards
 from launcher.checkpoint.weights import load_model_state
 
 __all__ = ["Checkpoints", "RunState", "adapter_config", "keep_adapter_config", "choose", "complete", "crc32", "folder_of", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
-           "model_config", "named_configs", "settle", "step_of", "steps", "verify", "write_text"]
+           "model_config", "named_configs", "settle", "step_of", "steps", "unmerged", "verify", "write_text"]

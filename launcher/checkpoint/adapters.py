@@ -58,7 +58,7 @@ def merge_first(path: Path, key: str) -> str:
 
 def base_name(key: str) -> str:
     name = key[len(PREFIX):] if key.startswith(PREFIX) else key
-    return name.replace(".base_layer.", ".")
+    return re.sub(r"(\.base_layer)+\.", ".", name)  # nested where peft adapts two parameters of one module
 
 
 RUN_CONFIG = "adapter_config.json"  # where a run of a peft model keeps its adapters' config (peft's file name)
@@ -90,6 +90,17 @@ def _adapter_name(keys) -> str:
     return names.pop()
 
 
+def unmerged(cfg: dict) -> Optional[str]:
+    """Why the adapters of `cfg` are not merged here, or None: LoRA on parameters (peft's target_parameters, an MoE
+    model's 3-D expert weights), whose update peft shapes per expert."""
+    if not cfg.get("target_parameters"):
+        return None
+    return (f"the adapters include LoRA on parameters ({', '.join(cfg['target_parameters'])}: peft's "
+            f"target_parameters), which the launcher does not merge; write the adapters with python -m "
+            f"launcher.export RUN OUT --format peft and merge them with peft (PeftModel.from_pretrained(base, "
+            f"OUT).merge_and_unload())")
+
+
 def adapter_keys(specs: Dict[str, object]) -> List[str]:
     return [k for k in specs if is_adapter_key(k)]
 
@@ -100,6 +111,8 @@ def merged(tensors: hf.Tensors, cfg: dict) -> hf.Tensors:
     if cfg.get("peft_type") != "LORA" or cfg.get("use_dora"):
         raise UserError(f"--merge-lora: the adapters are {'DoRA' if cfg.get('use_dora') else cfg.get('peft_type')}; "
                         f"it merges plain LoRA (write them with --format peft instead)")
+    if unmerged(cfg):
+        raise UserError(f"--merge-lora: {unmerged(cfg)}")
     name = _adapter_name(tensors.specs)
     scale = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
     sources: Dict[str, tuple] = {}

@@ -196,13 +196,16 @@ def write(out: Path, tensors, cfg: dict, dtype: Optional[torch.dtype], max_shard
     """An HF model folder at `out` (new, or empty; with `replace`, one this wrote before): config.json, and
     the floating-point tensors (a state_dict, or Tensors read a shard at a time: no more than one shard's
     tensors are held) in `dtype` (None: as they are) as safetensors files of at most `max_shard_bytes`
-    each (one tensor larger than that is a shard alone), with the index when there are several. Written
+    each (one tensor larger than that is a shard alone), with the index when there are several, keyed and
+    split as save_pretrained writes them (a mixture of experts' fused weights per expert: hf_layout.py). Written
     in a hidden folder beside it, then renamed, so that `out` is whole or absent. Returns the files."""
     import shutil
 
     from safetensors.torch import save_file
 
-    tensors = tensors if isinstance(tensors, Tensors) else Tensors.of(tensors)
+    from launcher.checkpoint import hf_layout
+
+    tensors = hf_layout.as_published(tensors if isinstance(tensors, Tensors) else Tensors.of(tensors), cfg)
     if replace and out.is_dir() and holds(out):
         shutil.rmtree(out)
     cast = {k: (dtype if dtype is not None and d.is_floating_point else d) for k, (_, d) in tensors.specs.items()}

@@ -35,7 +35,8 @@ def load(model: nn.Module, path: Path) -> Optional[str]:
             raise UserError(f"{path}: does not fit this model: {e}") from None
         return f"its weights in {source}" if source != path else None
     target = model.state_dict()
-    fitted, where = fitting.fit(_lazy(source), target, path, None, ties=tied_names(model))
+    found = weights.published(_lazy(source), model, target)  # a mixture of experts' weights per expert, joined
+    fitted, where = fitting.fit(found, target, path, None, ties=tied_names(model))
     with torch.no_grad():
         for name, tensor in target.items():
             _fill(tensor, fitted[name])

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from launcher.checkpoint import adapters, files, fitting, formats, hf, layout, manifest, storage
+from launcher.checkpoint import adapters, files, fitting, formats, hf, hf_layout, layout, manifest, storage
 from launcher.errors import UserError
 from launcher.model.plain import strip_prefixes
 
@@ -81,6 +81,7 @@ def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cp
     expected = model.state_dict()
     state, where = _read(path, map_location)
     view = adapters.base_view(model, expected)
+    state = published(state, model, view[0] if view is not None else expected)
     if view is None:
         fitted, where = fitting.fit(state, expected, path, where)
         model.load_state_dict(_tensors(fitted, map_location), strict=True)
@@ -96,6 +97,14 @@ def load_model_state(model: torch.nn.Module, path: Path, map_location: Any = "cp
                                                 strict=False)
     assert sorted(missing) == sorted(adapter_keys) and not unexpected, (missing, unexpected)
     return "; ".join([*([said] if said else []), f"the base model's weights; its {len(adapter_keys)} adapter tensors as built"])
+
+
+def published(state: Any, model: torch.nn.Module, expected: Dict[str, Any]) -> Any:
+    """An HF folder's tensors keyed as the model's (`expected`) where the folder holds them as published (a
+    mixture of experts' weights per expert, hf_layout.py); other weights as they are."""
+    if isinstance(state, dict) and state and all(isinstance(v, hf.Slice) for v in state.values()):
+        return hf_layout.as_model(state, model, {k: v.shape for k, v in expected.items()})
+    return state
 
 
 def _read(path: Path, map_location: Any = "cpu") -> Tuple[Any, Optional[str]]:
@@ -116,8 +125,8 @@ def _read(path: Path, map_location: Any = "cpu") -> Tuple[Any, Optional[str]]:
 
 
 def _tensors(fitted: Dict[str, Any], map_location: Any) -> Dict[str, torch.Tensor]:
-    """The fitted weights as tensors: an hf.Slice read now, one tensor at a time."""
-    return {k: (v.read() if isinstance(v, hf.Slice) else v).to(map_location) for k, v in fitted.items()}
+    """The fitted weights as tensors: an hf.Slice (or experts joined from them) read now, one tensor at a time."""
+    return {k: (v.read() if not isinstance(v, torch.Tensor) else v).to(map_location) for k, v in fitted.items()}
 
 
 def _file(path: Path, map_location: Any = "cpu", mmap: bool = False) -> Any:

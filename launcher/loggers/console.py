@@ -63,10 +63,13 @@ def format_values(values: Dict[str, float]) -> str:
 
 
 def _parts(values: Dict[str, float]) -> List[tuple]:
-    """(name, text) of each logged value, in the order logged."""
+    """(name, text) of each logged value, in the order logged. A value tagged one level deeper than its group's
+    (`moe/load_max/layer_3`, one of many) goes to the loggers alone; the console shows the group's summary."""
     parts = []
     for tag, value in values.items():
         name = tag.split("/", 1)[-1]
+        if "/" in name:
+            continue
         if name.endswith("_per_s"):
             parts.append((name, f"{name.replace('_per_s', '')}/s {value:,.0f}"))
         elif name == "mfu":

@@ -18,6 +18,7 @@ import torch
 from launcher import checkpoint, seeding, strategies
 from launcher.run import build
 from launcher.model import empty
+from launcher.model import moe
 from launcher.model import precision
 from launcher.model import recompute
 from launcher.errors import UserError
@@ -49,6 +50,9 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
     if model_config is not None:  # an HF model's config: export --format hf writes it beside the weights
         strategy.agree(lambda: checkpoint.keep_config(run_dir, model_config) if strategy.placement.is_main else None)
     adapters = checkpoint.adapter_config(model)
+    if adapters is not None and recipe.checkpoint.export_hf and checkpoint.unmerged(adapters):
+        raise UserError(f"checkpoint.export_hf: merges the adapters into the HF folder, and "
+                        f"{checkpoint.unmerged(adapters)}; set checkpoint.export_hf=false")
     if adapters is not None:  # a peft model's: export --merge-lora and --format peft read it
         strategy.agree(lambda: checkpoint.keep_adapter_config(run_dir, adapters) if strategy.placement.is_main else None)
     if model_config is None and recipe.checkpoint.export_hf:
@@ -57,6 +61,9 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
     if init_from and not on_meta:
         _initialised(console, init_from, lambda: checkpoint.load_model_state(model, init_from,
                                                                               map_location=strategy.device))
+    said = moe.described(model)
+    if said:
+        console.info(said)
     if recipe.trainer.activation_checkpointing:
         names = recompute.chosen(model, recipe.trainer.activation_checkpointing)
         count = recompute.apply(model, names)

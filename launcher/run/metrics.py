@@ -2,7 +2,8 @@
 
 Between two reads nothing here touches a tensor's value on the host: each micro-batch appends its
 detached loss (and item count) and its metric values to lists, and `read()` stacks them, makes one
-reduction across ranks and one device-to-host copy.
+reduction across ranks and one device-to-host copy. An MoE model's expert load (launcher/model/moe.py),
+counted on the device by hooks as it runs, rides in that same reduction and copy.
 
 A metric is `metric(output, target) -> per-item values` (first dimension: the batch), with the output
 and target the step gives; the mean is over its values, leaving out NaN ones (how a metric says an
@@ -19,6 +20,7 @@ import torch
 
 from launcher.data.sampling import Padding
 from launcher.errors import TrainingDiverged
+from launcher.model.moe import ExpertLoad
 from launcher.model.step import IGNORE_INDEX, Result, items_in
 from launcher.observe.throughput import Throughput
 
@@ -63,8 +65,10 @@ class TrainMeter:
     over the sum of their counts, on every rank.
     """
 
-    def __init__(self, metrics: Dict[str, MetricFn], device: torch.device, throughput: Throughput):
+    def __init__(self, metrics: Dict[str, MetricFn], device: torch.device, throughput: Throughput,
+                 loads: Optional[ExpertLoad] = None):
         self.metrics = metrics
+        self.loads = loads  # an MoE model's tokens per expert, counted on the device as it runs (model/moe.py)
         self.throughput = throughput
         self.device = device
         self.losses: List[torch.Tensor] = []  # this interval's micro-batch losses, on the device
@@ -94,13 +98,16 @@ class TrainMeter:
 
     def mark(self) -> tuple:
         """Where the interval's records stand now: `back_to` forgets what a dropped step recorded after it."""
-        return len(self.losses), len(self.counts), len(self.marks), [len(v) for v in self.values]
+        loads = self.loads.mark() if self.loads is not None else None
+        return len(self.losses), len(self.counts), len(self.marks), [len(v) for v in self.values], loads
 
     def back_to(self, mark: tuple) -> None:
-        losses, counts, marks, values = mark
+        losses, counts, marks, values, loads = mark
         del self.losses[losses:], self.counts[counts:], self.marks[marks:]
         for kept, recorded in zip(values, self.values):
             del recorded[kept:]
+        if loads is not None:
+            self.loads.back_to(loads)
 
     def start(self, step: int) -> None:
         """Training starts (or resumes) after `step`: the first interval's clock starts now."""
@@ -139,7 +146,8 @@ class TrainMeter:
         metric_sums = [_sum_and_count(v, self.device) for v in self.values]
         grad = self.grad_norm.reshape(1).float() if self.grad_norm is not None else empty
         tokens = _real_tokens(self.marks, self.device) if self.marks else empty
-        packed = all_reduce_mean(torch.cat([per_step, counts, *metric_sums, tokens, grad]))
+        loads = self.loads.packed() if self.loads is not None else empty
+        packed = all_reduce_mean(torch.cat([per_step, counts, *metric_sums, tokens, loads, grad]))
         values = packed.tolist()  # device -> host: the only read between log steps
         seconds = time.perf_counter() - self.clock
         losses, at = values[:n], n
@@ -157,6 +165,9 @@ class TrainMeter:
         rows = sum(tensor.shape[0] for tensor, _ in self.marks)  # this rank's: as many on every rank
         real = values[at + 2 * len(self.metrics)] / rows if rows else None  # real tokens a sample (a row)
         out.update(self.throughput.values(n, seconds, real))
+        if self.loads is not None:
+            first = at + 2 * len(self.metrics) + tokens.numel()
+            out.update(self.loads.values(values[first:first + loads.numel()]))
         self._reset(self.first_step + n)
         return out
 
@@ -164,6 +175,8 @@ class TrainMeter:
         self.losses, self.counts, self.marks = [], [], []
         self.values = [[] for _ in self.metrics]
         self.first_step, self.steps, self.checked, self.grad_norm = first_step, 0, 0, None
+        if self.loads is not None:  # what a first batch's check routed before training is not counted either
+            self.loads.reset()
         self.clock = time.perf_counter()
 
 

@@ -25,6 +25,7 @@ from launcher.checkpoint import Checkpoints, RunState
 from launcher.errors import CheckpointsFailed, Hung, OutOfMemory, TrainingDiverged, UserError
 from launcher.run.loop import Parts, fit, total_steps
 from launcher.run.metrics import TrainMeter
+from launcher.model import moe
 from launcher.model.precision import Precision, tf32
 from launcher.recipe import Loaded
 from launcher.recipe.flat import hparams
@@ -144,6 +145,9 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     """Every part of the run from its section of the recipe, the model wrapped by the strategy."""
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
     model = assemble.built(recipe, strategy, run_dir, console, init_from)
+    loads, said = moe.watched(model, device, recipe.parallel.pp)  # an MoE model's tokens per expert, as it trains
+    if said:
+        console.info(said)
     cfg = recipe.data
     train_data, val, notes = build.data_for(cfg, recipe.trainer.grad_accum_steps, strategy.data_share(), recipe.seed,
                                              device, placement.world_size, model)
@@ -175,7 +179,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
         wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys
     parts = Parts(wrapped, optimizer, schedule, step=step, metrics=metrics,
                   precision=precision, strategy=strategy, data=train_data, val=val,
-                  meter=TrainMeter(metrics, device, rates), logger=logger, console=console,
+                  meter=TrainMeter(metrics, device, rates, loads), logger=logger, console=console,
                   save=lambda pos, final, wait: checkpoints.save(final, wait), stop=StopFlag(placement.world_size),
                   save_on_stop=recipe.checkpoint.on_signal, idle=lambda: checkpoints.finish_pending(wait=False),
                   watch=watch.make(recipe, placement.rank, placement.world_size, device, run_dir, console.info))
