@@ -31,8 +31,9 @@ from tests import moe_zoo  # noqa: E402  (transformers first)
 
 FAMILIES = list(moe_zoo.FAMILIES)
 STEPS = 4
-# one length: no padding, so that one process and two route the same tokens
-DATA = {"_target_": "recipes.components.passages.Passages", "n": 256, "min_len": 24, "max_len": 24, "prompt": 4}
+# rows of 12 to 24 tokens: one process pads the batch to its longest row, each of two ranks its half to the half's
+# longest; the padding is routed too, and the expert load, which leaves it out, is still the same on every layout
+DATA = {"_target_": "recipes.components.passages.Passages", "n": 256, "min_len": 12, "max_len": 24, "prompt": 4}
 FINETUNE = REPO / "recipes" / "hf_finetune.yaml"
 LORA = REPO / "recipes" / "hf_lora.yaml"
 EXPERTS_LORA = "model.peft_config.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"

@@ -109,6 +109,16 @@ class ExpertLoad:
         self.top_k = [top_k or 0] * len(found)  # and from the routers' output shapes, as they run
         self.handles = [module.register_forward_pre_hook(self._hook(i), with_kwargs=True)
                         for i, (_, module) in enumerate(found)]
+        # The batch's attention mask, [batch, sequence], read as the model is called: the experts see the tokens
+        # flattened in that order, and a padding position, routed like any other, is not counted (else the load
+        # would depend on how the batch is split into padded parts: one process's 32 rows against 2 ranks' 16).
+        self.mask: Optional[torch.Tensor] = None
+        if hf_model is not None:
+            self.handles.append(hf_model.register_forward_pre_hook(self._remember_mask, with_kwargs=True))
+
+    def _remember_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        self.mask = mask.reshape(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
     def _hook(self, layer: int):
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -120,7 +130,13 @@ class ExpertLoad:
                 return
             self.top_k[layer] = index.shape[-1] if index.dim() > 1 else 1
             chosen = index.reshape(-1).to(self.counts.device, non_blocking=True)
-            self.counts[layer].index_add_(0, chosen, torch.ones_like(chosen))
+            mask = self.mask
+            if mask is not None and mask.numel() == index.shape[0]:  # a weight per routed slot: 1, or 0 for padding
+                weight = (mask != 0).to(torch.int64)[:, None].expand(index.shape[0], index.shape[-1] if
+                                                                      index.dim() > 1 else 1)
+                self.counts[layer].index_add_(0, chosen, weight.reshape(-1).to(self.counts.device, non_blocking=True))
+            else:
+                self.counts[layer].index_add_(0, chosen, torch.ones_like(chosen))
         return count
 
     def packed(self) -> torch.Tensor:
