@@ -214,6 +214,7 @@ class Planned:
         self.process: Optional[subprocess.Popen] = None
         self.failed: Optional[str] = None  # why it could not start
         self.said = False
+        self.assumes: Optional[str] = None  # what the plan assumed that the run's values decide (ep's routing)
 
     def start(self) -> None:
         if self.process is not None or self.failed:
@@ -255,8 +256,13 @@ class Planned:
         figure = row.get("peak_bytes")
         if not isinstance(figure, int):
             return None, f"memory: not planned: {row.get('problem') or 'its result holds no figure'}"
+        self.assumes = row.get("assumes") if isinstance(row.get("assumes"), str) else None
         return figure, (f"memory: {figure / MIB:.1f} MiB per rank at the peak of a step, planned for "
-                        f"{row.get('layout')} (python -m launcher.plan)")
+                        f"{row.get('layout')} (python -m launcher.plan{self.assuming()})")
+
+    def assuming(self) -> str:
+        """The plan's assumption, as the lines that give its figure say it after the planner's name."""
+        return f", assuming {self.assumes}" if self.assumes else ""
 
     def close(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -36,7 +36,7 @@ the reduction takes part in it."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -126,10 +126,7 @@ def dispatched(module: nn.Module, forward: Any, group: Any, ep: int, hidden: tor
     local = module.num_experts // ep
     experts = index.reshape(-1)
     order = torch.sort(experts, stable=True).indices  # pairs by expert, so by the rank that holds it
-    sending = torch.bincount(experts // local, minlength=ep)
-    receiving = torch.empty_like(sending)
-    dist.all_to_all_single(receiving, sending, group=group)
-    send, receive = sending.tolist(), receiving.tolist()  # the split sizes, on the host (a sync)
+    send, receive = split_sizes(experts // local, ep, group)
     rows = all_to_all_single_autograd(hidden[order // k], receive, send, group)
     which = torch.empty(sum(receive), dtype=experts.dtype, device=experts.device)
     dist.all_to_all_single(which, (experts[order] % local).contiguous(), receive, send, group=group)
@@ -143,6 +140,18 @@ def dispatched(module: nn.Module, forward: Any, group: Any, ep: int, hidden: tor
     back = all_to_all_single_autograd(out, send, receive, group)
     pairs = back[torch.argsort(order)]  # (token, slot) order again
     return (pairs.view(tokens, k, -1) * weights[..., None]).to(hidden.dtype).sum(dim=1)
+
+
+def split_sizes(ranks: torch.Tensor, ep: int, group: Any) -> Tuple[List[int], List[int]]:
+    """The (token, slot) pairs this rank sends to each rank of its ep group (`ranks`: each pair's), and those it
+    receives from each: the next all-to-all's split sizes, exchanged and read on the host (a sync). The memory
+    planner, whose tensors have no values, stands in for this alone (launcher/plan/standins.py)."""
+    import torch.distributed as dist
+
+    sending = torch.bincount(ranks, minlength=ep)
+    receiving = torch.empty_like(sending)
+    dist.all_to_all_single(receiving, sending, group=group)
+    return sending.tolist(), receiving.tolist()
 
 
 class _Local:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from typing import List, Optional
@@ -45,6 +46,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                  "the CPUs; 1 plans them one after another in this process)")
     parser.add_argument("--as-run", metavar="STRATEGY", choices=PLANNED,
                         help="only the layout a run of this strategy on --devices ranks has (what a run prints)")
+    parser.add_argument("--ep-capacity", type=float, default=1.0, metavar="F",
+                        help="under parallel.ep: plan for each rank's experts receiving F times an even share of "
+                             "the routed tokens (default 1: spread evenly; ep: all of the ep group's on one rank)")
     parser.add_argument("--out", metavar="FILE", help="also write the --json lines to FILE, whole or not at all (a "
                                                       "mistake: {\"problem\": ...}): a run reads its plan there, "
                                                       "whatever the recipe's code prints")
@@ -77,12 +81,16 @@ def _plan(args) -> int:
                   file=sys.stderr)
         if args.as_run:
             p = recipe.parallel
-            found = [Layout(args.as_run, args.devices, p.tp, p.dp_replicate) if args.as_run == "fsdp"
+            found = [Layout(args.as_run, args.devices, p.tp, p.dp_replicate, ep=p.ep) if args.as_run == "fsdp"
                      else Layout(args.as_run, args.devices)]
         else:
-            found = layouts.candidates(args.devices, min(args.gpus_per_node, args.devices))
+            found = layouts.candidates(args.devices, min(args.gpus_per_node, args.devices), recipe.parallel.ep)
         if args.jobs is not None and args.jobs < 1:
             raise UserError(f"--jobs {args.jobs}: give 1 or more")
+        if not args.ep_capacity >= 1:  # (NaN too)
+            raise UserError(f"--ep-capacity {args.ep_capacity:g}: give 1 (the routed tokens spread evenly over the "
+                            f"ep ranks, the default) or more, up to ep (all of an ep group's on one rank)")
+        found = [dataclasses.replace(f, capacity=args.ep_capacity) if f.ep > 1 else f for f in found]
         collector.resume()  # (paused while python -m launcher.plan started)
         rows = planner.plan(recipe, found, memory, args.device, largest=not args.as_run, jobs=args.jobs)
         if args.out:
@@ -101,13 +109,18 @@ def _plan(args) -> int:
             print(json.dumps(row.as_json()))
         return 0
     print(table(rows, memory))
+    for said in dict.fromkeys(r.layout.assumes() for r in rows if r.peak is not None and r.layout.assumes()):
+        print(f"ep: {said}")
     if all(r.peak is None for r in rows):
         print(_none_planned(rows, recipe.data.batch_size, args.devices))
     elif memory is not None:
         if best is None:
             print(f"none fits in {_size(memory)} per device: lower data.batch_size, or plan for more devices")
         else:
-            line = " ".join(best.layout.overrides())
+            keys = best.layout.overrides()
+            if recipe.parallel.ep > 1 and best.layout.ep == 1:  # (the recipe's ep under a layout without it)
+                keys.append("parallel.ep=1")
+            line = " ".join(keys)
             print(f"use: {best.layout.name} (the least communication that fits)")
             print(f"  python -m launcher {args.recipe} {' '.join(args.overrides + [line])}".rstrip())
     return 0

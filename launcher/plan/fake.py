@@ -5,7 +5,8 @@ device (its initialisation reads no values), then its parameters allocated insid
 tensors have shapes, dtypes and storages of a size, and no memory. The batch is real, and what is made of it
 alone (launcher/plan/standins.py says what else stands in for a run's kernels). Distributed layouts run as
 rank 0 of a fake process group of their world size (torch's `fake` backend: collectives return at once), so
-FSDP2 shards, HSDP and tensor parallel split exactly as they would. torch's memory trackers
+FSDP2 shards, HSDP, tensor parallel and expert parallel split exactly as they would (ep's routing assumed:
+launcher/plan/standins.py). torch's memory trackers
 (`torch.distributed._tools`: MemTracker, FSDPMemTracker) count each live storage by kind while two optimizer
 steps run in the loop's order (the second holds the optimizer state through its forward and backward: that
 is where steady training peaks). DDP's buckets, which no tracker sees, are added by launcher/plan/peaks.py."""
@@ -72,7 +73,7 @@ def peaks(recipe, layout: Layout, batches: List[Any], device_type: str, keep: Op
             with FakeTensorMode(allow_non_fake_inputs=True):
                 empty.materialise(model, torch.device("cpu"))
                 strategy.after_forward(model)
-                with standing_in(device_type):
+                with standing_in(device_type, layout.capacity):
                     return _run(recipe, layout, strategy, model, batches, device_type)
         except UserError:
             raise
@@ -121,11 +122,14 @@ def _strategy(recipe, layout: Layout):
     name = "single" if layout.strategy == "ddp" else layout.strategy  # ddp: the single step, and its buckets
     world = layout.world if name == "fsdp" else 1
     placement = Placement(world_size=world, local_world_size=world, launched_by="torchrun" if world > 1 else "plain")
-    parallel = dataclasses.replace(recipe.parallel, tp=layout.tp, dp_replicate=layout.dp_replicate, pp=1)
+    parallel = dataclasses.replace(recipe.parallel, tp=layout.tp, dp_replicate=layout.dp_replicate, pp=1,
+                                   ep=layout.ep)
     strategy = strategies.create(name, placement, recipe.ddp, recipe.fsdp, parallel=parallel)
     if name == "fsdp":  # its setup, less the rendezvous: the mesh is made outside fake mode
-        strategy.shape = mesh.layout(layout.tp, layout.dp_replicate, layout.world)
+        strategy.shape = mesh.layout(layout.tp, layout.dp_replicate, layout.world, ep=layout.ep)
         strategy.device_mesh = mesh.device_mesh(strategy.shape, "cpu")
+        if layout.ep > 1:
+            strategy.experts_mesh = mesh.experts_mesh(strategy.device_mesh, strategy.shape)
     strategy.settle(recipe.precision, recipe.trainer.grad_accum_steps)
     return strategy
 

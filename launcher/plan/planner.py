@@ -31,7 +31,7 @@ class Row:
         return {"layout": self.layout.name, "overrides": self.layout.overrides(), "micro_batch": self.micro_batch,
                 "peak_bytes": self.peak.total if self.peak else None,
                 "by_kind": self.peak.by_kind if self.peak else None, "fits": self.fits,
-                "largest_micro_batch": self.largest, "problem": self.problem}
+                "largest_micro_batch": self.largest, "problem": self.problem, "assumes": self.layout.assumes()}
 
 
 class Batches:
@@ -166,7 +166,7 @@ def own_layout(recipe, devices: int) -> Optional[Layout]:
     (dp, accelerate)."""
     strategy = recipe.strategy if recipe.strategy != "auto" else "single" if devices == 1 else "ddp"
     if strategy == "fsdp":
-        return Layout("fsdp", devices, recipe.parallel.tp, recipe.parallel.dp_replicate)
+        return Layout("fsdp", devices, recipe.parallel.tp, recipe.parallel.dp_replicate, ep=recipe.parallel.ep)
     if strategy in ("single", "ddp"):
         return Layout(strategy, devices if strategy == "ddp" else 1)
     return None

@@ -14,6 +14,12 @@ them while the planner's step runs.
 - **Grouped matrix products** (a mixture of experts' layers): the fake kernel of `grouped_mm` takes bf16
   alone, where the CPU's kernel takes any float. In another dtype a stand-in makes what the kernel makes:
   the output, and in backward the gradients of input and weights.
+- **Routing under expert parallelism.** Each MoE layer's dispatch (launcher/parallel/experts.py) reads on the
+  host how many (token, expert) pairs go to each rank of the ep group: what the router decides from values fake
+  tensors do not have. The plan assumes them (`shares`): each rank sends its pairs evenly over the group, and
+  its experts receive `capacity` times an even share of the group's (1: as many as its own tokens make; ep: all
+  of them); the rest of the dispatch (the all-to-alls' buffers, the experts' own forward on what was received)
+  runs as in a run.
 - **torch's log** of a fake kernel that failed (a traceback per model) is `quiet()`: the planner says the
   failure in one line."""
 
@@ -30,8 +36,8 @@ VALUES_UP_TO = 64 * 2**20  # bytes an operation on the batch alone may make real
 
 
 @contextlib.contextmanager
-def standing_in(device_type: str) -> Iterator[None]:
-    with _fused_attention(device_type), _grouped_mm(), _BatchValues():
+def standing_in(device_type: str, capacity: float = 1.0) -> Iterator[None]:
+    with _fused_attention(device_type), _grouped_mm(), _routed(capacity), _BatchValues():
         yield
 
 
@@ -144,3 +150,30 @@ def quiet() -> Iterator[None]:
         yield
     finally:
         log.disabled = was
+
+
+@contextlib.contextmanager
+def _routed(capacity: float) -> Iterator[None]:
+    from launcher.parallel import experts
+
+    original = experts.split_sizes
+
+    def assumed(ranks: torch.Tensor, ep: int, group) -> tuple:
+        return shares(ranks.numel(), ep, capacity)
+
+    experts.split_sizes = assumed
+    try:
+        yield
+    finally:
+        experts.split_sizes = original
+
+
+def shares(pairs: int, ep: int, capacity: float) -> tuple:
+    """(the pairs this rank sends to each rank of its ep group, those it receives from each) when every rank
+    routes `pairs` and this one receives `capacity` times an even share of the group's (at most all of them)."""
+    received = min(round(capacity * pairs), ep * pairs)
+    return _even(pairs, ep), _even(received, ep)
+
+
+def _even(n: int, parts: int) -> list:
+    return [n // parts + (i < n % parts) for i in range(parts)]

@@ -58,7 +58,8 @@ def _said(parts: Parts, planned: memory.Planned, wait: bool) -> Dict[str, float]
     if figure is not None:
         values["memory/predicted_peak_bytes"] = float(figure)
     if figure is not None and measured:
-        parts.console.info(f"memory: {how}; planned {figure / 2**20:.1f} MiB (python -m launcher.plan), "
+        parts.console.info(f"memory: {how}; planned {figure / 2**20:.1f} MiB (python -m launcher.plan"
+                           f"{planned.assuming()}), "
                            f"{100 * (figure - measured) / measured:+.1f}%")
     elif line is None:  # not planned yet: the measured figure alone (logging.memory_plan=wait waits for the plan)
         if how:
