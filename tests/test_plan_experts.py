@@ -15,13 +15,15 @@ from tests import moe_zoo
 from tests.test_plan import in_this_process, plan
 
 # the experts' weights the most of the model, rows of one length (a step's peak is its longest rows')
-BIG_EXPERTS = {"qwen3_moe": dict(moe_intermediate_size=256), "mixtral": dict(num_local_experts=8, intermediate_size=256)}
+BIG_EXPERTS = {"qwen3_moe": dict(moe_intermediate_size=256),
+               "mixtral": dict(num_local_experts=8, intermediate_size=256)}
 ROWS = ["data.train={_target_: recipes.components.passages.Passages, min_len: 16, max_len: 16, n: 256}",
         "data.batch_size=8"]
-SHORT = ["devices=cpu", "trainer.max_steps=3", "trainer.log_every=3", "checkpoint.every=null", "logging.memory_plan=wait",
-         "logging.jsonl=true"]
+SHORT = ["devices=cpu", "trainer.max_steps=3", "trainer.log_every=3", "checkpoint.every=null",
+         "logging.memory_plan=wait", "logging.jsonl=true"]
 # name: (processes, overrides)
-LAYOUTS = {"single": (1, []), "fsdp x2": (2, ["strategy=fsdp"]), "fsdp x2 ep x2": (2, ["strategy=fsdp", "parallel.ep=2"]),
+LAYOUTS = {"single": (1, []), "fsdp x2": (2, ["strategy=fsdp"]),
+           "fsdp x2 ep x2": (2, ["strategy=fsdp", "parallel.ep=2"]),
            "fsdp x4 ep x2": (4, ["strategy=fsdp", "parallel.ep=2"])}
 APART = {"qwen3_moe fsdp x2 ep x2"}  # planned beside its run, as every run plans itself: its line read
 
