@@ -4,7 +4,7 @@
                           [--no-pretrained] [--pretrained [--pretrained-layers 11 --pretrained-width 2048]]
                           [--layouts all|two] [--sft [--sft-steps 60 --sft-size small|tiny]]
                           [--saves [--saves-width 2048 --saves-every 40 --saves-count 3]]
-                          [--ft [--ft-steps 150 --ft-every 40 --ft-widths 128,1024]]
+                          [--ft [--ft-steps 150 --ft-every 40 --ft-widths 128,1024]] [--moe [--moe-steps 100]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -63,7 +63,10 @@ only `--saves` runs them, alone.
 The fault tolerance row (launcher/bench/ft.py): two replica groups (python -m launcher.ft) against ddp x2, with
 no failure, and with a process killed mid-step against ddp restarted from its checkpoint; only `--ft` runs it.
 
-Of --loggers, --startup, --defaults, --pretrained, --sft, --saves and --ft, several given run each of those rows, in one
+The MoE row (launcher/bench/moe.py): a Qwen3-MoE built from its config under ep x2 against fsdp x2 (torchrun, gloo):
+the step ratio and the bytes a rank holds, read from the runs' metrics.jsonl and lines; only `--moe` runs it.
+
+Of --loggers, --startup, --defaults, --pretrained, --sft, --saves, --ft and --moe, several given run each of those rows, in one
 invocation (the start-up row's first, page-cache-warming run is left out where an earlier row's runs warmed it).
 
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
@@ -82,6 +85,7 @@ import tempfile
 from launcher.bench.defaults import defaults
 from launcher.bench.ft import ft, ft_options
 from launcher.bench.layouts import layouts
+from launcher.bench.moe import moe, moe_options
 from launcher.bench.pipeline import SCHEDULES, pipeline
 from launcher.bench.runs import PY, aborted_at_exit, alternate, median, ratio
 from launcher.bench.saves import saves
@@ -255,6 +259,7 @@ def _parser() -> argparse.ArgumentParser:
                         "than an upload to the loopback store takes on 2 cores)")
     parser.add_argument("--saves-count", type=int, default=3, help="its saves a run, the final one aside (default 3)")
     ft_options(parser)
+    moe_options(parser)
     return parser
 
 
@@ -270,12 +275,12 @@ def main() -> int:
     args = _parser().parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
-        # --loggers, --startup, --defaults, --pretrained, --sft, --saves, --pipeline, --ft: those rows alone, in this order (several
+        # --loggers, --startup, --defaults, --pretrained, --sft, --saves, --pipeline, --ft, --moe: those rows alone, in this order (several
         # given: each of them, in one invocation)
         only = {"loggers": lambda: loggers(args), "startup": lambda: startup(args),
                 "defaults": lambda: defaults(args, alternate, PY), "pretrained": lambda: pretrained(args),
                 "sft": lambda: sft_row(args), "saves": lambda: saves(args), "pipeline": lambda: pipeline(args),
-                "ft": lambda: ft(args)}
+                "ft": lambda: ft(args), "moe": lambda: moe(args)}
         chosen = [name for name in only if getattr(args, f"{name}_only")]
         for name in chosen:
             print("\n".join(only[name]()), flush=True)

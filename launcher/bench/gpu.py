@@ -1,5 +1,6 @@
 """python -m launcher.bench.gpu [--steps 300] [--reps 3] [--size 124M|tiny] [--device cuda|cpu]
-                              [--no-compile | --compiled-only | --fsdp | --tf32 | --finetune | --fp8 | --sft [--no-peers]]
+                              [--no-compile | --compiled-only | --fsdp | --tf32 | --finetune | --fp8 | --sft [--no-peers]
+                               | --moe]
 
 The charlm recipe (a character-level GPT on Hamlet) in bf16 on one GPU, eager and with torch.compile,
 through the launcher (`launcher.bench.child recipes/charlm.yaml ...`) and through a hand-written
@@ -39,6 +40,11 @@ against bf16: tokens/s and the loss after --steps steps.
 by recipes/hf_sft.yaml in bf16 on generated chat data of 20 to 2,000 tokens (max_len 2048, batch 8), padded
 against packed as real tokens a second, and TRL's SFTTrainer packing the same samples (`--no-peers`: without it;
 `--size tiny`: the CPU row's tiny size, a smoke test). Each repetition runs three sides of --steps steps: `--steps 100 --reps 1` first.
+
+`--moe` runs instead the MoE row (launcher/bench/moe_gpu.py): a Qwen3-MoE of Qwen3-30B-A3B's layer, 4 of them, under
+ep x N against fsdp x N on the machine's N GPUs (skipped, saying so, with fewer than 2): tokens/s, the step ratio and
+the all-to-all's share of ep's step from the launcher's profiler window. `--steps 100 --reps 2` first; `--device cpu
+--size tiny` is its smoke test (2 processes, gloo).
 
 Where one command may run only 10 minutes, `--no-compile` and `--compiled-only` split the GPU benchmark
 into two commands (the whole is 12 fresh runs, 6 of them compiling: expect it to pass 10 minutes).
@@ -133,10 +139,12 @@ def main(argv=None) -> int:
                        help="instead: that 1B Llama compiled in precision fp8 (torchao) against bf16")
     which.add_argument("--sft", dest="settings", action="store_const", const=("sft",),
                        help="instead: chat SFT of that 1B Llama, padded against packed, and TRL's SFTTrainer")
+    which.add_argument("--moe", dest="settings", action="store_const", const=("moe",),
+                       help="instead: a Qwen3-MoE under ep x N against fsdp x N on the N GPUs here (the all-to-all's share)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu --size tiny for a smoke test")
-    if args.steps <= READ_EVERY and args.settings != ("sft",):  # (the SFT row's sides log every 10 steps)
+    if args.steps <= READ_EVERY and args.settings not in (("sft",), ("moe",)):  # (those rows' sides log every 10 steps)
         raise SystemExit(f"--steps {args.steps}: give more than {READ_EVERY} (each side reads the device every "
                          f"{READ_EVERY} steps, and the first 50 are warm-up)")
 
@@ -147,6 +155,12 @@ def main(argv=None) -> int:
 def measure(args, argv) -> int:
     if args.settings == ("sft",):
         return _sft(args, argv)
+    if args.settings == ("moe",):
+        from launcher.bench.moe_gpu import measure as moe
+
+        return moe(args, f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}, "
+                         f"{args.steps} steps, {args.reps} alternating repetitions (python -m launcher.bench.gpu "
+                         f"{' '.join(sys.argv[1:] if argv is None else argv)})")
     if args.settings in (("finetune",), ("fp8",)):
         from launcher.bench.finetune import measure as finetune
         from launcher.bench.fp8 import measure as fp8
