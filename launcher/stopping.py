@@ -8,6 +8,7 @@ checkpoint.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,11 +117,27 @@ def requeue(env=os.environ) -> Optional[str]:
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
+    if done.returncode != 0 and not _taken_back(job, done.returncode, env):
         reason = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise RequeueFailed(f"scontrol requeue {job} failed: {reason}. HINT: submit with --requeue "
                             f"(the slurm/ templates do); the checkpoint is saved, so resubmitting resumes")
     return f"requeued Slurm job {job}: it resumes from the checkpoint"
+
+
+def _taken_back(job: str, code: int, env) -> bool:
+    """Whether Slurm requeued the job though scontrol did not say so. The requeue ends every process of the job,
+    scontrol among them: on a busy node it can be killed (a signal, no message) before slurmctld's answer reaches
+    it. So the job's own record decides: restarted more often than this run knows, or waiting in the queue again."""
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    if shown.returncode < 0:  # this one killed too: by the requeue, which is under way
+        return code < 0
+    restarts = re.search(r"\bRestarts=(\d+)", shown.stdout)
+    state = re.search(r"\bJobState=(\S+)", shown.stdout)
+    return bool(restarts and int(restarts.group(1)) > int(env.get("SLURM_RESTART_COUNT") or 0)) or \
+        bool(state and state.group(1) in ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD"))
 
 
 class RequeueFailed(Exception):

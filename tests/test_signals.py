@@ -170,6 +170,29 @@ def test_requeue_names_the_job_or_the_array_task(tmp_path, monkeypatch, env, job
         requeue({"SLURM_JOB_ID": "refuse"})
 
 
+@pytest.mark.parametrize("shown, requeued", [
+    ("JobId=41 JobState=PENDING Reason=BeginTime Restarts=1", True),  # taken back: waiting again
+    ("JobId=41 JobState=COMPLETING Restarts=1", True),  # restarted once more than this run (restart 0)
+    ("JobId=41 JobState=RUNNING Restarts=0", False),  # still the same run: the requeue did not happen
+    ("", False),
+])
+def test_a_requeue_whose_scontrol_the_requeue_killed_is_told_by_the_jobs_record(tmp_path, monkeypatch, shown, requeued):
+    """In CI (a busy machine): slurmd ended the job's processes, scontrol among them, before slurmctld's answer
+    reached it; `scontrol requeue` died by SIGTERM with no message, and the launcher said the requeue failed while
+    the job was requeued and resumed."""
+    from launcher.stopping import RequeueFailed, requeue
+
+    fake = tmp_path / "scontrol"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = requeue ] && kill -TERM $$\necho "{shown}"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    if requeued:
+        assert requeue({"SLURM_JOB_ID": "41"}) == "requeued Slurm job 41: it resumes from the checkpoint"
+    else:
+        with pytest.raises(RequeueFailed, match="scontrol requeue 41 failed: no message"):
+            requeue({"SLURM_JOB_ID": "41"})
+
+
 def test_slurm_refusing_the_requeue_exits_4_with_the_checkpoint_saved(tmp_path):
     import os
 
