@@ -5,6 +5,7 @@
                           [--layouts all|two] [--sft [--sft-steps 60 --sft-size small|tiny]]
                           [--saves [--saves-width 2048 --saves-every 40 --saves-count 3]]
                           [--ft [--ft-steps 150 --ft-every 40 --ft-widths 128,1024]] [--moe [--moe-steps 100]]
+                          [--dpo [--dpo-steps 100]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -66,8 +67,14 @@ no failure, and with a process killed mid-step against ddp restarted from its ch
 The MoE row (launcher/bench/moe.py): a Qwen3-MoE built from its config under ep x2 against fsdp x2 (torchrun, gloo):
 the step ratio and the bytes a rank holds, read from the runs' metrics.jsonl and lines; only `--moe` runs it.
 
-Of --loggers, --startup, --defaults, --pretrained, --sft, --saves, --ft and --moe, several given run each of those rows, in one
-invocation (the start-up row's first, page-cache-warming run is left out where an earlier row's runs warmed it).
+The DPO row (launcher/bench/dpo.py): preference tuning by recipes/hf_dpo.yaml against TRL's DPOTrainer
+(launcher/bench/peer_dpo.py) on the same folder and pairs, the reference precomputed, SGD, fp32: the loss after N
+steps (issue 53: within 1%) and the step as the slope of whole processes (runs of N/4 and N steps); only `--dpo`
+runs it.
+
+Of --loggers, --startup, --defaults, --pretrained, --sft, --saves, --ft, --moe and --dpo, several given run each of
+those rows, in one invocation (the start-up row's first, page-cache-warming run is left out where an earlier row's
+runs warmed it).
 
 Machines are noisy: compare ratios measured in one run, not absolute times across runs.
 
@@ -83,6 +90,7 @@ import sys
 import tempfile
 
 from launcher.bench.defaults import defaults
+from launcher.bench.dpo import dpo, dpo_options
 from launcher.bench.ft import ft, ft_options
 from launcher.bench.layouts import layouts
 from launcher.bench.moe import moe, moe_options
@@ -260,6 +268,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--saves-count", type=int, default=3, help="its saves a run, the final one aside (default 3)")
     ft_options(parser)
     moe_options(parser)
+    dpo_options(parser)
     return parser
 
 
@@ -275,12 +284,13 @@ def main() -> int:
     args = _parser().parse_args()
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
-        # --loggers, --startup, --defaults, --pretrained, --sft, --saves, --pipeline, --ft, --moe: those rows alone, in this order (several
+        # --loggers, --startup, --defaults, --pretrained, --sft, --saves, --pipeline, --ft, --moe, --dpo: those rows alone, in this order (several
         # given: each of them, in one invocation)
         only = {"loggers": lambda: loggers(args), "startup": lambda: startup(args),
                 "defaults": lambda: defaults(args, alternate, PY), "pretrained": lambda: pretrained(args),
                 "sft": lambda: sft_row(args), "saves": lambda: saves(args), "pipeline": lambda: pipeline(args),
-                "ft": lambda: ft(args), "moe": lambda: moe(args)}
+                "ft": lambda: ft(args), "moe": lambda: moe(args),
+                "dpo": lambda: dpo(args)}
         chosen = [name for name in only if getattr(args, f"{name}_only")]
         for name in chosen:
             print("\n".join(only[name]()), flush=True)
