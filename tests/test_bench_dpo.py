@@ -24,7 +24,7 @@ def test_the_step_count_must_leave_a_quarter_to_measure_from():
     parser = argparse.ArgumentParser()
     dpo.dpo_options(parser)
     assert parser.parse_args(["--dpo", "--dpo-steps", "8"]).dpo_steps == 8
-    assert parser.parse_args(["--dpo"]).dpo_steps == 100
+    assert parser.parse_args(["--dpo"]).dpo_steps == 400
     for bad in ("4", "0", "10", "-8", "twenty", "20.0"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--dpo-steps", bad])
