@@ -73,13 +73,18 @@ def tokenized(folder: str, data: str, max_len: int) -> Any:
     preparation DPOTrainer runs when it is built (a private method, called here without building a trainer, whose
     reference pass would run too), read from trl 1.16."""
     import types
+    import warnings
 
     from datasets import Dataset
+    from datasets.utils.logging import disable_progress_bar
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
+    disable_progress_bar()  # called in the benchmark's own process: its output is the row
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    with tempfile.TemporaryDirectory(prefix="launcher-bench-trl-") as out:
+    with tempfile.TemporaryDirectory(prefix="launcher-bench-trl-") as out, warnings.catch_warnings():
+        # DPOConfig's own default (gradient_checkpointing=True) warns of its rename in transformers 6
+        warnings.simplefilter("ignore", FutureWarning)
         settings = DPOConfig(output_dir=out, max_length=max_len, bf16=False, use_cpu=True, report_to="none")
         return DPOTrainer._prepare_dataset(types.SimpleNamespace(_tokenizer=tokenizer),
                                            Dataset.from_list(pairs(data)), tokenizer, settings, "train")
