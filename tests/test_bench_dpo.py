@@ -149,6 +149,8 @@ def test_the_row_says_whether_the_loss_is_within_one_percent():
     assert re.search(r"^ours, recipes/hf_dpo +20\.00ms +18\.00ms +0\.504000$", "\n".join(within), re.M), within
     beyond = dpo.report({"ours": _runs({1: 0.6931, 2: 0.6, 3: 0.506}, 0.02), "trl": _runs(trl, 0.04)}, facts, 3, "cmd")
     assert any(line.startswith("loss at step 3: |ours - TRL| / TRL 1.20e-02, NOT within 1%") for line in beyond), beyond
+    noise = dpo.report({"ours": _runs(trl, -0.01), "trl": _runs(trl, 0.04)}, facts, 3, "cmd")
+    assert noise[-1].startswith("ours / TRL step (slopes): not measured: a side's 3-step run took no longer"), noise
 
 
 def test_the_launcher_reads_the_pairs_as_the_same_tokens_as_trl(folder_and_pairs):
@@ -168,8 +170,9 @@ NUMBER = r"(\d+\.\d+)"
 @pytest.mark.measuring
 def test_the_dpo_row_stands_against_trl():
     pytest.importorskip("trl", reason="the trl extra is not installed")
-    out = bench("--dpo", "--dpo-steps", "20")
-    assert "(python -m launcher.bench --dpo --dpo-steps 20 --reps 1)" in out, out
+    # 150 steps between the runs of 50 and 200: seconds of steps, beside the seconds a busy machine adds to a process
+    out = bench("--dpo", "--dpo-steps", "200")
+    assert "(python -m launcher.bench --dpo --dpo-steps 200 --reps 1)" in out, out
     assert "tokens: every pair the same on both sides" in out, out
     losses = {}
     for side in ("ours, recipes/hf_dpo", "TRL DPOTrainer"):
@@ -177,7 +180,7 @@ def test_the_dpo_row_stands_against_trl():
         assert row, out
         step, loop, losses[side] = map(float, row.groups())
         assert step > 0 and loop > 0 and 0 < losses[side] < math.log(2), out  # both sides learnt something
-    gap = re.search(r"^loss at step 20: \|ours - TRL\| / TRL (\S+), (NOT )?within 1% \(issue 53\)", out, re.M)
+    gap = re.search(r"^loss at step 200: \|ours - TRL\| / TRL (\S+), (NOT )?within 1% \(issue 53\)", out, re.M)
     assert gap and float(gap.group(1)) <= 0.01 and not gap.group(2), out  # issue 53: within 1%
     ratio = re.search(rf"^ours / TRL step \(slopes\): {NUMBER} \({NUMBER}-{NUMBER}\)", out, re.M)
     assert ratio and plausible(float(ratio.group(1))), out  # a sanity bound on what was measured, not a target
