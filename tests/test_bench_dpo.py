@@ -159,8 +159,14 @@ def test_the_launcher_reads_the_pairs_as_the_same_tokens_as_trl(folder_and_pairs
     from launcher.bench.peer_dpo import tokenized
 
     folder, data = folder_and_pairs
-    line = dpo.same_tokens(folder, data, tokenized(str(folder), str(data), dpo.MAX_LEN))
+    theirs = tokenized(str(folder), str(data), dpo.MAX_LEN)
+    line = dpo.same_tokens(folder, data, theirs)
     assert line.strip().startswith("tokens: every pair the same on both sides")
+    # a pair told apart is named: here TRL's answer of pair 1 without its EOS
+    shorter = theirs.map(lambda pair, k: {"rejected_ids": pair["rejected_ids"][:-1] if k == 1 else pair["rejected_ids"]},
+                         with_indices=True)
+    with pytest.raises(SystemExit, match=r"pair 1's rejected is not the same tokens on both sides"):
+        dpo.same_tokens(folder, data, shorter)
 
 
 NUMBER = r"(\d+\.\d+)"

@@ -6,8 +6,8 @@ Both sides start from the folder's weights (the random Llama of recipes/componen
 EOS), compute the reference's log-probabilities of every pair once before training (the launcher's reference pass,
 TRL's `precompute_ref_log_probs`), and train with the sigmoid loss at beta 0.1, plain SGD at one learning rate
 (constant, no clipping, no weight decay), fp32 on the CPU, dropout off, batches of BATCH pairs in file order (no
-shuffle: step k is the same pairs on both sides, pass after pass), a loss logged every step, each side's recomputation at its
-default (the recipe's, DPOConfig's `gradient_checkpointing=True`).
+shuffle: step k is the same pairs on both sides, pass after pass), a loss logged every step, each side's
+recomputation at its default (the recipe's `auto`: the decoder layers; DPOConfig's `gradient_checkpointing=True`).
 
 The PAIRS pairs are written here, a function of the seed alone: a question, then two answers of words of the tiny
 BPE's vocabulary, the chosen one drawn from one half of WORDS and the rejected one from the other, so that there
@@ -107,10 +107,11 @@ def same_tokens(folder: Path, data: Path, theirs) -> str:
         for side in ("chosen", "rejected"):
             answer = list(pair[f"{side}_ids"])
             ids, labels = list(pair["prompt_ids"]) + answer, [-100] * len(pair["prompt_ids"]) + answer
-            if list(map(int, item[f"{side}_input_ids"])) != ids or list(map(int, item[f"{side}_labels"])) != labels:
+            mine = [list(map(int, item[f"{side}_{key}"])) for key in ("input_ids", "labels")]
+            if mine != [ids, labels]:
                 raise SystemExit(f"DPO row: pair {k}'s {side} is not the same tokens on both sides: the launcher's "
-                                 f"{list(map(int, item[f'{side}_input_ids']))} (labels "
-                                 f"{list(map(int, item[f'{side}_labels']))}), TRL's {ids} (answer from {len(ids) - len(answer)})")
+                                 f"{mine[0]} (labels {mine[1]}), TRL's {ids} (its answer from token "
+                                 f"{len(ids) - len(answer)})")
     return "  tokens: every pair the same on both sides (prompt, answers, EOS, the tokens trained on)"
 
 
