@@ -89,6 +89,25 @@ def test_an_item_is_a_function_of_the_seed_the_epoch_and_its_index(made):
     assert [ids(copied.at_epoch(1, i)) for i in range(len(one))] == first
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_asks_for_each_epoch_s_own_items(made, workers):
+    from launcher.data.sampling import Position, TrainData
+
+    mixed = mixture(made)
+    data = TrainData(mixed, 4, 1, 1, 0, False, 0, workers, torch.device("cpu"), collate_fn=list)
+    try:
+        epochs = {}
+        for (epoch, number), batch in data.host_batches(Position()):
+            epochs.setdefault(epoch, []).extend(ids(item) for item in batch)
+            if epoch == 2:
+                break
+    finally:
+        data.close()
+    for epoch in (0, 1):
+        assert epochs[epoch] == [ids(mixed.at_epoch(epoch, i)) for i in range(16)]
+    assert epochs[0] != epochs[1]
+
+
 def test_a_stream_is_interleaved_by_weight_and_resumes_at_any_item(made, monkeypatch):
     monkeypatch.setattr(mixing, "BLOCK", 8)
     stream = MixtureStream(str(made / "tiny-llama"), sources(made), max_len=64)
