@@ -40,6 +40,9 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
            per_rank: int, collate: Callable, autocast: Callable, say: Callable[[str], None]) -> None:
     """Give each preference dataset (`datasets`: key -> dataset) the reference's log-probabilities, unless the
     step needs none or they are attached already. Collective: every rank calls it alike."""
+    if hasattr(step, "needs_reference") and strategy.name == "pp":
+        raise UserError("parallel.pp: the preference step runs the whole model on both answers of each pair, and "
+                        "pipeline stages run it piece by piece; set parallel.pp=1 (fsdp and tp split a model too)")
     if not getattr(step, "needs_reference", False):
         return
     for key, dataset in datasets.items():
