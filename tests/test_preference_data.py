@@ -150,7 +150,8 @@ def test_a_bad_row_is_one_line_naming_its_file_and_row_or_skipped_and_counted(bp
 
 def test_a_conversation_without_a_chat_template_is_one_line_and_strings_need_none(folders, tmp_path):
     folder = tokenizer_folder(tmp_path, "bpe", template="")
-    strings = preference(str(folder), jsonl(tmp_path / "s.jsonl", [{"prompt": "Hi", "chosen": " yes", "rejected": " no"}]))
+    row = {"prompt": "Hi", "chosen": " yes", "rejected": " no"}
+    strings = preference(str(folder), jsonl(tmp_path / "s.jsonl", [row]))
     assert strings.pairs() == 1 and "no chat template: pairs of strings only" in strings.notes[0]
     files = jsonl(tmp_path / "c.jsonl", [{"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}])
     with pytest.raises(UserError, match=r"c.jsonl, line 1: a conversation, and the tokenizer has no chat template"):
@@ -256,3 +257,18 @@ def test_other_formats_have_no_pairs_and_preference_scores_the_answers_alone(bpe
         chat.pairs()
     with pytest.raises(ValueError, match="format preference scores the answers alone"):
         preference(bpe, str(PAIRS), loss_on="all")
+
+
+def test_what_a_conversations_row_holds_that_no_sample_shows_is_said(bpe, tmp_path):
+    rows = [{"id": 1, "prompt": PROMPT, "chosen": [{**CHOSEN[0], "thinking": "10"}], "rejected": REJECTED},
+            {"id": 2, "prompt": "Hi", "chosen": " yes", "rejected": " no"}]
+    data = preference(bpe, jsonl(tmp_path / "p.jsonl", rows))
+    assert "rows hold what the chat template never reads, so that no sample shows it: column 'id', messages' " \
+           "'thinking'" in data.notes
+
+
+@pytest.mark.slow  # two spawned processes, each importing torch and transformers
+def test_pairs_made_in_processes_are_the_pairs_made_in_one(bpe):
+    one = preference(bpe, str(PAIRS), max_len=48)
+    two = preference(bpe, str(PAIRS), max_len=48, num_proc=2)
+    assert two.samples == one.samples and two.notes == one.notes

@@ -56,13 +56,14 @@ class Preference:
         return f"pairs of strings, or conversations by {self.chat.described(given)}"
 
     def unread(self, row: Dict[str, Any]) -> Set[str]:
-        """What this row holds that no sample shows (chat.py's `unread`, over its three conversations)."""
-        named = set(self.columns.values())
-        said = {f"column {name!r}" for name, value in row.items() if value is not None and name not in named}
-        if self.chat is None:
-            return said
+        """What a conversation's row holds that the chat template never reads (chat.py's `unread`, over its
+        three conversations, and the columns beside them); nothing for pairs of strings, as prompt_completion."""
         messages = [m for name in ("prompt", *ANSWERS) if isinstance(row.get(self.columns[name]), list)
                     for m in row[self.columns[name]]]
+        if self.chat is None or not messages:
+            return set()
+        named = set(self.columns.values())
+        said = {f"column {name!r}" for name, value in row.items() if value is not None and name not in named}
         return said | self.chat.unread({"messages": messages, "tools": row.get(self.columns["tools"])})
 
     def _parts(self, row: Dict[str, Any]) -> Tuple[Any, List[Any]]:
@@ -78,9 +79,9 @@ class Preference:
             prompt, answers = _extracted(*answers)
         for answer, name in zip(answers, ANSWERS):
             if isinstance(answer, str) != isinstance(prompt, str):
-                raise BadRow(f"column {names[name]!r} holds {'a string' if isinstance(answer, str) else 'a list'} and "
-                             f"column {names['prompt']!r} {'a string' if isinstance(prompt, str) else 'a list'}; a pair "
-                             f"is of strings, or of conversations (prompt, chosen and rejected lists of messages)")
+                kinds = ["a string" if isinstance(value, str) else "a list" for value in (answer, prompt)]
+                raise BadRow(f"column {names[name]!r} holds {kinds[0]} and column {names['prompt']!r} {kinds[1]}; a "
+                             f"pair is of strings, or of conversations (prompt, chosen and rejected lists of messages)")
         return prompt, answers
 
     def _conversation(self, prompt: List[Any], answer: List[Any], name: str, tools: Optional[list]) -> Optional[Sample]:

@@ -70,7 +70,8 @@ def item(samples: Sequence[Sample], k: int, reference: Optional[Reference] = Non
     return out
 
 
-def row(samples: Sequence[Sample], pairs: Sequence[int], reference: Optional[Reference] = None) -> Dict[str, torch.Tensor]:
+def row(samples: Sequence[Sample], pairs: Sequence[int],
+        reference: Optional[Reference] = None) -> Dict[str, torch.Tensor]:
     """Those pairs packed in one row, each whole: documents 2k, 2k + 1 the k-th pair's chosen and rejected."""
     out = {key: torch.tensor(value, dtype=torch.long)
            for key, value in packer.join([samples[2 * k + side] for k in pairs for side in (0, 1)]).items()}
@@ -88,7 +89,8 @@ def checked(samples: Sequence[Sample], values: Sequence[Any]) -> Reference:
     out = []
     for k, given in enumerate(values):
         if len(given) != 2:
-            raise ValueError(f"attach_reference: pair {k} has {len(given)} sequences of values, not 2 (chosen, rejected)")
+            raise ValueError(f"attach_reference: pair {k} has {len(given)} sequences of values, not 2 (chosen, "
+                             f"rejected)")
         pair = tuple(torch.as_tensor(v).detach().to("cpu", torch.float64).reshape(-1) for v in given)
         for side, tensor, sample in zip(SIDES, pair, samples[2 * k:2 * k + 2]):
             if len(tensor) != len(sample["input_ids"]):
