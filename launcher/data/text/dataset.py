@@ -51,7 +51,8 @@ class TextDataset(Dataset):
     overlong: truncate (cut at max_len) or drop, for a sample longer than max_len (chat, prompt_completion; a
         pair with a sequence longer than max_len, preference)
     bad_rows: error (one line naming the file and row) or skip (counted, and the first one said)
-    packing: several samples in one row of max_len, none seeing another (collate: launcher.data.collate.Packed)
+    packing: several samples in one row of max_len, none seeing another (collate: launcher.data.collate.Packed);
+        preference: whole pairs in rows of 2 x max_len (collate: launcher.data.collate.Pairs)
     seed: packing's, given the recipe's seed (${seed})
     batch_size: with packing, the batch a line at start reckons padding in (the recipe's ${data.batch_size})
     split: the split of a saved DatasetDict
@@ -121,7 +122,8 @@ class TextDataset(Dataset):
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         """A sample with its attention_mask (ones: the collate's padding adds the zeros), or a packed row:
-        input_ids, labels, position_ids and document_ids (packing.join), joined as it is asked for."""
+        input_ids, labels, position_ids and document_ids (packing.join), joined as it is asked for; format
+        preference's, a pair or a row of whole pairs (preference.item, preference.row)."""
         if self.pairwise:
             if self.packed:
                 return preference.row(self.samples, self.rows[index], self.reference)
