@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -37,9 +38,12 @@ WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."
 
 
 def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Strategy, run_dir: Path,
-           per_rank: int, collate: Callable, autocast: Callable, say: Callable[[str], None]) -> None:
+           per_rank: int, collate: Callable, autocast: Callable, say: Callable[[str], None],
+           elsewhere: Optional[Path] = None) -> None:
     """Give each preference dataset (`datasets`: key -> dataset) the reference's log-probabilities, unless the
-    step needs none or they are attached already. Collective: every rank calls it alike."""
+    step needs none or they are attached already: those kept in this run folder, else those kept in `elsewhere`
+    (the run folder of the checkpoint this run resumes), copied here, else computed now. Collective: every rank
+    calls it alike."""
     if hasattr(step, "needs_reference") and strategy.name == "pp":
         raise UserError("parallel.pp: the preference step runs the whole model on both answers of each pair, and "
                         "pipeline stages run it piece by piece; set parallel.pp=1 (fsdp and tp split a model too)")
@@ -48,7 +52,7 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
     for key, dataset in datasets.items():
         if dataset is None or getattr(dataset, "_launcher_reference", None):
             continue
-        if not callable(getattr(dataset, "attach_reference", None)):
+        if not getattr(dataset, "pairwise", False):
             raise UserError(f"{key}: step.loss_type {step.loss_type} needs the reference's log-probabilities of every "
                             f"pair, computed before training over a map-style preference dataset, and "
                             f"{type(dataset).__name__} holds none (a stream is read as it comes); use TextDataset with "
@@ -57,7 +61,15 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
         digest = hashlib.sha256(f"{dataset.reference_key()}\n{weights}".encode()).hexdigest()[:24]
         folder = run_dir / FOLDER / digest
         values = _read(folder, dataset.pairs())
-        if values is None:
+        kept = elsewhere / FOLDER / digest if elsewhere is not None else None
+        if values is None and kept is not None and kept != folder and _read(kept, dataset.pairs()) is not None:
+            if strategy.placement.is_main:
+                shutil.copytree(kept, folder, dirs_exist_ok=True)
+            strategy.barrier()
+            values = _read(folder, dataset.pairs())
+            say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {kept} (the resumed "
+                f"run's), kept in {folder}")
+        elif values is None:
             _compute(step, dataset, model, strategy, folder, per_rank, collate, autocast)
             values = _read(folder, dataset.pairs())
             if values is None:  # every rank wrote its part and rank 0 the mark: a part that is gone is a bug
@@ -68,6 +80,14 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
             say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {folder}")
         dataset.attach_reference(values)
         dataset._launcher_reference = digest
+
+
+def kept_beside(resume: Any) -> Optional[Path]:
+    """The run folder of a local checkpoint a run resumes (<run_dir>/checkpoints/step_N), where its reference is."""
+    if resume is None or "://" in str(resume):
+        return None
+    path = Path(str(resume))
+    return path.parent.parent if path.parent.name == "checkpoints" else None
 
 
 def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, folder: Path, per_rank: int,
