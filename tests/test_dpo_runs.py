@@ -157,3 +157,31 @@ def test_a_dataset_of_other_rows_is_one_line(folder, tmp_path):
         assert done.returncode == 2, done.stderr[-2000:]
         said = [line for line in done.stderr.splitlines() if line.startswith("launcher: ")]
         assert said and said[0].startswith(f"launcher: {says}"), done.stderr[-1000:]
+
+
+def test_with_lora_the_reference_is_the_base_with_its_adapters_disabled(folder, one_process, tmp_path):
+    """Adapters built away from zero (init_lora_weights: false): the policy differs from the base at step 1 (its
+    rewards are not 0), and the reference kept is the base's, the plain run's to rounding."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file
+
+    from launcher.recipe import load
+    from launcher.run.train import train
+
+    config = OmegaConf.load(RECIPE)
+    config.model = {"_target_": "peft.get_peft_model", "model": dict(config.model),
+                    "peft_config": {"_target_": "peft.LoraConfig", "r": 4, "lora_alpha": 8,
+                                    "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM",
+                                    "init_lora_weights": False}}
+    OmegaConf.save(config, tmp_path / "lora.yaml")
+    run_dir = tmp_path / "lora"
+    more = [f"model.model.config.pretrained_model_name_or_path={folder}", f"checkpoint.init_from={folder}",
+            f"data.train.tokenizer={folder}", "trainer.log_every=1", "trainer.max_steps=1"]
+    given = [a for a in args(folder, run_dir) if not a.startswith("model.")]
+    train(load(tmp_path / "lora.yaml", [*given, *more, *float64("peft.get_peft_model")]))
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["train/rewards/chosen"]) > 1e-6, first
+    ours, plain = (load_file(str(next((d / "reference").glob("*/part-0.safetensors")))) for d in (run_dir, one_process))
+    assert torch.equal(ours["index"], plain["index"])
+    torch.testing.assert_close(ours["chosen"], plain["chosen"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours["rejected"], plain["rejected"], rtol=1e-12, atol=1e-12)
