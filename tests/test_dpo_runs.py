@@ -151,8 +151,12 @@ def test_a_dataset_of_other_rows_is_one_line(folder, tmp_path):
 
     for more, says in ((["data.train.format=chat", "data.train.files=recipes/data/chat.jsonl",
                          "data.collate={_target_: launcher.data.collate.Packed}"], "data.train"),
+                       ([f"data.train={{_target_: launcher.data.text.TextStream, tokenizer: {folder}, files: "
+                         f"recipes/data/pairs.jsonl, format: preference, max_len: 256}}"],
+                        "data.train: step.loss_type sigmoid needs the reference's"),
                        (["strategy=fsdp", "parallel.pp=2", "nproc_per_node=2"], "parallel.pp")):
-        done = subprocess.run([sys.executable, "-m", "launcher", str(RECIPE), *args(folder, tmp_path / more[0], *more)],
+        run_dir = tmp_path / str(len(list(tmp_path.iterdir())))
+        done = subprocess.run([sys.executable, "-m", "launcher", str(RECIPE), *args(folder, run_dir, *more)],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2, done.stderr[-2000:]
         said = [line for line in done.stderr.splitlines() if line.startswith("launcher: ")]

@@ -52,7 +52,7 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
     for key, dataset in datasets.items():
         if dataset is None or getattr(dataset, "_launcher_reference", None):
             continue
-        if not getattr(dataset, "pairwise", False):
+        if not (getattr(dataset, "pairwise", False) and callable(getattr(dataset, "attach_reference", None))):
             raise UserError(f"{key}: step.loss_type {step.loss_type} needs the reference's log-probabilities of every "
                             f"pair, computed before training over a map-style preference dataset, and "
                             f"{type(dataset).__name__} holds none (a stream is read as it comes); use TextDataset with "
