@@ -135,6 +135,8 @@ def test_a_stream_is_interleaved_by_weight_and_resumes_at_any_item(made, monkeyp
 class Pairs:
     """A preference source as the contract of issue 53 has it: `files` names how many pairs it holds."""
 
+    pairwise = True  # as TextDataset's format preference says it (every TextDataset has the methods)
+
     def __init__(self, tokenizer, files, **settings):
         self.n, self.name, self.values = int(files), files, None
         self.notes, self.pad_id, self.largest, self.samples = [], 0, 0, None

@@ -31,7 +31,6 @@ from launcher.data.text.dataset import TextDataset
 SHARED = ("tokenizer", "max_len", "packing", "seed", "batch_size")
 PER_SOURCE = ("files", "format", "columns", "template", "chat_template", "loss_on", "overlong", "bad_rows", "split",
               "text_rows", "cache", "num_proc")
-PREFERENCE = ("pairs", "pair_item", "attach_reference", "reference_key")
 
 
 class Mixture(Dataset):
@@ -137,7 +136,8 @@ def _place(starts: List[int], k: int) -> tuple:
 
 def _preference(mixture: Mixture) -> None:
     """The preference contract's methods on `mixture` where every source has them; one line where some do."""
-    have = [all(callable(getattr(source, name, None)) for name in PREFERENCE) for source in mixture.sources]
+    have = [bool(getattr(source, "pairwise", False)) for source in mixture.sources]  # every TextDataset has the methods
+    mixture.pairwise = all(have)
     if all(have):
         mixture.pairs, mixture.pair_item = mixture._pairs, mixture._pair_item
         mixture.attach_reference, mixture.reference_key = mixture._attach_reference, mixture._reference_key
