@@ -543,6 +543,7 @@ HELP = {
     ("launcher.bench.raw_gpt", "--help"): "docs/performance.md",
     ("recipes.components.hf_folder", "--help"): "docs/fine-tuning.md",
     ("recipes.components.chat_data", "--help"): "docs/text-data.md",
+    ("recipes.components.pair_data", "--help"): "docs/text-data.md",
     ("launcher.plan", "--help"): "docs/planning.md",
     ("launcher.ft", "--help"): "docs/fault-tolerance.md",
 }

@@ -77,6 +77,26 @@ def four(tmp_path_factory, two):
                          timeout=900)
 
 
+# A recipe's plan for the tiny Qwen3-MoE's attention: what auto takes of its own, less the embedding and the head.
+PLAN = ("parallel.tp_plan={'model.layers.*.self_attn.q_proj': colwise, 'model.layers.*.self_attn.k_proj': colwise, "
+        "'model.layers.*.self_attn.v_proj': colwise, 'model.layers.*.self_attn.o_proj': rowwise, "
+        "'model.layers.*.self_attn.q_norm': heads_norm, 'model.layers.*.self_attn.k_norm': heads_norm}")
+
+
+@pytest.fixture(scope="module")
+def with_tp(tmp_path_factory, one):
+    """Four processes, one launch: ep 2 with tp 2 by the model's own plan (routing reported), ep 2 with tp 2 by
+    the recipe's plan resuming one process's step 3, and tp 2 over dp_shard 2 without ep (its per-head norms)."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("eptp")
+    cases = {"ep-tp": [*MOE, *EP, "parallel.tp=2", "model.report=true"],
+             "ep-tp-from-one": [*MOE, *EP, "parallel.tp=2", PLAN, f"checkpoint.resume={one / 'checkpoints' / 'step_3'}"],
+             "tp": [*MOE, "strategy=fsdp", "parallel.tp=2", PLAN]}
+    return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, nproc=4,
+                         timeout=900)
+
+
 def received(ranks, name, ep=2, experts=8):
     """Per experts call (in order, every rank's alike): the (token, slot) pairs each rank of ep sends to each, and
     each expert's count summed over the ranks."""
@@ -122,6 +142,53 @@ def test_ep_x2_inside_fsdp_and_hsdp_over_four_processes_gives_one_process_weight
     folder, said = ran(four, "ep-hsdp")
     assert "dp_replicate 2 x dp_shard 2 (ep 2) = 4 ranks" in said and "; replicated over dp_replicate 2" in said
     assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)
+
+
+@pytest.mark.slow
+def test_ep_x2_with_tp_x2_gives_one_process_weights_with_uneven_routing(one, with_tp):
+    folder, said = ran(with_tp, "ep-tp")
+    assert "fsdp: dp_shard 2 (ep 2) x tp 2 = 4 ranks; sharded over dp_shard, units Qwen3MoeDecoderLayer" in said
+    # the model's own plan, less its experts' styles: the attention, its per-head norms, the embedding and the head
+    assert "parallel.tp: 14 layers split over 2 ranks: lm_head (colwise_rep), model.embed_tokens" in said
+    assert ("parallel.ep: 2 experts modules split over 2 ranks, 4 experts on each (model.layers.0.mlp.experts, "
+            "model.layers.1.mlp.experts); whole on each of tp's 2 ranks (which route the same tokens)") in said
+    calls = received(with_tp[1], "ep-tp")  # ranks (dp_shard, tp): the ep groups are each tp rank's, (0, 2), (1, 3)
+    assert_routing_uneven(calls, groups=[(0, 2), (1, 3)])
+    assert all(sends[0] == sends[1] and sends[2] == sends[3] for _, sends, _ in calls)  # a tp group routes alike
+    assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)
+
+
+@pytest.mark.slow
+def test_tp_splits_qwen3_s_per_head_norms_and_trains_them_as_one_process(one, with_tp):
+    folder, said = ran(with_tp, "tp")
+    assert "fsdp: dp_shard 2 x tp 2 = 4 ranks" in said and "parallel.tp: 12 layers split over 2 ranks" in said
+    assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_ep_with_tp_and_one_process(one, with_tp, tmp_path, capsys):
+    folder, said = ran(with_tp, "ep-tp-from-one")
+    assert "written by 1 process, resharded to 4" in said
+    assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)
+    capsys.readouterr()
+    alone(tmp_path, *MOE, f"checkpoint.resume={with_tp[0] / 'ep-tp' / 'checkpoints' / 'step_3'}")
+    assert "written by 4 processes, resharded to 1" in capsys.readouterr().out
+    assert_within_rounding(one / "model.pt", tmp_path / "model.pt", STEPS)
+
+
+def test_an_moe_model_s_own_tp_plan_leaves_its_experts_out():
+    from launcher.parallel import plans
+    from tests.moe_models import qwen3_moe
+    from tests.moe_zoo import model
+
+    attention = {f"model.layers.*.self_attn.{n}_proj": "colwise" for n in "qkv"}
+    assert plans.resolve(qwen3_moe(), "auto") == {
+        "lm_head": "colwise_rep", "model.embed_tokens": "embedding_rowwise", **attention,
+        "model.layers.*.self_attn.q_norm": "heads_norm", "model.layers.*.self_attn.k_norm": "heads_norm",
+        "model.layers.*.self_attn.o_proj": "rowwise"}
+    assert plans.resolve(model("mixtral"), "auto") == {
+        "lm_head": "colwise_rep", "model.embed_tokens": "embedding_rowwise", **attention,
+        "model.layers.*.self_attn.o_proj": "rowwise"}
 
 
 @pytest.mark.slow
@@ -214,11 +281,11 @@ def test_experts_modules_are_recognised_by_their_interface():
 @pytest.mark.parametrize("args, line", [
     (["strategy=ddp", "parallel.ep=2"], "parallel.ep: lays ranks out on a device mesh under strategy fsdp, and the "
                                         "strategy is 'ddp'; set strategy=fsdp, or parallel.ep=1"),
-    (["strategy=fsdp", "parallel.ep=2", "parallel.tp=2"], "parallel.ep: splits experts over data-parallel ranks, and is "
-                                                          "not built with parallel.tp (2); set parallel.tp=1, or "
-                                                          "parallel.ep=1"),
+    (["strategy=fsdp", "parallel.ep=2", "parallel.pp=2"], "parallel.ep: splits experts over data-parallel ranks, and is "
+                                                          "not built with pipeline stages (parallel.pp=2); set "
+                                                          "parallel.pp=1, or parallel.ep=1"),
     (["strategy=fsdp", "parallel.ep=0"], "parallel.ep: must be 1 or more, got 0"),
-], ids=["ddp", "tp", "zero"])
+], ids=["ddp", "pp", "zero"])
 def test_an_ep_the_recipe_cannot_run_is_one_line(args, line):
     from launcher.recipe import load
 

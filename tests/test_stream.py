@@ -64,3 +64,28 @@ def test_an_iterable_that_is_no_dataset_says_how_to_stream_it(tmp_path):
 def test_a_stream_with_a_len_is_read_as_a_stream(tmp_path, capsys):
     values = train(tmp_path, "data.train={_target_: tests.components.SizedStream, n: 1024}", "data.val=null")
     assert values["train/loss"] >= 0 and "from a stream" in capsys.readouterr().out
+
+
+class _Numbers(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_ranks_drop_the_epoch_s_last_incomplete_global_batch_alike(replicas):
+    """19 items in global batches of 4: every rank hands out the 4 whole ones and drops the last three items, so no
+    rank runs a batch more than another (rank 0 of two held two of those three, a whole share, and ran it alone)."""
+    import itertools
+
+    from launcher.data.stream import START, Share
+
+    per_rank = []
+    for rank in range(replicas):
+        share = Share(_Numbers(19), "data.train", 4, replicas, rank)
+        per_rank.append([batch for _, batch in itertools.islice(share.batches(START, 0, 1, list), 6)])
+    for step in range(6):  # 4 global batches of epoch 0, then epoch 1's first two
+        assert sorted(item for batches in per_rank for item in batches[step]) == [*range(4 * (step % 4),
+                                                                                          4 * (step % 4) + 4)], step

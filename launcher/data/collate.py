@@ -79,3 +79,53 @@ class Packed(Pad):
     def __init__(self, pad_id: int = 0, multiple_of: int = 1):
         super().__init__(values={"input_ids": pad_id, "labels": -100, "position_ids": 0, "document_ids": -1},
                          multiple_of=multiple_of)
+
+
+class Pairs:
+    """Preference items (launcher/data/text/preference.py: pairs unpacked, or rows of whole pairs packed) into
+    one batch for the DPO family of steps:
+
+    - `input_ids`, `labels` [R, L] (padded at the end with `pad_id` and -100), and `attention_mask` [R, L]
+      (unpacked: rows 2p and 2p + 1 are the batch's p-th pair's chosen and rejected, R = 2 x pairs) or
+      `position_ids` and `document_ids` (packed rows, padded as `Packed` pads them);
+    - `sequence_ids` [R, L]: the sequence of the batch each token is in, numbered so that sequence 2p is the
+      p-th pair's chosen and 2p + 1 its rejected (unpacked: the row; packed: a running count of the rows'
+      documents over the batch), -1 at padding: what a step sums a sequence's log-probabilities by;
+    - `ref_logps` [R, L] float64 (0.0 at padding), where the items carry the reference's values."""
+
+    SIDES = ("chosen", "rejected")
+
+    def __init__(self, pad_id: int = 0, multiple_of: int = 1):
+        self.pad_id, self.multiple_of = pad_id, multiple_of
+
+    def __call__(self, items: list) -> Dict[str, Any]:
+        if not items or not isinstance(items[0], Mapping):
+            raise TypeError(f"Pairs collates preference items (dicts of tensors), got "
+                            f"{type(items[0]).__name__ if items else 'no items'}")
+        if "document_ids" in items[0]:
+            return self._packed(items)
+        refs = sum("chosen_ref_logps" in item for item in items)
+        if refs not in (0, len(items)):
+            raise ValueError(f"Pairs: {refs} of {len(items)} items carry the reference's values; all or none do")
+        rows = [{"input_ids": item[f"{side}_input_ids"], "labels": item[f"{side}_labels"],
+                 "attention_mask": torch.ones_like(item[f"{side}_input_ids"]),
+                 "sequence_ids": torch.full_like(item[f"{side}_input_ids"], r % 2 + 2 * p),
+                 **({"ref_logps": item[f"{side}_ref_logps"]} if refs else {})}
+                for p, item in enumerate(items) for r, side in enumerate(self.SIDES)]
+        return self._pad(rows)
+
+    def _packed(self, items: list) -> Dict[str, Any]:
+        rows, before = [], 0
+        for item in items:
+            documents = int(item["document_ids"].max()) + 1 if len(item["document_ids"]) else 0
+            if documents % 2:
+                raise ValueError(f"Pairs: a packed row of {documents} documents; a row holds whole pairs, chosen "
+                                 f"then rejected")
+            rows.append({**item, "sequence_ids": item["document_ids"] + before})
+            before += documents
+        return self._pad(rows)
+
+    def _pad(self, rows: list) -> Dict[str, Any]:
+        return Pad(values={"input_ids": self.pad_id, "labels": -100, "attention_mask": 0, "position_ids": 0,
+                           "document_ids": -1, "sequence_ids": -1, "ref_logps": 0.0},
+                   multiple_of=self.multiple_of)(rows)

@@ -11,6 +11,10 @@ each batch is made, so a model's randomness is the same whether items are made i
 A dataset that fetches a whole batch at once (`__getitems__`) is seeded per batch, from its first
 item: its draws then depend on how the batch is split among ranks. An in-memory TensorDataset draws
 nothing and is not seeded.
+
+A dataset whose items are themselves drawn from the epoch (a mixture of sources by weight,
+launcher/data/text/mixture.py) has `at_epoch(epoch, index)`: it is asked for item `index` of `epoch` with
+that, and `dataset[index]` is left to those who know no epoch.
 """
 
 from __future__ import annotations
@@ -65,10 +69,11 @@ def fetched(dataset: Any, keys: Sequence[tuple], seed_: int) -> Any:
     if fetch:
         seed(key(seed_, *keys[0]))
         return fetch([index for _, index in keys])
+    at_epoch = getattr(dataset, "at_epoch", None)
     data = []
     for epoch, index in keys:
         seed(key(seed_, epoch, index))
-        data.append(dataset[index])
+        data.append(at_epoch(epoch, index) if callable(at_epoch) else dataset[index])
     return data
 
 

@@ -114,6 +114,14 @@ class Share:
             return True
         return (index % self.global_batch) % self.replicas == self.rank
 
+    def _ends_batch(self, index: int, group: List[Any]) -> bool:
+        """Whether the epoch's item `index` completes a global batch. An interleaved rank waits for the batch's
+        last item, whoever's it is: the epoch's last, incomplete global batch is then dropped by every rank alike,
+        where a rank whose share of it was whole would otherwise run it alone."""
+        if self.own_split or self.replicas == 1:
+            return len(group) == self.per_rank
+        return (index + 1) % self.global_batch == 0
+
     def batches(self, start: Dict[str, Any], worker: int, workers: int, collate: Callable) -> Iterator[tuple]:
         """(place after the batch, collated batch) for this worker's batches, from `start` on, endlessly.
 
@@ -133,11 +141,13 @@ class Share:
                 items = self._read(dataset, epoch, index, 0)
             state, group, handed, group_start = None, [], 0, None
             for i, item in items:
-                if not self._mine(i):
+                if self._mine(i):
+                    group_start = i if not group else group_start
+                    group.append(item)
+                if not self._ends_batch(i, group):
                     continue
-                group_start = i if not group else group_start
-                group.append(item)
-                if len(group) < self.per_rank:
+                if len(group) < self.per_rank:  # begun before a resume from a rank's own place (an older checkpoint)
+                    group = []
                     continue
                 in_epoch += 1
                 if (number - first) % workers == worker:

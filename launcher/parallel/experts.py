@@ -31,7 +31,8 @@ over them makes it the mean over every data-parallel rank, as the dense parts' i
 rank's, in float64 or with a plain sum forced, as gloo needs.)
 A rank whose experts got no token in a step still gets a gradient (of zeros), as one process's unused
 experts do: an optimizer that steps on zeros (momentum, weight decay) steps them alike, and every rank of
-the reduction takes part in it."""
+the reduction takes part in it. Under tp each rank of a tp group does all this over its own ep group (the ranks of
+its tp rank) for the same tokens, its experts whole (launcher/parallel/mesh.py says why)."""
 
 from __future__ import annotations
 

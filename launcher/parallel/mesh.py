@@ -9,7 +9,17 @@ layout.
 Expert parallelism (ep) splits dp_shard in two, dp_shard_mod_ep x ep, ep innermost (torchtitan's order): the ep
 ranks of one group are neighbours, and read different tokens. The dense parts are sharded over dp_shard as
 without ep, each experts module over dp_shard_mod_ep (the ranks that hold the same experts), its experts split
-over ep (launcher/parallel/experts.py)."""
+over ep (launcher/parallel/experts.py).
+
+With tp too, ep is still taken from dp_shard alone (torchtitan's ep with etp = tp, less the experts' own tensor
+parallelism): the dense layers are split over tp by the plan, the experts are not. Each rank of a tp group holds
+its ep slice whole and, as the group's ranks read one batch and the split layers hand the experts whole hidden
+states, routes the same tokens over its own ep group (the ranks of its tp rank): the same all-to-alls and expert
+matmuls on each, and the same gradients, so nothing is reduced over tp for them. (Splitting each expert's
+matmuls over tp would need transformers' packed gate_up_proj split by halves, and an all-reduce after
+down_proj; torchtitan's other choice, etp = 1, takes ep from tp's ranks too and splits the tokens over them.)
+At rest the experts are split over dp_shard's ranks, not the world's: tp times what each rank would hold of
+them were every rank in dp_shard."""
 
 from __future__ import annotations
 

@@ -17,9 +17,18 @@ reduce-scatters):
     gather_sequence     the module's input, split along the sequence, gathered whole (into attention, the MLP)
     rowwise_seq         rowwise, its summed output split along the sequence (out of attention, the MLP)
 
+and for a norm over each attention head's features (Qwen3's q_norm and k_norm, after a colwise projection):
+
+    heads_norm          the norm run on the rank's heads (its input's dim 2, [batch, sequence, heads, head_dim]);
+                        its weights whole, their gradient summed over the tp ranks (each saw only its heads)
+
+A norm left out of the plan there would run right and train wrong: each rank's gradient only its own heads'.
+
 The Megatron pattern pairs them: colwise into a block (attention's query/key/value, the MLP's first layer),
 rowwise out of it, so the activations between stay split and one all-reduce ends each half. `auto` takes the
-model's own plan: HF models carry one (`_tp_plan`, their config's `base_model_tp_plan`), in these names; a
+model's own plan: HF models carry one (`_tp_plan`, their config's `base_model_tp_plan`), in these names, less
+what names no module of the model and what splits a mixture of experts' experts (transformers' packed and grouped
+experts styles: the experts stay whole on each tp rank, or split by expert under parallel.ep); a
 wrapper's (peft's PeftModel) is its wrapped model's, under the wrapper's prefix (`base_model.model.`).
 
 A planned layer that peft wrapped in LoRA (its `base_layer`, and adapters `lora_A` then `lora_B`, added to its
@@ -38,7 +47,8 @@ from torch import nn
 from launcher.errors import UserError, short
 from launcher.model.plain import tied_names
 
-HF_NAMES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep"}  # HF's, for the same
+HF_NAMES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep",  # HF's, for the same
+            "replicated_with_grad_allreduce": "heads_norm"}  # (HF's plans give it to the per-head q_norm, k_norm)
 HEADS = ("num_attention_heads", "num_key_value_heads", "n_head")  # attributes that count attention heads
 
 
@@ -53,6 +63,7 @@ def styles() -> Dict[str, object]:
             "split_sequence": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                                  use_local_output=True),
             "sequence_parallel": SequenceParallel(use_local_output=True),
+            "heads_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             "gather_sequence": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                   use_local_output=True),
             "rowwise_seq": RowwiseParallel(output_layouts=Shard(1))}
@@ -71,13 +82,28 @@ def resolve(model: nn.Module, plan) -> Dict[str, str]:
         raise UserError(f"parallel.tp_plan: auto, and the model ({type(model).__name__}) carries no plan of its own (HF "
                         f"models' _tp_plan); give one in the recipe, {{module name pattern: style}} (recipes/charlm.yaml)")
     known = styles()
-    out = {prefix + name: HF_NAMES.get(style, style) for name, style in own.items()}
+    out = _dense({prefix + name: HF_NAMES.get(style, style) for name, style in own.items()}, model)
     other = {name: style for name, style in out.items() if style not in known}
     if other:
         listed = ", ".join(f"{style} ({name})" for name, style in list(other.items())[:3])
         raise UserError(f"parallel.tp_plan: auto: the model's plan uses styles this launcher does not apply: {listed}; "
                         f"give a plan in the recipe with {', '.join(known)}")
     return out
+
+
+def _dense(plan: Dict[str, str], model: nn.Module) -> Dict[str, str]:
+    """A model's own plan less what names none of its modules (an HF plan covers its config's variants: the dense
+    MLPs of an MoE model's mlp_only_layers) and what splits its experts (left whole on each tp rank, or to ep)."""
+    from launcher.parallel import experts
+
+    names = [name for name, _ in model.named_modules() if name]
+    held = list(experts.found(model))
+
+    def names_any(pattern: str, among: List[str]) -> bool:
+        return any(fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".") for n in among)
+
+    return {pattern: style for pattern, style in plan.items() if names_any(pattern, names)
+            and not names_any(pattern, held) and not names_any(pattern.rpartition(".")[0], held)}
 
 
 def _own_plan(model: nn.Module) -> Tuple[str, Optional[dict]]:

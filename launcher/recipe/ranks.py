@@ -12,7 +12,7 @@ from launcher.recipe.checks import at_least, positive
 
 REDUCE_DTYPES = ("fp32", "bf16")
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise", "split_sequence",
-             "sequence_parallel", "gather_sequence", "rowwise_seq")
+             "sequence_parallel", "gather_sequence", "rowwise_seq", "heads_norm")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")  # torch.distributed.pipelining's
 PP_MULTI = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")  # schedules of several stages per rank
 
@@ -61,7 +61,7 @@ class ParallelConfig:
 
     tp: int = 1  # tensor parallel: each layer's matmuls split over this many ranks (of one node), which read one batch
     dp_replicate: int = 1  # replicas of the sharded model (HSDP: sharded within a group, replicated across groups)
-    ep: int = 1  # expert parallel: each MoE layer's experts split over this many of dp_shard's ranks (which read different tokens), tokens sent by all-to-all; divides dp_shard and num_experts
+    ep: int = 1  # expert parallel: each MoE layer's experts split over this many of dp_shard's ranks (which read different tokens), tokens sent by all-to-all; divides dp_shard and num_experts; with tp, the experts are not split over tp
     tp_plan: Any = "auto"  # auto: the model's own (an HF model's _tp_plan); or {module name pattern: style}
     pp: int = 1  # pipeline stages (the outermost dimension): each rank holds a share of the model's repeated blocks
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb (zero bubble), zbv
@@ -76,11 +76,9 @@ class ParallelConfig:
     def problems(self) -> List[tuple[str, str]]:
         out = at_least("parallel.tp", self.tp, 1) + at_least("parallel.dp_replicate", self.dp_replicate, 1)
         out += at_least("parallel.pp", self.pp, 1) + at_least("parallel.ep", self.ep, 1)
-        if self.ep > 1 and (self.tp > 1 or self.pp > 1):
-            other = "tp" if self.tp > 1 else "pp"
-            out.append(("parallel.ep", f"splits experts over data-parallel ranks, and is not built with "
-                                       f"parallel.{other} ({getattr(self, other)}); set parallel.{other}=1, or "
-                                       f"parallel.ep=1"))
+        if self.ep > 1 and self.pp > 1:
+            out.append(("parallel.ep", f"splits experts over data-parallel ranks, and is not built with pipeline "
+                                       f"stages (parallel.pp={self.pp}); set parallel.pp=1, or parallel.ep=1"))
         if self.microbatches is not None:
             out += at_least("parallel.microbatches", self.microbatches, 1)
         if self.stages_per_rank is not None:

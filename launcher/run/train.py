@@ -15,6 +15,7 @@ from launcher.run import build
 from launcher.data import sampling as data
 from launcher.run import first_batch
 from launcher.run import planning
+from launcher.run import reference
 from launcher.observe import holdings
 from launcher.placement import gpus, scheduler
 from launcher.placement import spawn
@@ -85,7 +86,7 @@ def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, not
     resume, init_from, logger, console = _open(loaded, strategy, folder, notes)
     position = parts = None
     try:
-        checkpoints, parts = _build(loaded, strategy, folder.path, logger, console, init_from)
+        checkpoints, parts = _build(loaded, strategy, folder.path, logger, console, init_from, resume)
         position = checkpoints.run.position
         if resume is not None:
             for line in checkpoints.resume(resume, loaded.config):
@@ -141,7 +142,7 @@ def _open(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, note
     return resume, init_from, logger, console
 
 
-def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger, console, init_from):
+def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger, console, init_from, resume=None):
     """Every part of the run from its section of the recipe, the model wrapped by the strategy."""
     recipe, placement, device = loaded.recipe, strategy.placement, strategy.device
     model = assemble.built(recipe, strategy, run_dir, console, init_from)
@@ -155,15 +156,22 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
         console.info(note)
     precision = Precision(recipe.precision, device)
     tf32(recipe.tf32, device)
-    metrics = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
     step = build.step(recipe.step, recipe.loss)
+    given = {name: build.component(spec, f"metrics.{name}") for name, spec in recipe.metrics.items()}
+    metrics = {**getattr(step, "metrics", {}), **given}  # a step's own (the DPO step's rewards), then the recipe's
     if train_data.is_stream and recipe.trainer.max_epochs:
         raise UserError(f"trainer.max_epochs: data.train is a stream ({type(train_data.share.dataset).__name__}, an "
                         f"IterableDataset) whose epochs are not counted ahead; set trainer.max_steps and "
                         f"trainer.max_epochs=null")
     flops = throughput.model_flops_per_sample(model, cfg.tokens_per_sample)  # the whole model's, before a pipeline cuts it
-    wrapped = assemble.wrapped(model, strategy, console, init_from, lambda m: first_batch.check(
-        train_data.first_items, train_data.collate, m, step, metrics, precision.autocast, device))
+    per_rank = cfg.batch_size // strategy.data_share()[0]
+
+    def checked(m: torch.nn.Module) -> list:  # the model as training starts: the reference, where the step has one
+        reference.attach(step, reference.datasets_of(train_data, val), m, strategy, run_dir, per_rank,
+                         train_data.collate, precision.autocast, console.info, reference.kept_beside(resume))
+        return first_batch.check(train_data.first_items, train_data.collate, m, step, given, precision.autocast,
+                                 device)  # the recipe's metrics: a step's own are its to check
+    wrapped = assemble.wrapped(model, strategy, console, init_from, checked)
     trained = strategy.unwrap(wrapped)  # the model (a pipeline: this rank's stages)
     optimizer, chosen = build.optimizer(recipe.optimizer, [q for q in trained.parameters() if q.requires_grad])
     if chosen:

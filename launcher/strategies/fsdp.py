@@ -7,7 +7,9 @@ any world size; model.pt is gathered on rank 0.
 
 Under expert parallelism (parallel.ep) each experts module is a unit of its own, sharded over the ranks that
 hold the same experts (dp_shard / ep, and dp_replicate), its slices split over the ep ranks before
-(launcher/parallel/experts.py, which says why FSDP's average over those ranks gives one process's gradient)."""
+(launcher/parallel/experts.py, which says why FSDP's average over those ranks gives one process's gradient).
+With tp the dense layers are split by the plan first and the experts are not: each rank of a tp group holds
+its ep slice whole and routes the group's tokens, the same on each (launcher/parallel/mesh.py)."""
 
 from __future__ import annotations
 
@@ -171,7 +173,9 @@ def experts_line(split: Dict[str, int], shape: mesh.Layout) -> str:
     each = " or ".join(str(c // shape.ep) for c in sorted(set(split.values())))
     shard = shape.dp_shard // shape.ep
     where = " and ".join(([f"each sharded over the {shard} ranks of dp_shard that hold them"] if shard > 1 else []) +
-                         ([f"replicated over dp_replicate {shape.dp_replicate}"] if shape.dp_replicate > 1 else []))
+                         ([f"replicated over dp_replicate {shape.dp_replicate}"] if shape.dp_replicate > 1 else []) +
+                         ([f"whole on each of tp's {shape.tp} ranks (which route the same tokens)"] if shape.tp > 1
+                          else []))
     return (f"parallel.ep: {len(names)} experts modules split over {shape.ep} ranks, {each} experts on each ({how}); "
             f"{where or 'no other rank holds them'}")
 

@@ -13,6 +13,7 @@ held it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch.utils.data import Dataset
 
-from launcher.data.text import cache as token_cache, packing as packer, samples as making, sources, \
+from launcher.data.text import cache as token_cache, packing as packer, preference, samples as making, sources, \
     tokenizer as tokenizers
 from launcher.data.text.formats import IGNORE, Sample
 from launcher.errors import UserError
@@ -33,19 +34,25 @@ MAX_PROCESSES = 8
 
 class TextDataset(Dataset):
     """Items `{"input_ids", "labels", "attention_mask"}` (LongTensors of one sample each) for a causal LM;
-    `launcher.data.collate.Pad` with `values: {labels: -100}` pads them into batches.
+    `launcher.data.collate.Pad` with `values: {labels: -100}` pads them into batches. Format preference's items
+    are pairs (preference.py: chosen_input_ids, chosen_labels, rejected_...; packed, rows of whole pairs),
+    collated by `launcher.data.collate.Pairs`, with `pairs`, `pair_item`, `attach_reference`, `reference_key`.
 
     tokenizer: the model folder holding tokenizer.json (recipes name it once: ${model.config.pretrained_model_name_or_path})
     files: a path, a glob or a list of them (.jsonl .json .csv .parquet .txt, or a save_to_disk folder)
-    format: chat (a column of {role, content} messages), prompt_completion, or text (continued pretraining)
+    format: chat (a column of {role, content} messages), prompt_completion, text (continued pretraining), or
+        preference (prompt, chosen, rejected: strings or conversations, as TRL reads them; pairs.py)
     max_len: tokens per sample at most; text is cut into rows of max_len
-    columns: the column each part is in, where not the default: {messages: ...}, {prompt: ..., completion: ...}, {text: ...}
+    columns: the column each part is in, where not the default: {messages: ...}, {prompt: ..., completion: ...},
+        {text: ...}, {prompt: ..., chosen: ..., rejected: ...}
     template: prompt_completion's, "{prompt}" then "{completion}" in it (default: the two one after the other)
     chat_template: a Jinja chat template (or a .jinja file) instead of the tokenizer's own
     loss_on: answers (the assistant turns, the completion) or all (every token)
-    overlong: truncate (cut at max_len) or drop, for a sample longer than max_len (chat, prompt_completion)
+    overlong: truncate (cut at max_len) or drop, for a sample longer than max_len (chat, prompt_completion; a
+        pair with a sequence longer than max_len, preference)
     bad_rows: error (one line naming the file and row) or skip (counted, and the first one said)
-    packing: several samples in one row of max_len, none seeing another (collate: launcher.data.collate.Packed)
+    packing: several samples in one row of max_len, none seeing another (collate: launcher.data.collate.Packed);
+        preference: whole pairs in rows of 2 x max_len (collate: launcher.data.collate.Pairs)
     seed: packing's, given the recipe's seed (${seed})
     batch_size: with packing, the batch a line at start reckons padding in (the recipe's ${data.batch_size})
     split: the split of a saved DatasetDict
@@ -73,13 +80,18 @@ class TextDataset(Dataset):
         settings = {"format": format, "columns": columns, "template": template, "chat_template": used,
                     "max_len": max_len, "loss_on": loss_on, "overlong": overlong, "bad_rows": bad_rows,
                     "split": split, "text_rows": text_rows}
-        self.samples, counts, cached = _cached_or_tokenized(files, tokenizer, make, settings, cache, num_proc)
+        self.format, self.pairwise = format, format == "preference"  # pairwise: samples two by two, a pair each
+        self.samples, counts, cached, self.key = _cached_or_tokenized(files, tokenizer, make, settings, cache,
+                                                                      num_proc)
         # the lines the run says at start, under this dataset's key (data.train: ...), on rank 0: the same
         # whether the samples were tokenized now or read from the cache, but the last, which says which
         self.notes = [making.tokenizer_line(self.tokenizer, tokenizer, format, make, chat_template),
+                      preference.summary(_named(files), counts["rows"], self.samples) if self.pairwise else
                       _summary(files, format, counts["rows"], self.samples, loss_on),
                       *making.unread(counts["unread"])]
-        if counts["over"]:
+        if self.pairwise:
+            self.notes += preference.overlong(counts, max_len, overlong)
+        elif counts["over"]:
             over, lost = counts["over"], counts["lost"]
             then = f"truncated at it{f' ({lost} of them, left with no answer token, dropped)' if lost else ''}"
             self.notes.append(f"{over} of {counts['rows']} samples longer than max_len {max_len} tokens: "
@@ -88,14 +100,18 @@ class TextDataset(Dataset):
             self.notes.append(f"{_count(counts['skipped'], 'malformed row')} skipped (bad_rows: skip); the first: "
                               f"{counts['first']}")
         self.largest = counts["largest"]  # token id, for the model's embedding rows (check_vocabulary)
-        # which samples make each item: one each, or packed several to a row (packing.py, from the seed alone)
-        lengths = [len(sample["input_ids"]) for sample in self.samples]
-        self.rows, self.packed = [[i] for i in range(len(self.samples))], packing
+        # which samples (pairs) make each item: one each, or packed several to a row (packing.py, from the seed
+        # alone); a row of pairs holds two sequences of max_len, so that every pair fits whole
+        lengths = preference.lengths(self.samples) if self.pairwise else [len(s["input_ids"]) for s in self.samples]
+        room = 2 * max_len if self.pairwise else max_len
+        self.rows, self.packed = [[i] for i in range(len(lengths))], packing
         if packing:
-            self.rows = packer.plan(lengths, max_len, seed)
+            self.rows = packer.plan(lengths, room, seed)
         if packing and batch_size:
-            self.notes.append(packer.padding(lengths, self.rows, max_len, batch_size, seed))
+            self.notes.append(preference.padding(self.samples, self.rows, room, batch_size, seed) if self.pairwise
+                              else packer.padding(lengths, self.rows, max_len, batch_size, seed))
         self.notes.append(cached)
+        self.reference: Optional[preference.Reference] = None  # attach_reference's values
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -106,10 +122,39 @@ class TextDataset(Dataset):
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         """A sample with its attention_mask (ones: the collate's padding adds the zeros), or a packed row:
-        input_ids, labels, position_ids and document_ids (packing.join), joined as it is asked for."""
+        input_ids, labels, position_ids and document_ids (packing.join), joined as it is asked for; format
+        preference's, a pair or a row of whole pairs (preference.item, preference.row)."""
+        if self.pairwise:
+            if self.packed:
+                return preference.row(self.samples, self.rows[index], self.reference)
+            return preference.item(self.samples, self.rows[index][0], self.reference)
         if self.packed:
             return making.item(packer.join([self.samples[i] for i in self.rows[index]]), mask=False)
         return making.item(self.samples[self.rows[index][0]])
+
+    # format preference's (preference.py): what a reference pass reads and what it gives back
+    def pairs(self) -> int:
+        """How many pairs."""
+        return len(self._pairwise("pairs")) // 2
+
+    def pair_item(self, k: int) -> Dict[str, torch.Tensor]:
+        """Pair k unpacked (chosen_input_ids, chosen_labels, rejected_...), packed or not."""
+        return preference.item(self._pairwise("pair_item"), k, self.reference)
+
+    def attach_reference(self, values) -> None:
+        """The reference's log-probabilities, values[k] = (chosen Float64[Lc], rejected Float64[Lr]), which the
+        items carry from now on (chosen_ref_logps, rejected_ref_logps; packed: ref_logps)."""
+        self.reference = preference.checked(self._pairwise("attach_reference"), values)
+
+    def reference_key(self) -> str:
+        """A digest of everything the tokens were made from: the token cache's key (made alike without a cache)."""
+        self._pairwise("reference_key")
+        return hashlib.sha256(self.key.as_json().encode()).hexdigest()
+
+    def _pairwise(self, what: str) -> list:
+        if not self.pairwise:
+            raise TypeError(f"{what}(): a dataset of format preference's; this one's format is {self.format}")
+        return self.samples
 
 
 def _check_cache(cache) -> None:
@@ -119,17 +164,18 @@ def _check_cache(cache) -> None:
 
 
 def _cached_or_tokenized(files, folder: str, make, settings: Dict[str, Any], cache,
-                         num_proc: Union[int, str]) -> Tuple[List[Sample], dict, str]:
+                         num_proc: Union[int, str]) -> Tuple[List[Sample], dict, str, Optional[token_cache.Key]]:
     """The samples and the counts the lines at start are made of, from the cache where it holds them for these
-    files, this tokenizer and these settings (cache.py), else tokenized now; and the line that says which."""
+    files, this tokenizer and these settings (cache.py), else tokenized now; the line that says which; and the
+    key (made without a cache too for preference, whose reference is kept by it)."""
     found = sources.paths(files)
     settings = {"files": files if isinstance(files, str) else list(map(str, files)), **settings}
     root = token_cache.folder(cache)
-    under = None if root is None else token_cache.key(found, Path(folder).expanduser(), tokenizers.files(folder),
-                                                      settings)
+    under = None if root is None and settings["format"] != "preference" else \
+        token_cache.key(found, Path(folder).expanduser(), tokenizers.files(folder), settings)
     size = _size(found)  # the files walked once
     progress, processes = _progress(size), _processes(size, num_proc, alone=root is not None)
-    return token_cache.cached(root, under, lambda: _tokenized(files, make, settings, progress, processes))
+    return (*token_cache.cached(root, under, lambda: _tokenized(files, make, settings, progress, processes)), under)
 
 
 def _tokenized(files, make, settings: Dict[str, Any], progress: bool,
@@ -145,6 +191,8 @@ def _tokenized(files, make, settings: Dict[str, Any], progress: bool,
     read = making.made(rows, make, settings["bad_rows"], counts, processes=processes)
     if format == "text":
         samples = [sample for _, sample in making.cut(read, max_len)]
+    elif format == "preference":
+        samples = preference.flat(preference.fit(read, max_len, settings["overlong"], counts))
     else:
         samples = [sample for _, sample in making.fit(read, max_len, settings["overlong"], counts)]
     if not samples:

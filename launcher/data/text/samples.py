@@ -21,9 +21,10 @@ import torch
 from launcher.data.text import sources, tokenizer as tokenizers
 from launcher.data.text.chat import BadTemplate, Chat
 from launcher.data.text.formats import IGNORE, LOSS_ON, BadRow, PromptCompletion, Sample, Text
+from launcher.data.text.pairs import Preference
 from launcher.errors import UserError
 
-FORMATS = {"chat": Chat, "prompt_completion": PromptCompletion, "text": Text}
+FORMATS = {"chat": Chat, "prompt_completion": PromptCompletion, "text": Text, "preference": Preference}
 OVERLONG = ("truncate", "drop")
 BAD_ROWS = ("error", "skip")
 Place = Tuple[int, int]  # (rows read before the next sample's first token, that row's tokens to drop)
@@ -53,11 +54,13 @@ def check(format, max_len, loss_on, overlong, bad_rows, packing, text_rows, temp
             raise ValueError(f"{key}: {value!r} is not one of {', '.join(valid)}")
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
         raise ValueError(f"max_len: {max_len!r}: the most tokens a sample has, an integer of 2 or more")
-    if template is not None and format != "prompt_completion":
+    if template is not None and format not in ("prompt_completion", "preference"):
         raise ValueError(f"template: format {format} takes none (a prompt_completion's template); chat's is "
                          f"chat_template")
-    if chat_template is not None and format != "chat":
+    if chat_template is not None and format not in ("chat", "preference"):
         raise ValueError(f"chat_template: format {format} takes none")
+    if format == "preference" and loss_on != "answers":
+        raise ValueError(f"loss_on: {loss_on}: format preference scores the answers alone (loss_on: answers)")
     if packing is not False and packing is not True:
         raise ValueError(f"packing: {packing!r}: true or false")
 
@@ -75,8 +78,10 @@ def columns(format: str, given: Optional[Dict[str, str]]) -> Dict[str, str]:
 
 def template_used(tokenizer: Any, format: str, chat_template: Optional[str], folder: str) -> Optional[str]:
     """The chat template a chat is rendered by (the recipe's, else the tokenizer's; one line where there is
-    none), or None for the other formats."""
-    return tokenizers.chat_template(tokenizer, chat_template, folder) if format == "chat" else None
+    none); preference's, where there is one (its pairs of strings need none); None for the other formats."""
+    if format == "preference" and chat_template is None and not tokenizer.chat_template:
+        return None
+    return tokenizers.chat_template(tokenizer, chat_template, folder) if format in ("chat", "preference") else None
 
 
 def maker(format: str, tokenizer: Any, folder: str, columns: Dict[str, str], loss_on: str, template: Optional[str],
@@ -95,6 +100,8 @@ def make(format: str, tokenizer: Any, columns: Dict[str, str], loss_on: str, tem
         return Chat(tokenizer, columns, loss_on, chat_template, origin=origin, max_len=max_len)
     if format == "prompt_completion":
         return PromptCompletion(tokenizer, columns, loss_on, template, max_len)
+    if format == "preference":
+        return Preference(tokenizer, columns, loss_on, template, chat_template, max_len, origin)
     return Text(tokenizer, columns, loss_on)
 
 
@@ -138,7 +145,7 @@ def unread(said: Iterable[str]) -> List[str]:
 def tokenizer_line(tokenizer: Any, folder: str, format: str, maker, chat_template: Optional[str]) -> str:
     """'tokenizer of FOLDER: 249 tokens, BOS ..., EOS ...' and, for chat, how its answers are found."""
     return (f"tokenizer of {folder}: {len(tokenizer)} tokens, {tokenizers.described(tokenizer)}"
-            + (f"; {maker.described(chat_template)}" if format == "chat" else ""))
+            + (f"; {maker.described(chat_template)}" if format in ("chat", "preference") else ""))
 
 
 def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip: int = 0,
@@ -164,8 +171,10 @@ def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip
             counts.empty += 1
         else:
             counts.rows += 1
-            if vocabulary is not None and max(outcome["input_ids"]) >= vocabulary:
-                raise UserError(f"{row.where}: {beyond(maker.tokenizer, max(outcome['input_ids']), vocabulary)}")
+            if vocabulary is not None:  # (a tuple: preference's pair of samples)
+                largest = max(max(s["input_ids"]) for s in (outcome if isinstance(outcome, tuple) else [outcome]))
+                if largest >= vocabulary:
+                    raise UserError(f"{row.where}: {beyond(maker.tokenizer, largest, vocabulary)}")
             yield read, outcome
 
 

@@ -25,14 +25,15 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch.utils.data import IterableDataset
 
-from launcher.data.text import packing as packer, samples as making, sources, tokenizer as tokenizers
+from launcher.data.text import packing as packer, preference, samples as making, sources, tokenizer as tokenizers
 
 Place = Tuple[int, int, int, int]  # rows read, tokens of the next row given, packed: the buffer, its rows given
 
 
 class TextStream(IterableDataset):
     """TextDataset's items, read as they come: `{"input_ids", "labels", "attention_mask"}` of one sample each, or
-    packed rows `{"input_ids", "labels", "position_ids", "document_ids"}` (collate: launcher.data.collate.Packed).
+    packed rows `{"input_ids", "labels", "position_ids", "document_ids"}` (collate: launcher.data.collate.Packed);
+    format preference's pairs, unpacked or rows of whole pairs, as TextDataset gives them (collate: Pairs).
 
     Its arguments are TextDataset's (see there; `batch_size`, `cache` and `num_proc` are taken and unused, so
     that a recipe of TextDataset's keys streams by changing `_target_` alone: a stream tokenizes as it reads),
@@ -58,6 +59,7 @@ class TextStream(IterableDataset):
                                     template, chat_template, max_len)
         self.vocabulary: Optional[int] = None  # the model's embedding rows, which no token may reach
         self.format, self.max_len, self.overlong, self.bad_rows = format, max_len, overlong, bad_rows
+        self.pairwise = format == "preference"  # each sample a pair (preference.py), packed whole
         self.split, self.text_rows = split, text_rows
         self.packing, self.seed, self.buffer = packing, seed, packing_buffer
         self.counts = making.Counts()  # of the pass under way: rows made into samples, skipped, over max_len
@@ -81,7 +83,7 @@ class TextStream(IterableDataset):
             return
         for (rows, drop), sample in samples:
             self.place = (rows, drop, 0, 0)  # before the item goes: state_dict() is asked for once it is taken
-            yield making.item(sample)
+            yield preference.item(sample, 0) if self.pairwise else making.item(sample)
 
     def check_vocabulary(self, rows: int) -> None:
         """Each sample is checked as it comes against the model's `rows` embedding rows (one line naming the
@@ -93,6 +95,8 @@ class TextStream(IterableDataset):
         read = making.made(rows, self.make, self.bad_rows, self.counts, skip, vocabulary=self.vocabulary)
         if self.format == "text":
             return making.cut(read, self.max_len, drop)
+        if self.pairwise:
+            return preference.fit(read, self.max_len, self.overlong, self.counts)
         return making.fit(read, self.max_len, self.overlong, self.counts)
 
     def _packed(self, samples: Iterator[tuple], start: making.Place, buffer: int,
@@ -103,13 +107,20 @@ class TextStream(IterableDataset):
             held = list(itertools.islice(samples, self.buffer))
             if not held:
                 return
-            plan = packer.plan([len(sample["input_ids"]) for _, sample in held], self.max_len,
-                               self.seed + buffer * 2 ** 32)
+            if self.pairwise:  # a pair's two samples planned as one, in rows of two sequences of max_len
+                paired = preference.flat(held)
+                plan = packer.plan(preference.lengths(paired), 2 * self.max_len, self.seed + buffer * 2 ** 32)
+            else:
+                plan = packer.plan([len(sample["input_ids"]) for _, sample in held], self.max_len,
+                                   self.seed + buffer * 2 ** 32)
             end = held[-1][0]  # where the next buffer begins
             for number in range(given, len(plan)):
                 done = number + 1 == len(plan)
                 self.place = (*end, buffer + 1, 0) if done else (*start, buffer, number + 1)
-                yield making.item(packer.join([held[i][1] for i in plan[number]]), mask=False)
+                if self.pairwise:
+                    yield preference.row(paired, plan[number])
+                else:
+                    yield making.item(packer.join([held[i][1] for i in plan[number]]), mask=False)
             start, buffer, given = end, buffer + 1, 0
 
     def state_dict(self) -> Dict[str, Any]:

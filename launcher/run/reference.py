@@ -1,0 +1,223 @@
+"""The reference's log-probabilities of every preference pair, computed once before training and kept with the
+samples, so that no rank holds a second model (launcher/preference: the DPO step reads them from the batch).
+
+The reference is the model as training starts: the weights checkpoint.init_from loaded (or the seed made), or,
+for a peft model, that model with its adapters disabled (the base, as TRL's DPOTrainer takes it). Before the
+first step, each data-parallel share of ranks computes the answers' per-token log-probabilities of its pairs
+(pair k goes to share k mod shares; tensor-parallel ranks of a share compute together; every rank runs the same
+number of forwards, the last ones padded), in eval mode (no dropout: the reference is one function) under the
+recipe's autocast, and writes them to the run folder; then every rank reads them all and attaches them to its
+dataset (`attach_reference`), whose items carry them from then on.
+
+They are kept in `<run_dir>/reference/<key>/`, the key a digest of what the tokens were made from (the dataset's
+`reference_key()`) and of the reference weights' bytes (every parameter and buffer, gathered whole one at a
+time where sharded, under names without the wrappers'): a resumed run, under this layout or another, reads the
+same values, and a run whose data or starting weights changed computes them again."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from launcher.checkpoint import adapters
+from launcher.errors import UserError
+from launcher.model.plain import unwrap
+from launcher.preference import logps
+from launcher.strategies import Strategy
+
+FOLDER = "reference"
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
+
+
+def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Strategy, run_dir: Path,
+           per_rank: int, collate: Callable, autocast: Callable, say: Callable[[str], None],
+           elsewhere: Optional[Path] = None) -> None:
+    """Give each preference dataset (`datasets`: key -> dataset) the reference's log-probabilities, unless the
+    step needs none or they are attached already: those kept in this run folder, else those kept in `elsewhere`
+    (the run folder of the checkpoint this run resumes), copied here, else computed now. Collective: every rank
+    calls it alike."""
+    if hasattr(step, "needs_reference") and strategy.name == "pp":
+        raise UserError("parallel.pp: the preference step runs the whole model on both answers of each pair, and "
+                        "pipeline stages run it piece by piece; set parallel.pp=1 (fsdp and tp split a model too)")
+    if not getattr(step, "needs_reference", False):
+        return
+    for key, dataset in datasets.items():
+        if dataset is None or getattr(dataset, "_launcher_reference", None):
+            continue
+        if not (getattr(dataset, "pairwise", False) and callable(getattr(dataset, "attach_reference", None))):
+            raise UserError(f"{key}: step.loss_type {step.loss_type} needs the reference's log-probabilities of every "
+                            f"pair, computed before training over a map-style preference dataset, and "
+                            f"{type(dataset).__name__} holds none (a stream is read as it comes); use TextDataset with "
+                            f"format: preference, or a reference-free step.loss_type: simpo")
+        weights = _digest(model)
+        digest = hashlib.sha256(f"{dataset.reference_key()}\n{weights}".encode()).hexdigest()[:24]
+        folder = run_dir / FOLDER / digest
+        values = _read(folder, dataset.pairs())
+        kept = elsewhere / FOLDER / digest if elsewhere is not None else None
+        if values is None and kept is not None and kept != folder and _read(kept, dataset.pairs()) is not None:
+            if strategy.placement.is_main:
+                shutil.copytree(kept, folder, dirs_exist_ok=True)
+            strategy.barrier()
+            values = _read(folder, dataset.pairs())
+            say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {kept} (the resumed "
+                f"run's), kept in {folder}")
+        elif values is None:
+            _compute(step, dataset, model, strategy, folder, per_rank, collate, autocast)
+            values = _read(folder, dataset.pairs())
+            if values is None:  # every rank wrote its part and rank 0 the mark: a part that is gone is a bug
+                raise RuntimeError(f"{folder}: the reference's log-probabilities are incomplete after every rank wrote "
+                                   f"its part")
+            say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs computed once, kept in {folder}")
+        else:
+            say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {folder}")
+        dataset.attach_reference(values)
+        dataset._launcher_reference = digest
+
+
+def kept_beside(resume: Any) -> Optional[Path]:
+    """The run folder of a local checkpoint a run resumes (<run_dir>/checkpoints/step_N), where its reference is."""
+    if resume is None or "://" in str(resume):
+        return None
+    path = Path(str(resume))
+    return path.parent.parent if path.parent.name == "checkpoints" else None
+
+
+def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, folder: Path, per_rank: int,
+             collate: Callable, autocast: Callable) -> None:
+    shares, share = strategy.data_share()
+    pairs = dataset.pairs()
+    mine = list(range(share, pairs, shares))
+    per_rank = max(1, per_rank)
+    forwards = -(-(-(-pairs // shares)) // per_rank)  # the most any share needs: every rank runs as many
+    found: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+    plain = unwrap(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _adapters_off(plain):
+            for f in range(forwards):
+                taken = mine[f * per_rank:(f + 1) * per_rank]
+                batch = _collated(collate, [dataset.pair_item(k) for k in (taken or [0])])
+                batch = {k: v.to(_device(model)) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                with autocast():
+                    output = model(**step.inputs(model, batch))
+                logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+                if logits is None:
+                    logits = output["logits"]
+                values = logps.per_token(logits, batch["labels"]).double().cpu()
+                for j, k in enumerate(taken):
+                    item = dataset.pair_item(k)
+                    found[k] = (values[2 * j, :len(item["chosen_labels"])].clone(),
+                                values[2 * j + 1, :len(item["rejected_labels"])].clone())
+    finally:
+        model.train(was_training)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_part(folder / f"part-{strategy.placement.rank}.safetensors", found)
+    strategy.barrier()
+    if strategy.placement.is_main:
+        (folder / "done.json").write_text(json.dumps({"pairs": pairs, "ranks": strategy.placement.world_size}) + "\n")
+    strategy.barrier()
+
+
+def _collated(collate: Callable, items: list) -> Dict[str, Any]:
+    try:
+        batch = collate(items)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise UserError(f"data.collate: pairs of answers need launcher.data.collate.Pairs, which pads both answers "
+                        f"and numbers them ({type(e).__name__} from the recipe's collate)") from None
+    if not isinstance(batch, dict) or "sequence_ids" not in batch:
+        raise UserError("data.collate: pairs of answers need launcher.data.collate.Pairs, which pads both answers and "
+                        "numbers them (sequence_ids)")
+    return batch
+
+
+def datasets_of(train_data: Any, val: Any) -> Dict[str, Any]:
+    """The datasets a run reads (data.train, data.val), under the loaders' wrappers (item_rng.Seeded)."""
+    train = getattr(train_data, "dataset", None) or getattr(getattr(train_data, "share", None), "dataset", None)
+    held = getattr(val, "loader", None)
+    return {"data.train": _inner(train), "data.val": _inner(getattr(held, "dataset", None))}
+
+
+def _inner(dataset: Any) -> Any:
+    while dataset is not None and not hasattr(dataset, "attach_reference") and hasattr(dataset, "dataset"):
+        dataset = dataset.dataset
+    return dataset
+
+
+def _write_part(path: Path, found: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    index = sorted(found)
+    tensors = {"index": torch.tensor(index, dtype=torch.int64),
+               "chosen_lengths": torch.tensor([len(found[k][0]) for k in index], dtype=torch.int64),
+               "rejected_lengths": torch.tensor([len(found[k][1]) for k in index], dtype=torch.int64),
+               "chosen": torch.cat([found[k][0] for k in index]) if index else torch.zeros(0, dtype=torch.float64),
+               "rejected": torch.cat([found[k][1] for k in index]) if index else torch.zeros(0, dtype=torch.float64)}
+    temporary = path.with_suffix(".tmp")
+    save_file(tensors, str(temporary))
+    temporary.replace(path)
+
+
+def _read(folder: Path, pairs: int) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """Every pair's values from the parts in `folder`, or None where they are not all there."""
+    mark = folder / "done.json"
+    if not mark.is_file():
+        return None
+    try:
+        if json.loads(mark.read_text()).get("pairs") != pairs:
+            return None
+    except (OSError, ValueError):
+        return None
+    values: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * pairs
+    for part in sorted(folder.glob("part-*.safetensors")):
+        t = load_file(str(part))
+        chosen = torch.split(t["chosen"], t["chosen_lengths"].tolist())
+        rejected = torch.split(t["rejected"], t["rejected_lengths"].tolist())
+        for k, c, r in zip(t["index"].tolist(), chosen, rejected):
+            if 0 <= k < pairs:
+                values[k] = (c, r)
+    if any(v is None for v in values):
+        return None
+    return values  # type: ignore[return-value]
+
+
+def _digest(model: nn.Module) -> str:
+    """The reference weights' bytes, digested: every parameter and buffer by its plain name (adapters left out:
+    the reference runs without them), a sharded one gathered whole (collective, in the same order on every rank)."""
+    h = hashlib.blake2b(digest_size=16)
+    plain = unwrap(model)
+    named = dict(plain.named_parameters())
+    named.update(dict(plain.named_buffers()))
+    for name in sorted(named, key=_plain_name):
+        if adapters.is_adapter_key(name):
+            continue
+        tensor = named[name].detach()
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        h.update(f"{_plain_name(name)} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        h.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _plain_name(name: str) -> str:
+    for wrapper in WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _adapters_off(plain: nn.Module):
+    """A peft model without its adapters (the base it adapts); anything else as it is."""
+    off = getattr(plain, "disable_adapter", None)
+    return off() if callable(off) and hasattr(plain, "peft_config") else contextlib.nullcontext()
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device if not hasattr(p, "device_mesh") else torch.device(p.device_mesh.device_type)
+    return torch.device("cpu")
