@@ -5,7 +5,7 @@
                           [--layouts all|two] [--sft [--sft-steps 60 --sft-size small|tiny]]
                           [--saves [--saves-width 2048 --saves-every 40 --saves-count 3]]
                           [--ft [--ft-steps 150 --ft-every 40 --ft-widths 128,1024]] [--moe [--moe-steps 100]]
-                          [--dpo [--dpo-steps 400]]
+                          [--dpo [--dpo-steps 800]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),

@@ -50,8 +50,8 @@ def dpo_options(parser: argparse.ArgumentParser) -> None:
     """This row's options, on python -m launcher.bench's parser."""
     parser.add_argument("--dpo", dest="dpo_only", action="store_true",
                         help="the DPO row alone: recipes/hf_dpo.yaml against TRL's DPOTrainer (loss, step)")
-    parser.add_argument("--dpo-steps", type=steps_option, default=400,
-                        help="steps of the row's longer runs, and where the losses are compared (default 400; a "
+    parser.add_argument("--dpo-steps", type=steps_option, default=800,
+                        help="steps of the row's longer runs, and where the losses are compared (default 800; a "
                         "multiple of 4, at least 8: the shorter runs take a quarter of it)")
 
 
@@ -186,10 +186,12 @@ def report(res: Dict[str, List[dict]], facts: dict, steps: int, command: str) ->
              f"rejected; mean {facts['mean']:.0f}), batch {BATCH} pairs, max_len {MAX_LEN}, sigmoid beta {BETA}, SGD "
              f"lr {LR}, reference precomputed, fp32, runs of {steps // 4} and {steps} steps, {len(res['ours'])} "
              f"alternating repetitions ({command})", facts["same"],
-             f"{'':22} {'step (slope)':>13} {'in the loop':>12} {f'loss at step {steps}':>18}"]
+             f"{'':22} {'step (slope, range)':>27} {'in the loop':>12} {f'loss at step {steps}':>18}"]
     names = {"ours": "ours, recipes/hf_dpo", "trl": "TRL DPOTrainer"}
     for name, runs in res.items():
-        lines.append(f"{names[name]:22} {statistics.median(r['step_s'] for r in runs) * 1e3:11.2f}ms "
+        slopes = [r["step_s"] * 1e3 for r in runs]
+        spread = f"({min(slopes):.2f}-{max(slopes):.2f})"
+        lines.append(f"{names[name]:22} {statistics.median(slopes):11.2f}ms {spread:>13} "
                      f"{statistics.median(r['loop_s'] for r in runs) * 1e3:10.2f}ms "
                      f"{statistics.median(r['losses'][steps] for r in runs):18.6f}")
     at, most = zip(*(gaps(o["losses"], t["losses"], steps) for o, t in zip(res["ours"], res["trl"])))
