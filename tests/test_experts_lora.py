@@ -36,12 +36,13 @@ def lora(base, *extra) -> list:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, base):
-    """ep x 2: LoRA on the attention alone, and on the experts' weights too."""
+    """ep x 2: LoRA on the attention alone, and on the experts' weights too; tp x 2 (no ep), LoRA on the attention."""
     from tests.several_runs import several
 
     root = tmp_path_factory.mktemp("eplora")
     cases = {"attention": ["recipes/hf_lora.yaml", *lora(base, *EP)],
-             "experts": ["recipes/hf_lora.yaml", *lora(base, *EP, EXPERTS_LORA)]}
+             "experts": ["recipes/hf_lora.yaml", *lora(base, *EP, EXPERTS_LORA)],
+             "tp": ["recipes/hf_lora.yaml", *lora(base, "strategy=fsdp", "parallel.tp=2")]}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=900)
 
 
@@ -66,3 +67,45 @@ def test_lora_on_the_experts_weights_under_ep_x2_gives_one_process_weights(base,
     got = state_dict(folder / "model.pt")
     experts_b = [k for k in got if ".mlp.experts." in k and ".lora_B." in k]
     assert len(experts_b) == 4 and all(got[k].abs().sum() > 0 for k in experts_b)  # built as zeros, trained
+
+
+@pytest.mark.slow
+def test_lora_under_tp_x2_leaves_the_frozen_per_head_norms_frozen(base, two, tmp_path):
+    """Before: tp's heads_norm (torch's SequenceParallel) made Qwen3's q_norm and k_norm trainable again, and they
+    trained, where one process's peft model keeps them frozen."""
+    folder, said = ran(two, "tp")
+    assert "fsdp: dp_shard 1 x tp 2 = 2 ranks" in said, said
+    alone(tmp_path, "recipes/hf_lora.yaml", *lora(base))
+    assert_within_rounding(tmp_path / "model.pt", folder / "model.pt", STEPS)
+
+
+@pytest.fixture(scope="module")
+def with_tp(tmp_path_factory, base):
+    """Four processes: ep 2 with tp 2 by the model's own plan, LoRA on the experts' weights too."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("eplora-tp")
+    cases = {"ep-tp": ["recipes/hf_lora.yaml", *lora(base, *EP, "parallel.tp=2", EXPERTS_LORA)]}
+    return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, nproc=4,
+                         timeout=900)
+
+
+@pytest.mark.slow
+def test_lora_on_the_experts_weights_under_ep_x2_with_tp_x2_gives_one_process_weights(base, with_tp, tmp_path):
+    folder, said = ran(with_tp, "ep-tp")
+    assert "whole on each of tp's 2 ranks (which route the same tokens)" in said, said
+    alone(tmp_path, "recipes/hf_lora.yaml", *lora(base, EXPERTS_LORA))
+    assert_within_rounding(tmp_path / "model.pt", folder / "model.pt", STEPS)
+
+
+def test_the_model_s_own_tp_plan_leaves_out_experts_that_lora_wraps():
+    import peft
+
+    from launcher.parallel import plans
+    from tests.moe_models import qwen3_moe
+
+    model = peft.get_peft_model(qwen3_moe(), peft.LoraConfig(
+        r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    plan = plans.resolve(model, "auto")
+    assert not [name for name in plan if "experts" in name], plan
+    assert plan["base_model.model.model.layers.*.self_attn.q_proj"] == "colwise"
