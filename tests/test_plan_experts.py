@@ -113,6 +113,33 @@ def test_the_table_plans_the_recipe_s_ep_and_says_the_routing_it_assumes():
         "ep (all of an ep group's on one rank)"), refused.stderr
 
 
+@pytest.mark.slow
+def test_the_table_lists_ep_with_tp_where_the_world_allows_and_plans_it_within_ten_percent(tmp_path):
+    """On 4 devices a recipe's ep 2 adds, beside tp x2, tp x2 with ep 2 over the dp_shard 2 tp leaves (tp x4
+    leaves dp_shard 1, which ep 2 does not divide); its row is what a run of that layout plans, within 10 % of
+    the run's measured peak."""
+    from tests.plan_runs import planned_runs
+
+    ep = [*recipe("qwen3_moe"), "strategy=fsdp", "parallel.ep=2"]
+    listed = {row["layout"]: row for row in map(json.loads, plan(*ep, "--devices", "4", "--device", "cpu",
+                                                                 "--json").stdout.splitlines())}
+    assert [n for n in listed if "tp" in n] == ["fsdp x2 tp x2", "fsdp x2 tp x2 ep x2", "tp x4"], list(listed)
+    assert plan(*ep, "--devices", "2", "--device", "cpu").stdout.count("tp x2") == 1  # dp_shard 1: no ep under tp
+    name = "qwen3_moe fsdp x2 tp x2 ep x2"
+    ranks, asked = planned_runs({name: [*ep, "parallel.tp=2", *SHORT, f"run_dir={tmp_path / 'run'}"]}, set(),
+                                tmp_path, nproc=4, timeout=900)
+    assert ranks[0][name]["error"] is None, ranks[0][name]
+    values = {}
+    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
+        values.update(json.loads(line))
+    measured = values["memory/peak_bytes"]
+    row = planned_row(asked[name]["argv"], tmp_path / "planned.json")
+    assert row["layout"] == "fsdp x2 tp x2 ep x2" and row["peak_bytes"] == listed[row["layout"]]["peak_bytes"], row
+    off = 100 * (row["peak_bytes"] - measured) / measured
+    print(f"{name}: measured {measured / 2**20:.2f} MiB, planned {row['peak_bytes'] / 2**20:.2f} MiB, {off:+.1f}%")
+    assert abs(off) <= 10, (measured, row)
+
+
 @pytest.mark.parametrize("pairs, ep, capacity, shares", [
     (128, 2, 1.0, ([64, 64], [64, 64])),  # spread evenly: as many received as sent
     (128, 2, 2.0, ([64, 64], [128, 128])),  # the worst case: every rank's pairs all here

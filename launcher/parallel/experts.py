@@ -36,6 +36,7 @@ its tp rank) for the same tokens, its experts whole (launcher/parallel/mesh.py s
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Dict, List, Tuple
 
@@ -95,43 +96,91 @@ def split(model: nn.Module, mesh) -> Dict[str, int]:
     wrong = problems(model, ep)
     if wrong:
         raise UserError(*wrong)
+    wrappers = adapters(model)
     for module in modules.values():
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.forward = _Dispatch(module, type(module).forward, mesh.get_group(), ep)
+        module.forward = _Dispatch(module, type(module).forward, mesh.get_group(), ep, mesh.get_local_rank(),
+                                   wrappers.get(module, {}))
     return {name: module.num_experts for name, module in modules.items()}
+
+
+def adapters(model: nn.Module) -> Dict[nn.Module, Dict[str, List[nn.Module]]]:
+    """LoRA on the experts' own weights (peft's target_parameters), by experts module and parameter name: peft
+    wraps the experts module in a ParamWrapper per adapted parameter (nested), whose forward adds the adapters'
+    update to the whole [E, ...] weight for the call (a parametrization). Under ep each rank holds its slice
+    alone, and FSDP gathers it only inside the experts module's own call, after the wrapper's forward: so the
+    wrappers' forwards are made to pass through, and each rank's view of its experts (`_Local`) adds its experts'
+    share of the update to its slice. The adapters stay whole on every rank (sharded with the dense parts, whose
+    gradients FSDP averages over every data-parallel rank): each expert's rows of their gradient come from the one
+    rank of the ep group that holds the expert, over the group's tokens, so their sum over the ranks is one
+    process's, unscaled."""
+    out: Dict[nn.Module, Dict[str, List[nn.Module]]] = {}
+    for wrapper in model.modules():
+        if not isinstance(getattr(wrapper, "parameter_name", None), str) or not hasattr(wrapper, "lora_A"):
+            continue
+        inner = wrapper.base_layer
+        while hasattr(inner, "parameter_name") and hasattr(inner, "base_layer"):
+            inner = inner.base_layer
+        if is_experts(inner):
+            out.setdefault(inner, {}).setdefault(wrapper.parameter_name, []).append(wrapper)
+            wrapper.forward = functools.partial(_through, wrapper)
+    return out
+
+
+def _through(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return wrapper.base_layer(*args, **kwargs)
+
+
+def _adapted(weight: torch.Tensor, wrappers: List[nn.Module], first: int, count: int) -> torch.Tensor:
+    """`weight`, this rank's experts' slice, plus the wrappers' active adapters' update of those experts (peft's
+    ParamWrapper: scaling x lhs @ rhs per expert, in the weight's dtype, out of autocast, as peft adds it)."""
+    experts = slice(first, first + count)
+    for wrapper in wrappers:
+        if wrapper.disable_adapters or wrapper.merged:
+            continue
+        for name in [a for a in wrapper.active_adapters if a in wrapper.lora_A]:
+            with torch.autocast(device_type=weight.device.type, enabled=False):
+                if hasattr(wrapper, "get_delta_factors"):  # peft >= 0.18: the factors, no whole-stack delta
+                    lhs, rhs, scaling = wrapper.get_delta_factors(name)
+                    weight = torch.baddbmm(weight, lhs[experts], rhs[experts], alpha=scaling)
+                else:
+                    weight = weight + wrapper.get_delta_weight(name)[experts].to(weight.dtype)
+    return weight
 
 
 class _Dispatch:
     """An experts module's forward under expert parallelism (the module's docstring, steps 1 to 4)."""
 
-    def __init__(self, module: nn.Module, forward: Any, group: Any, ep: int):
-        self.module, self.forward, self.group, self.ep = module, forward, group, ep
+    def __init__(self, module: nn.Module, forward: Any, group: Any, ep: int, rank: int,
+                 adapters: Dict[str, List[nn.Module]]):
+        self.module, self.forward, self.group, self.ep, self.rank = module, forward, group, ep, rank
+        self.adapters = adapters
         self.signature = inspect.signature(forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         bound = self.signature.bind(self.module, *args, **kwargs)
         hidden, index, weights = list(bound.arguments.values())[1:4]
-        return dispatched(self.module, self.forward, self.group, self.ep, hidden, index, weights)
+        view = _Local(self.module, self.module.num_experts // self.ep, self.ep, self.rank, self.adapters)
+        return dispatched(view, self.forward, self.group, self.ep, hidden, index, weights)
 
 
-def dispatched(module: nn.Module, forward: Any, group: Any, ep: int, hidden: torch.Tensor, index: torch.Tensor,
+def dispatched(view: "_Local", forward: Any, group: Any, ep: int, hidden: torch.Tensor, index: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
-    """The experts' output for this rank's tokens [T, H], their experts [T, K] and weights [T, K]: the module's
-    docstring, steps 1 to 4. Collective over the ep group."""
+    """The experts' output for this rank's tokens [T, H], their experts [T, K] and weights [T, K], `view` this
+    rank's experts: the module's docstring, steps 1 to 4. Collective over the ep group."""
     import torch.distributed as dist
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     tokens, k = index.shape
-    local = module.num_experts // ep
+    local = view.num_experts
     experts = index.reshape(-1)
     order = torch.sort(experts, stable=True).indices  # pairs by expert, so by the rank that holds it
     send, receive = split_sizes(experts // local, ep, group)
     rows = all_to_all_single_autograd(hidden[order // k], receive, send, group)
     which = torch.empty(sum(receive), dtype=experts.dtype, device=experts.device)
     dist.all_to_all_single(which, (experts[order] % local).contiguous(), receive, send, group=group)
-    view = _Local(module, local, ep)
     out = forward(view, rows, which[:, None], torch.ones(len(which), 1, dtype=weights.dtype, device=weights.device))
     if not len(which):
         # No token for this rank's experts: the forward's zeros depend on neither the rows nor the weights, so
@@ -157,11 +206,13 @@ def split_sizes(ranks: torch.Tensor, ep: int, group: Any) -> Tuple[List[int], Li
 
 class _Local:
     """An experts module as its own forward sees it on this rank: each expert-indexed parameter its local slice
-    (a plain tensor, whose gradient reaches the DTensor's, over ep), `num_experts` the rank's count; anything else
-    the module's own (its activation, its gate function, its config)."""
+    (a plain tensor, whose gradient reaches the DTensor's, over ep) with its LoRA update if peft adapts it
+    (`adapters`), `num_experts` the rank's count; anything else the module's own (its activation, its gate
+    function, its config)."""
 
-    def __init__(self, module: nn.Module, count: int, ep: int):
-        self.tensors = {name: _Mean.apply(_local(p), ep) for name, p in module.named_parameters(recurse=False)}
+    def __init__(self, module: nn.Module, count: int, ep: int, rank: int, adapters: Dict[str, List[nn.Module]]):
+        self.tensors = {name: _adapted(_Mean.apply(_local(p), ep), adapters.get(name, []), rank * count, count)
+                        for name, p in module.named_parameters(recurse=False)}
         self.__dict__.update(self.tensors)
         self.num_experts = count
         self._module = module

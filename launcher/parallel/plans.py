@@ -97,13 +97,22 @@ def _dense(plan: Dict[str, str], model: nn.Module) -> Dict[str, str]:
     from launcher.parallel import experts
 
     names = [name for name, _ in model.named_modules() if name]
-    held = list(experts.found(model))
+    held = [wrapper for name in experts.found(model) for wrapper in _wrappers(name)]
 
     def names_any(pattern: str, among: List[str]) -> bool:
         return any(fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".") for n in among)
 
     return {pattern: style for pattern, style in plan.items() if names_any(pattern, names)
             and not names_any(pattern, held) and not names_any(pattern.rpartition(".")[0], held)}
+
+
+def _wrappers(name: str) -> List[str]:
+    """An experts module's name, and those of the peft wrappers around it (LoRA on its weights: a ParamWrapper per
+    adapted parameter, the module their innermost `base_layer`), which hold the plan's name for it."""
+    out = [name]
+    while out[-1].endswith(".base_layer"):
+        out.append(out[-1][:-len(".base_layer")])
+    return out
 
 
 def _own_plan(model: nn.Module) -> Tuple[str, Optional[dict]]:
@@ -207,7 +216,12 @@ def apply(model: nn.Module, mesh, plan) -> Dict[str, str]:
         raise UserError(*found)
     ties = tied_names(model)
     known = styles()
+    # torch's SequenceParallel (heads_norm, sequence_parallel) makes each parameter anew, trainable: a frozen norm
+    # (a peft model's) would train under tp alone
+    frozen = [name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
     parallelize_module(model, mesh, {name: known[style] for name, style in modules.items()})
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     for names in ties:
         _retie(model, names)
     return modules

@@ -80,9 +80,9 @@ PREFERENCE = ("single", "ddp", "hsdp", "fsdp", "fsdp+ac", "tp")
 def candidates(devices: int, gpus_per_node: int = 8, ep: int = 1) -> List[Layout]:
     """Every layout of `devices` ranks the launcher runs: one process; ddp; fsdp with and without activation
     checkpointing; hsdp (replicas of a node's shard group, or two); tensor parallel of 2, 4, ... within a
-    node, fsdp over the rest; and where `ep` (the recipe's parallel.ep) is above 1, fsdp, fsdp +ac and hsdp
-    with their experts split over ep ranks, where ep divides their dp_shard. Pipeline stages (parallel.pp)
-    are not planned."""
+    node, fsdp over the rest; and where `ep` (the recipe's parallel.ep) is above 1, fsdp, fsdp +ac, hsdp and
+    each tensor-parallel layout with their experts split over ep ranks, where ep divides their dp_shard (under
+    tp: the ranks left to fsdp). Pipeline stages (parallel.pp) are not planned."""
     if devices == 1:
         return [Layout("single"), Layout("single", recompute=True)]
     out = [Layout("ddp", devices), Layout("fsdp", devices), Layout("fsdp", devices, recompute=True)]
@@ -95,6 +95,8 @@ def candidates(devices: int, gpus_per_node: int = 8, ep: int = 1) -> List[Layout
     tp = 2
     while tp <= min(devices, gpus_per_node) and devices % tp == 0:
         out.append(Layout("fsdp", devices, tp=tp))
+        if ep > 1 and (devices // tp) % ep == 0:
+            out.append(Layout("fsdp", devices, tp=tp, ep=ep))
         tp *= 2
     return out
 
