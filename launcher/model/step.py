@@ -134,6 +134,15 @@ def own_loss(output: Any) -> Any:
     return getattr(output, "loss", None)
 
 
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in a model's output: the output itself, `output.logits` or `output["logits"]`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        return output["logits"]
+    return output.logits
+
+
 def _per_replica(model: nn.Module, count: torch.Tensor) -> torch.Tensor:
     """DataParallel scatters tensors along their first dimension: one copy of the count per replica."""
     if isinstance(model, nn.DataParallel) and len(model.device_ids) > 1:

@@ -27,6 +27,7 @@ from torch import nn
 from launcher.errors import UserError
 from launcher.model import packed
 from launcher.model.plain import unwrap
+from launcher.model.step import logits_of
 from launcher.preference import logps, losses
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -75,7 +76,7 @@ class DPO:
         output = model(**self.inputs(model, batch))
         labels, ids = batch["labels"], batch["sequence_ids"]
         count = logps.sequences(batch)
-        sums, tokens = logps.summed(logps.per_token(_logits(output), labels), labels, ids, count)
+        sums, tokens = logps.summed(logps.per_token(logits_of(output), labels), labels, ids, count)
         chosen, rejected = logps.pairs(sums)
         chosen_tokens, rejected_tokens = logps.pairs(tokens)
         ref_chosen = ref_rejected = torch.zeros_like(chosen)
@@ -119,14 +120,6 @@ class DPO:
         if aux is None or not getattr(config, "output_router_logits", False):
             return 0.0
         return getattr(config, "router_aux_loss_coef", 0.0) * aux
-
-
-def _logits(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        return output["logits"]
-    return output.logits
 
 
 def _logged(per: Dict[str, torch.Tensor], chosen: torch.Tensor, rejected: torch.Tensor,

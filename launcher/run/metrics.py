@@ -21,7 +21,7 @@ import torch
 from launcher.data.sampling import Padding
 from launcher.errors import TrainingDiverged
 from launcher.model.moe import ExpertLoad
-from launcher.model.step import IGNORE_INDEX, Result, items_in
+from launcher.model.step import IGNORE_INDEX, Result, items_in, logits_of
 from launcher.observe.throughput import Throughput
 
 
@@ -41,15 +41,6 @@ class Accuracy:
             logits, target = logits[..., :-1, :], target[..., 1:]
         correct = (logits.argmax(dim=-1) == target).float()
         return correct.masked_fill(target == self.ignore_index, float("nan"))
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """The logits in a model's output: the output itself, `output.logits` or `output["logits"]`."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        return output["logits"]
-    return output.logits
 
 
 MetricFn = Callable[[Any, Any], torch.Tensor]

@@ -30,6 +30,7 @@ from torch import nn
 from launcher.checkpoint import adapters
 from launcher.errors import UserError
 from launcher.model.plain import unwrap
+from launcher.model.step import logits_of
 from launcher.preference import logps
 from launcher.strategies import Strategy
 
@@ -109,10 +110,7 @@ def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, fold
                 batch = {k: v.to(_device(model)) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 with autocast():
                     output = model(**step.inputs(model, batch))
-                logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
-                if logits is None:
-                    logits = output["logits"]
-                values = logps.per_token(logits, batch["labels"]).double().cpu()
+                values = logps.per_token(logits_of(output), batch["labels"]).double().cpu()
                 for j, k in enumerate(taken):
                     item = dataset.pair_item(k)
                     found[k] = (values[2 * j, :len(item["chosen_labels"])].clone(),

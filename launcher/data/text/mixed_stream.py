@@ -116,12 +116,7 @@ class MixtureStream(IterableDataset):
 
 
 def _notes(sources: List[TextStream], made) -> List[str]:
-    said, lines = set(), []
-    for i, source in enumerate(sources):
-        for line in source.notes:
-            if line not in said:  # the tokenizer's line, the same for every source of one format, said once
-                lines.append(f"sources.{i}: {line}")
-                said.add(line)
+    lines = mixing.sources_lines(sources)
     whole = sum(weight for weight, _ in made)
     lines.append(f"mixture of {len(sources)} streamed sources, interleaved by weight in blocks of {mixing.BLOCK}; "
                  f"an epoch ends once every source has been read through (those that end before are read again); "

@@ -106,6 +106,18 @@ def block(weights: Sequence[float], before: Sequence[int], seed: int, epoch: int
     return [picks[i] for i in generator.permutation(BLOCK)]
 
 
+def sources_lines(sources: Sequence[Any]) -> List[str]:
+    """Each source's own lines at start under its key (`sources.<i>: ...`); a line two sources share (the
+    tokenizer's, the same for every source of one format) said once."""
+    said, lines = set(), []
+    for i, source in enumerate(sources):
+        for line in source.notes:
+            if line not in said:
+                lines.append(f"sources.{i}: {line}")
+                said.add(line)
+    return lines
+
+
 def named(settings: Dict[str, Any]) -> str:
     files = settings["files"]
     return files if isinstance(files, str) else ", ".join(map(str, files))

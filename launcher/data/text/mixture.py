@@ -151,12 +151,7 @@ def _notes(sources: List[TextDataset], made, counts: List[int], sizes: List[int]
     """Each source's own lines under its key, then what the mixture makes of them: each source's share of an
     epoch's samples and (from its items' mean length) of its tokens."""
     total = sum(counts)
-    said, lines = set(), []
-    for i, source in enumerate(sources):
-        for line in source.notes:
-            if line not in said:  # the tokenizer's line, the same for every source of one format, said once
-                lines.append(f"sources.{i}: {line}")
-                said.add(line)
+    lines = mixing.sources_lines(sources)
     per_item = [_tokens(source) for source in sources]
     tokens = [None if t is None else count * t / size for t, count, size in zip(per_item, counts, sizes)]
     all_tokens = None if None in tokens else sum(tokens)
