@@ -116,3 +116,18 @@ def test_a_part_left_by_an_earlier_pass_is_not_read(folder, model, tmp_path):
     for (a, b), (c, d) in zip(first, again):
         assert torch.equal(a, c) and torch.equal(b, d)
     assert json.loads((where / "done.json").read_text())["parts"].keys() == {"part-0.safetensors"}
+
+
+def test_a_model_with_a_scalar_buffer_is_digested_whole(folder, model, tmp_path):
+    """A 0-d buffer or parameter (Gemma 3's embed_scale, a learnt temperature) is part of the reference's key,
+    as every other tensor: another value of it is another reference."""
+    import copy
+
+    scaled = copy.deepcopy(model)
+    scaled.register_buffer("scale", torch.tensor(1.0))
+    _, said = attached(folder, scaled, tmp_path)
+    assert any("computed once" in line for line in said), said
+    scaled.scale.fill_(2.0)
+    _, said = attached(folder, scaled, tmp_path)
+    assert any("computed once" in line for line in said), said
+    assert len(list((tmp_path / reference.FOLDER).iterdir())) == 2

@@ -248,7 +248,7 @@ def _digest(model: nn.Module) -> str:
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         h.update(f"{_plain_name(name)} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
-        h.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-d too (a scale buffer)
     return h.hexdigest()
 
 
