@@ -131,3 +131,17 @@ def test_a_model_with_a_scalar_buffer_is_digested_whole(folder, model, tmp_path)
     _, said = attached(folder, scaled, tmp_path)
     assert any("computed once" in line for line in said), said
     assert len(list((tmp_path / reference.FOLDER).iterdir())) == 2
+
+
+def test_the_weights_are_digested_once_for_train_and_val(folder, model, tmp_path, monkeypatch):
+    """Digesting the weights reads every one of them (gathered whole where sharded): once a run, not once a
+    dataset."""
+    calls = []
+    digest = reference._digest
+    monkeypatch.setattr(reference, "_digest", lambda m: calls.append(1) or digest(m))
+    datasets = {name: TextDataset(str(folder), str(PAIRS), format="preference", max_len=max_len, cache=None)
+                for name, max_len in (("data.train", 128), ("data.val", 64))}
+    reference.attach(DPO(), datasets, model, create("single", Placement()), tmp_path, 4, Pairs(),
+                     contextlib.nullcontext, lambda line: None)
+    assert all(dataset.reference is not None for dataset in datasets.values())
+    assert len(calls) == 1

@@ -56,6 +56,7 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
                         "pipeline stages run it piece by piece; set parallel.pp=1 (fsdp and tp split a model too)")
     if not getattr(step, "needs_reference", False):
         return
+    weights = None
     for key, dataset in datasets.items():
         if dataset is None or getattr(dataset, "_launcher_reference", None):
             continue
@@ -64,7 +65,7 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
                             f"pair, computed before training over a map-style preference dataset, and "
                             f"{type(dataset).__name__} holds none (a stream is read as it comes); use TextDataset with "
                             f"format: preference, or a reference-free step.loss_type: simpo")
-        weights = _digest(model)
+        weights = weights or _digest(model)  # once for data.train and data.val: a pass over every weight
         digest = hashlib.sha256(f"{dataset.reference_key()}\n{weights}".encode()).hexdigest()[:24]
         folder = run_dir / FOLDER / digest
         kept = elsewhere / FOLDER / digest if elsewhere is not None else None
