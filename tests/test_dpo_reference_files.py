@@ -42,7 +42,7 @@ def model(folder):
 
 
 def attached(folder, model, run_dir):
-    """A fresh dataset of the shipped pairs given the reference by `attach` in `run_dir`: (its values, the lines said)."""
+    """A fresh dataset of the shipped pairs given the reference by `attach` in `run_dir`: (its values, lines said)."""
     dataset = TextDataset(str(folder), str(PAIRS), format="preference", max_len=128, cache=None)
     said = []
     reference.attach(DPO(), {"data.train": dataset}, model, create("single", Placement()), run_dir, 4, Pairs(),
