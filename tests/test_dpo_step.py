@@ -176,3 +176,44 @@ def test_per_token_values_are_log_softmax():
     assert values[0, 0] == 0 and values[0, 3] == 0 and values[1, 4] == 0
     assert math.isclose(values[0, 1].item(), lp[0, 0, 3].item(), rel_tol=1e-14)
     assert math.isclose(values[1, 3].item(), lp[1, 2, 0].item(), rel_tol=1e-14)
+
+
+class _Logits(torch.nn.Module):
+    """Logits from an embedding: a model whose forward adds no op of its own to the step's."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(64, 64)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+        return self.table(input_ids)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_step_asks_the_host_nothing(layout):
+    """No op whose output's size or value the host must wait for (boolean indexing, nonzero, item): each is a
+    device-to-host sync a step on a GPU (DESIGN invariant 1), seen here on the CPU by the ops dispatched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.waits = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            indices = args[1] if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) else []
+            if (func in (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+                         torch.ops.aten._local_scalar_dense.default)
+                    or any(i is not None and i.dtype == torch.bool for i in indices)):
+                self.waits.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    pairs = _pairs()
+    batch = _padded(pairs) if layout == "padded" else _packed(pairs)
+    batch["ref_logps"] = torch.zeros(batch["labels"].shape, dtype=torch.float64)
+    model = _Logits()
+    with Ops() as ops:
+        out = DPO()(model, batch)
+        out["loss"].backward()
+    assert ops.waits == []
+    assert out["num_items"].item() == len(pairs)

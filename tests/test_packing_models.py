@@ -133,6 +133,24 @@ def test_an_attention_that_reads_no_4d_mask_is_one_line():
         first_batch(model, packed(samples()))
 
 
+def test_an_moe_model_training_its_router_loss_is_one_line():
+    """transformers' MoE models weigh the load-balancing loss by a 2-D mask: a packed row's 4-D one is refused
+    at the first batch in one line naming both keys, not a shape error from inside the model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=256, hidden_size=16, intermediate_size=32,
+                                               moe_intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                               num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                                               output_router_logits=True))
+    with pytest.raises(UserError, match="data.train: packed rows give Qwen3MoeForCausalLM a 4-D attention mask, and "
+                                        "its router's load-balancing loss .*set data.train.packing: false, or "
+                                        "model.config.output_router_logits: false"):
+        first_batch(model, packed(samples()))
+    model.config.output_router_logits = False
+    assert first_batch(model, packed(samples())) == []
+
+
 class Causal(torch.nn.Module):
     """A causal LM of its own whose forward takes attention_mask and position_ids, and may ignore the mask."""
 

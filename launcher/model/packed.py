@@ -13,7 +13,9 @@ to the scores (a bool mask there would add 1 and let every token see every earli
 bool mask and eager an additive one (0, or float32's least value, which bf16 and fp16 scores take too).
 Others (flash_attention_2/3 read boundaries from position_ids or cu_seq_lens, flex_attention a BlockMask)
 are refused with one line: untested here. A model that is not from transformers gets the bool mask, and
-the first batch's check (`crossing`) finds out whether it honours it.
+the first batch's check (`crossing`) finds out whether it honours it. An MoE model that computes its router's
+load-balancing loss (`output_router_logits`) is refused too: transformers weighs that loss by the attention mask
+flattened to one flag a token, which a 4-D mask is not.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def form(model: nn.Module, names: Optional[Collection[str]]) -> str:
                         f"position_ids, and {kind}.forward takes no {' or '.join(missing)}; set data.train.packing: "
                         f"false")
     config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False) is True:
+        # transformers' MoE models weigh their load-balancing loss by the attention mask read as one flag a token
+        raise UserError(f"data.train: packed rows give {kind} a 4-D attention mask, and its router's load-balancing "
+                        f"loss (model.config.output_router_logits: true) reads a 2-D one, a flag a token; set "
+                        f"data.train.packing: false, or model.config.output_router_logits: false")
     implementation = getattr(config, "_attn_implementation", None) if config is not None else None
     if implementation is None:
         return "bool"

@@ -42,9 +42,11 @@ def summed(values: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tenso
     answer tokens it has."""
     scored = (labels != IGNORE) & (sequence_ids >= 0)
     scored[:, 0] = False  # nothing predicts a row's first token
-    index = sequence_ids[scored]
-    sums = values.new_zeros(count).index_add_(0, index, values[scored])
-    tokens = values.new_zeros(count).index_add_(0, index, torch.ones_like(values[scored]))
+    # every token added, those not scored as zeros: no boolean indexing, whose output's size the host would
+    # wait for (a device-to-host sync each step on a GPU)
+    index = sequence_ids.clamp(min=0).reshape(-1)
+    sums = values.new_zeros(count).index_add_(0, index, torch.where(scored, values, 0.0).reshape(-1))
+    tokens = values.new_zeros(count).index_add_(0, index, scored.to(values.dtype).reshape(-1))
     return sums, tokens
 
 

@@ -12,7 +12,12 @@ dataset (`attach_reference`), whose items carry them from then on.
 They are kept in `<run_dir>/reference/<key>/`, the key a digest of what the tokens were made from (the dataset's
 `reference_key()`) and of the reference weights' bytes (every parameter and buffer, gathered whole one at a
 time where sharded, under names without the wrappers'): a resumed run, under this layout or another, reads the
-same values, and a run whose data or starting weights changed computes them again."""
+same values, and a run whose data or starting weights changed computes them again.
+
+The folder holds a part per rank and `done.json`, written last by rank 0, naming each part with a digest of its
+bytes: a folder without it (a run killed during the pass), or whose parts are not the bytes it names or not the
+tokens' lengths (files damaged or truncated), is computed again and said so, never read. Every rank agrees
+on what it found before any rank writes, so that none computes while another has read."""
 
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load, save
 from torch import nn
 
 from launcher.checkpoint import adapters
@@ -35,6 +41,7 @@ from launcher.preference import logps
 from launcher.strategies import Strategy
 
 FOLDER = "reference"
+MARK = "done.json"  # written last: names the parts, each with a digest of its bytes
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
 
 
@@ -50,6 +57,7 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
                         "pipeline stages run it piece by piece; set parallel.pp=1 (fsdp and tp split a model too)")
     if not getattr(step, "needs_reference", False):
         return
+    weights = None
     for key, dataset in datasets.items():
         if dataset is None or getattr(dataset, "_launcher_reference", None):
             continue
@@ -58,29 +66,36 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
                             f"pair, computed before training over a map-style preference dataset, and "
                             f"{type(dataset).__name__} holds none (a stream is read as it comes); use TextDataset with "
                             f"format: preference, or a reference-free step.loss_type: simpo")
-        weights = _digest(model)
+        weights = weights or _digest(model)  # once for data.train and data.val: a pass over every weight
         digest = hashlib.sha256(f"{dataset.reference_key()}\n{weights}".encode()).hexdigest()[:24]
         folder = run_dir / FOLDER / digest
-        values = _read(folder, dataset.pairs())
         kept = elsewhere / FOLDER / digest if elsewhere is not None else None
-        if values is None and kept is not None and kept != folder and _read(kept, dataset.pairs()) is not None:
+        found = _attached(dataset, folder)
+        if _everywhere(strategy, found):
+            say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {folder}")
+        elif kept is not None and kept != folder and _everywhere(strategy, _attached(dataset, kept)):
             if strategy.placement.is_main:
                 shutil.copytree(kept, folder, dirs_exist_ok=True)
             strategy.barrier()
-            values = _read(folder, dataset.pairs())
             say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {kept} (the resumed "
                 f"run's), kept in {folder}")
-        elif values is None:
-            _compute(step, dataset, model, strategy, folder, per_rank, collate, autocast)
-            values = _read(folder, dataset.pairs())
-            if values is None:  # every rank wrote its part and rank 0 the mark: a part that is gone is a bug
-                raise RuntimeError(f"{folder}: the reference's log-probabilities are incomplete after every rank wrote "
-                                   f"its part")
-            say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs computed once, kept in {folder}")
         else:
-            say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {folder}")
-        dataset.attach_reference(values)
+            if found:  # said by rank 0 alone, as every line: what it found there
+                say(f"{key}: the reference's log-probabilities kept in {folder} are not whole ({found}): computed "
+                    f"again")
+            _compute(step, dataset, model, strategy, folder, per_rank, collate, autocast)
+            found = _attached(dataset, folder)
+            if found is not None:  # every rank wrote its part and rank 0 the mark: a part unread is a bug
+                raise RuntimeError(f"{folder}: the reference's log-probabilities just written do not read back: "
+                                   f"{found or 'no done.json'}")
+            say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs computed once, kept in {folder}")
         dataset._launcher_reference = digest
+
+
+def _everywhere(strategy: Strategy, found: Optional[str]) -> bool:
+    """Whether every rank read and attached the values (`found` None on each). Collective: every rank learns it
+    before any writes, so that none computes while another goes on."""
+    return all(f is None for f in strategy.all_gather_object(found))
 
 
 def kept_beside(resume: Any) -> Optional[Path]:
@@ -93,6 +108,9 @@ def kept_beside(resume: Any) -> Optional[Path]:
 
 def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, folder: Path, per_rank: int,
              collate: Callable, autocast: Callable) -> None:
+    if strategy.placement.is_main:  # a mark left from before would name parts being rewritten
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / MARK).unlink(missing_ok=True)
     shares, share = strategy.data_share()
     pairs = dataset.pairs()
     mine = list(range(share, pairs, shares))
@@ -117,11 +135,12 @@ def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, fold
                                 values[2 * j + 1, :len(item["rejected_labels"])].clone())
     finally:
         model.train(was_training)
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_part(folder / f"part-{strategy.placement.rank}.safetensors", found)
-    strategy.barrier()
+    name = f"part-{strategy.placement.rank}.safetensors"
+    digests = strategy.all_gather_object((name, _write_part(folder, name, found)))  # after rank 0 removed the mark
     if strategy.placement.is_main:
-        (folder / "done.json").write_text(json.dumps({"pairs": pairs, "ranks": strategy.placement.world_size}) + "\n")
+        temporary = folder / f"{MARK}.tmp"
+        temporary.write_text(json.dumps({"pairs": pairs, "parts": dict(digests)}) + "\n")
+        temporary.replace(folder / MARK)
     strategy.barrier()
 
 
@@ -150,39 +169,68 @@ def _inner(dataset: Any) -> Any:
     return dataset
 
 
-def _write_part(path: Path, found: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _write_part(folder: Path, name: str, found: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """This rank's values written to `folder/name` (by a rename, whole or not at all); the digest of its bytes."""
     index = sorted(found)
     tensors = {"index": torch.tensor(index, dtype=torch.int64),
                "chosen_lengths": torch.tensor([len(found[k][0]) for k in index], dtype=torch.int64),
                "rejected_lengths": torch.tensor([len(found[k][1]) for k in index], dtype=torch.int64),
                "chosen": torch.cat([found[k][0] for k in index]) if index else torch.zeros(0, dtype=torch.float64),
                "rejected": torch.cat([found[k][1] for k in index]) if index else torch.zeros(0, dtype=torch.float64)}
-    temporary = path.with_suffix(".tmp")
-    save_file(tensors, str(temporary))
-    temporary.replace(path)
+    data = save(tensors)
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = folder / f"{name}.tmp"
+    temporary.write_bytes(data)
+    temporary.replace(folder / name)
+    return _bytes_digest(data)
 
 
-def _read(folder: Path, pairs: int) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
-    """Every pair's values from the parts in `folder`, or None where they are not all there."""
-    mark = folder / "done.json"
-    if not mark.is_file():
-        return None
+def _attached(dataset: Any, folder: Path) -> Optional[str]:
+    """None where the values kept in `folder` were read whole and attached to `dataset`; else why not: '' where
+    nothing was kept there, or what is wrong with what was."""
+    if not (folder / MARK).is_file():
+        return ""
     try:
-        if json.loads(mark.read_text()).get("pairs") != pairs:
-            return None
-    except (OSError, ValueError):
-        return None
+        values = _read(folder, dataset.pairs())
+        dataset.attach_reference(values)  # ValueError where a pair's values are not its tokens' lengths
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _read(folder: Path, pairs: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Every pair's values from the parts that `folder`'s mark names, each checked against its digest; or
+    OSError, ValueError, KeyError, TypeError, SafetensorError where they are not whole."""
+    mark = json.loads((folder / MARK).read_text())
+    if not isinstance(mark, dict) or mark.get("pairs") != pairs or not isinstance(mark.get("parts"), dict):
+        raise ValueError(f"{MARK} is not that of {pairs} pairs' parts")
     values: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * pairs
-    for part in sorted(folder.glob("part-*.safetensors")):
-        t = load_file(str(part))
-        chosen = torch.split(t["chosen"], t["chosen_lengths"].tolist())
-        rejected = torch.split(t["rejected"], t["rejected_lengths"].tolist())
-        for k, c, r in zip(t["index"].tolist(), chosen, rejected):
-            if 0 <= k < pairs:
-                values[k] = (c, r)
-    if any(v is None for v in values):
-        return None
+    for name, expected in mark["parts"].items():
+        if Path(name).name != name or not name.startswith("part-"):
+            raise ValueError(f"{MARK} names {name!r}, not a part of this folder")
+        data = (folder / name).read_bytes()
+        if _bytes_digest(data) != expected:
+            raise ValueError(f"{name} is not the bytes written")
+        t = load(data)
+        for side in ("chosen", "rejected"):
+            lengths, flat = t[f"{side}_lengths"], t[side]
+            if (lengths.dtype != torch.int64 or lengths.dim() != 1 or flat.dim() != 1 or (lengths < 0).any()
+                    or int(lengths.sum()) != len(flat)):
+                raise ValueError(f"{name}: its {side} lengths do not cover its {flat.numel()} values")
+        chosen = torch.split(t["chosen"].double(), t["chosen_lengths"].tolist())
+        rejected = torch.split(t["rejected"].double(), t["rejected_lengths"].tolist())
+        for k, c, r in zip(t["index"].tolist(), chosen, rejected, strict=True):
+            if not 0 <= k < pairs:
+                raise ValueError(f"{name} holds pair {k} of {pairs}")
+            values[k] = (c, r)
+    missing = sum(v is None for v in values)
+    if missing:
+        raise ValueError(f"{missing} of {pairs} pairs in no part")
     return values  # type: ignore[return-value]
+
+
+def _bytes_digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def _digest(model: nn.Module) -> str:
@@ -199,7 +247,7 @@ def _digest(model: nn.Module) -> str:
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         h.update(f"{_plain_name(name)} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
-        h.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-d too (a scale buffer)
     return h.hexdigest()
 
 
