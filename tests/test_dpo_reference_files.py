@@ -145,3 +145,17 @@ def test_the_weights_are_digested_once_for_train_and_val(folder, model, tmp_path
                      contextlib.nullcontext, lambda line: None)
     assert all(dataset.reference is not None for dataset in datasets.values())
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("failing", ["_write_part", "_mark", "_unmarked"])
+def test_a_folder_that_cannot_be_written_is_one_line(folder, model, tmp_path, monkeypatch, failing):
+    """A full disk (or any OSError) while the reference is kept: one line naming the folder, through the
+    strategy's agreement (every rank stops with it), not a traceback on one rank while the others wait."""
+    from launcher.errors import UserError
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(reference, failing, full)
+    with pytest.raises(UserError, match=r"reference's log-probabilities cannot be written there: No space left"):
+        attached(folder, model, tmp_path / "run")

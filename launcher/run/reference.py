@@ -108,9 +108,7 @@ def kept_beside(resume: Any) -> Optional[Path]:
 
 def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, folder: Path, per_rank: int,
              collate: Callable, autocast: Callable) -> None:
-    if strategy.placement.is_main:  # a mark left from before would name parts being rewritten
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / MARK).unlink(missing_ok=True)
+    strategy.agree(lambda: _written(folder, lambda: _unmarked(folder)) if strategy.placement.is_main else None)
     shares, share = strategy.data_share()
     pairs = dataset.pairs()
     mine = list(range(share, pairs, shares))
@@ -136,12 +134,31 @@ def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, fold
     finally:
         model.train(was_training)
     name = f"part-{strategy.placement.rank}.safetensors"
-    digests = strategy.all_gather_object((name, _write_part(folder, name, found)))  # after rank 0 removed the mark
-    if strategy.placement.is_main:
-        temporary = folder / f"{MARK}.tmp"
-        temporary.write_text(json.dumps({"pairs": pairs, "parts": dict(digests)}) + "\n")
-        temporary.replace(folder / MARK)
-    strategy.barrier()
+    # agreed: a rank that cannot write (a full disk) stops every rank with its line, none waits for it
+    digest = strategy.agree(lambda: _written(folder, lambda: _write_part(folder, name, found)))
+    digests = strategy.all_gather_object((name, digest))  # after rank 0 removed the mark
+    strategy.agree(lambda: _written(folder, lambda: _mark(folder, pairs, dict(digests)))
+                   if strategy.placement.is_main else None)
+
+
+def _unmarked(folder: Path) -> None:
+    """The folder made, and a mark left from before removed: it would name parts being rewritten."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARK).unlink(missing_ok=True)
+
+
+def _mark(folder: Path, pairs: int, parts: Dict[str, str]) -> None:
+    temporary = folder / f"{MARK}.tmp"
+    temporary.write_text(json.dumps({"pairs": pairs, "parts": parts}) + "\n")
+    temporary.replace(folder / MARK)
+
+
+def _written(folder: Path, write: Callable[[], Any]) -> Any:
+    try:
+        return write()
+    except OSError as e:
+        raise UserError(f"{folder}: the reference's log-probabilities cannot be written there: "
+                        f"{e.strerror or type(e).__name__}; free space in the run folder, or move run_dir") from None
 
 
 def _collated(collate: Callable, items: list) -> Dict[str, Any]:
