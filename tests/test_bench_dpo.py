@@ -170,7 +170,7 @@ def test_the_launcher_reads_the_pairs_as_the_same_tokens_as_trl(folder_and_pairs
         dpo.same_tokens(folder, data, shorter)
 
 
-NUMBER = r"(\d+\.\d+)"
+NUMBER = r"(-?\d+\.\d+)"  # a slope a busy machine made negative too (said "not measured")
 
 
 @pytest.mark.slow
@@ -186,8 +186,12 @@ def test_the_dpo_row_stands_against_trl():
         row = re.search(rf"^{re.escape(side)} +{NUMBER}ms +\(\S+\) +{NUMBER}ms +{NUMBER}$", out, re.M)
         assert row, out
         step, loop, losses[side] = map(float, row.groups())
-        assert step > 0 and loop > 0 and 0 < losses[side] < math.log(2), out  # both sides learnt something
+        assert loop > 0 and 0 < losses[side] < math.log(2), out  # both sides learnt something
+        # a busy machine's seconds can outweigh a slope's steps: the row then says "not measured", never a ratio
+        assert step > 0 or "ours / TRL step (slopes): not measured" in out, out
     gap = re.search(r"^loss at step 400: \|ours - TRL\| / TRL (\S+), (NOT )?within 1% \(issue 53\)", out, re.M)
     assert gap and float(gap.group(1)) <= 0.01 and not gap.group(2), out  # issue 53: within 1%
+    if "ours / TRL step (slopes): not measured" in out:
+        return
     ratio = re.search(rf"^ours / TRL step \(slopes\): {NUMBER} \({NUMBER}-{NUMBER}\)", out, re.M)
     assert ratio and plausible(float(ratio.group(1))), out  # a sanity bound on what was measured, not a target
