@@ -17,8 +17,8 @@ model in memory). The config is the model's own, which a run of an HF model keep
 (tokenizer.json, tokenizer_config.json, the chat template, ...; copied as they are, checked first), so that
 AutoTokenizer loads the folder too: those of the folder the run's tokenizer came from (its recipe.yaml's
 data.train.tokenizer where that is a local folder, else its checkpoint.init_from where that folder holds a
-tokenizer), or an HF folder's own (CHECKPOINT's); --tokenizer names another. Without one, the folder holds the model alone,
-and a line says so. Of a LoRA run (peft), --merge-lora
+tokenizer), or an HF folder's own (CHECKPOINT's); --tokenizer names another. Without one, the folder holds
+the model alone, and a line says so. Of a LoRA run (peft), --merge-lora
 merges the adapters into the base model's weights (W + B A x alpha / r, as peft's merge_and_unload), from
 the adapter config the run keeps in <run_dir>/adapter_config.json.
 
