@@ -47,7 +47,7 @@ def of_recipe(recipe: Any) -> Tuple[Optional[Path], str]:
     for key, value in (("data.train.tokenizer", named), ("checkpoint.init_from", init_from)):
         if isinstance(value, str) and "://" not in value and holds(Path(value).expanduser()):
             return Path(value).expanduser(), key
-    data_said = (f"data.train.tokenizer {short(named)} is not a local folder" if isinstance(named, str)
+    data_said = (f"data.train.tokenizer {short(named)} is no local tokenizer folder" if isinstance(named, str)
                  else "no data.train.tokenizer")
     init_said = (f"checkpoint.init_from {short(init_from)} holds no tokenizer files" if isinstance(init_from, str)
                  else "no checkpoint.init_from")
