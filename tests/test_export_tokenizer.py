@@ -161,7 +161,7 @@ def test_the_folder_is_chosen_from_the_recipe_as_the_run_used_it(tmp_path):
     assert of_recipe(recipe(None, str(weights))) == (None, f"no data.train.tokenizer, checkpoint.init_from "
                                                            f"'{weights}' holds no tokenizer files")
     assert of_recipe(recipe("Qwen/Qwen3-0.6B", "s3://bucket/run")) == (
-        None, "data.train.tokenizer 'Qwen/Qwen3-0.6B' is no local tokenizer folder, checkpoint.init_from 's3://bucket/run' "
-              "holds no tokenizer files")
+        None, "data.train.tokenizer 'Qwen/Qwen3-0.6B' is no local tokenizer folder, checkpoint.init_from "
+              "'s3://bucket/run' holds no tokenizer files")
     assert of_recipe({"data": {"train": [1, 2]}, "checkpoint": {}}) == (None, "no data.train.tokenizer, no "
                                                                                "checkpoint.init_from")
