@@ -1,5 +1,5 @@
 """python -m launcher.export CHECKPOINT OUT [--format hf [--merge-lora] [--dtype bf16|fp32] [--max-shard-size 5GB]
-                                             [--config FILE]] [--format peft]
+                                             [--config FILE] [--tokenizer FOLDER]] [--format peft]
 
 Any checkpoint the launcher writes, sharded or not, as one plain file of the unwrapped model's
 state_dict, which loads into the plain model with load_state_dict(strict=True). No process group
@@ -13,7 +13,12 @@ else its model.pt), an HF model folder or a model state_dict file. OUT ends in .
 --format hf writes OUT as a folder that HF's `from_pretrained` loads: config.json and safetensors shards
 of at most --max-shard-size, with their index, read and written one shard at a time (never the whole
 model in memory). The config is the model's own, which a run of an HF model keeps in
-<run_dir>/hf_config.json (--config names another config.json). Of a LoRA run (peft), --merge-lora
+<run_dir>/hf_config.json (--config names another config.json). Beside them go the tokenizer's files
+(tokenizer.json, tokenizer_config.json, the chat template, ...; copied as they are, checked first), so that
+AutoTokenizer loads the folder too: those of the folder the run's tokenizer came from (its recipe.yaml's
+data.train.tokenizer where that is a local folder, else its checkpoint.init_from where that folder holds a
+tokenizer), or an HF folder's own (CHECKPOINT's); --tokenizer names another. Without one, the folder holds
+the model alone, and a line says so. Of a LoRA run (peft), --merge-lora
 merges the adapters into the base model's weights (W + B A x alpha / r, as peft's merge_and_unload), from
 the adapter config the run keeps in <run_dir>/adapter_config.json.
 
@@ -33,7 +38,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from launcher.checkpoint import adapters, files, hf, storage, untrusted, weights
+from launcher.checkpoint import adapters, files, hf, hf_tokenizer, storage, untrusted, weights
 from launcher.checkpoint.hf import RUN_CONFIG
 from launcher.errors import UserError
 from launcher.report import say
@@ -75,6 +80,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                                  "as 5GB, 500MB or bytes (default 5GB)")
     parser.add_argument("--config", type=Path, help="with --format hf: the model's config.json (default: the run "
                                                     "folder's hf_config.json, or the HF folder's own)")
+    parser.add_argument("--tokenizer", type=Path, help="with --format hf: the folder whose tokenizer files go beside "
+                                                       "the model (default: the one the run's tokenizer came from)")
     args = parser.parse_args(argv)
     try:
         if storage.is_remote(args.checkpoint):
@@ -91,6 +98,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError(f"{args.out}: the output must end in .pt or .safetensors (or give --format hf for a folder)")
         if args.merge_lora and args.format != "hf":
             raise UserError("--merge-lora: writes an HF folder; give --format hf with it")
+        if args.tokenizer is not None and args.format != "hf":
+            raise UserError("--tokenizer: its files go into an HF folder; give --format hf with it")
+        if args.format == "hf":  # checked before any weight is written
+            tokenizer, why = _tokenizer(args.checkpoint, args.tokenizer)
+            beside = hf_tokenizer.read(tokenizer) if tokenizer is not None else None
         if args.format in ("hf", "peft"):  # read a shard at a time
             tensors, source = _adapted(*weights.lazy(args.checkpoint), args)
             specs = tensors.specs
@@ -99,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             specs = {k: (v.shape, v.dtype) for k, v in state.items()}
         try:
             if args.format == "hf":
-                written = hf.write(args.out, tensors, cfg, hf.DTYPES.get(args.dtype), limit)
+                written = hf.write(args.out, tensors, cfg, hf.DTYPES.get(args.dtype), limit, beside=beside)
             elif args.format == "peft":
                 written = adapters.write(args.out, tensors, _adapter_config(args.checkpoint), hf.DTYPES.get(args.dtype))
             else:
@@ -112,6 +124,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     parameters = sum(shape.numel() for shape, _ in specs.values())
     what = f" ({', '.join(written)})" if args.format != "file" else ""
+    if args.format == "hf":
+        print(hf_tokenizer.said(args.out, tokenizer, why))
     print(f"wrote {args.out}{what}: {len(specs)} tensors, {parameters:,} values, from {source}")
     return 0
 
@@ -161,6 +175,27 @@ def _config(checkpoint: Path, given: Optional[Path]) -> dict:
         return own
     raise UserError(f"{checkpoint}: --format hf needs the model's config, and none was found: a run of an HF model "
                     f"keeps it in <run_dir>/{RUN_CONFIG}; name one with --config FILE")
+
+
+def _tokenizer(checkpoint: Path, given: Optional[Path]):
+    """The folder whose tokenizer files go beside the model, and why that one (or None, and why none): --tokenizer,
+    else an HF folder's own, else the one the run's tokenizer came from (the recipe.yaml of the run folder
+    CHECKPOINT is or is in)."""
+    if given is not None:
+        if not hf_tokenizer.holds(given.expanduser()):
+            why = ("holds no tokenizer files (tokenizer.json, tokenizer_config.json: what a tokenizer's "
+                   "save_pretrained writes)" if given.expanduser().is_dir() else "no such folder")
+            raise UserError(f"--tokenizer {given}: {why}; name a folder holding a tokenizer")
+        return given.expanduser(), "--tokenizer"
+    if storage.is_remote(checkpoint):
+        return None, "the run folder of a checkpoint in an object store is not known"
+    if hf.holds(checkpoint) and hf_tokenizer.holds(checkpoint):
+        return checkpoint, "the HF folder's own"
+    for folder in (checkpoint, checkpoint.parent, checkpoint.parent.parent):
+        if (folder / "recipe.yaml").is_file():
+            found, why = hf_tokenizer.of_run(folder)
+            return found, f"{why} in {folder / 'recipe.yaml'}"
+    return None, f"no run recipe (recipe.yaml) in or above {checkpoint}"
 
 
 def _bytes(size: str) -> int:

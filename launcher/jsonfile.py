@@ -20,16 +20,31 @@ def json_file(path: Path, what: str, max_depth: Optional[int] = None) -> Dict[st
     such, not a RecursionError. With `max_depth`, a file nested deeper than that is refused too: for a file
     another parser reads next (the tokenizers library's gives up at 128 levels, with a message of its own)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_JSON + 1)  # bounded: a huge file (or /dev/zero) is refused, not read whole
-        if len(raw) > MAX_JSON:
-            raise UserError(f"{path}: more than {MAX_JSON >> 20} MiB; a {what} is a few KB of JSON (a few MB for "
-                            f"the index of a very large model)")
+        raw = bounded(path, MAX_JSON, f"a {what} is a few KB of JSON (a few MB for the index of a very large model)")
+    except OSError as e:
+        raise UserError(f"{path}: not a readable JSON {what} ({first_line(e)[:200]})") from None
+    return parsed(raw, path, what, max_depth)
+
+
+def bounded(path: Path, limit: int, usual: str) -> bytes:
+    """The file's bytes, or one line (ending in `usual`, what such a file holds) where it holds more than
+    `limit`: at most limit + 1 bytes are read, so a huge file, or /dev/zero, is refused, not read whole.
+    OSError is the caller's to say."""
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise UserError(f"{path}: more than {limit >> 20} MiB; {usual}")
+    return raw
+
+
+def parsed(raw: bytes, path: Path, what: str, max_depth: Optional[int] = None) -> Dict[str, Any]:
+    """The JSON object in `raw` (the bytes of `path`, as `bounded` read them), checked as json_file checks it."""
+    try:
         value = json.loads(raw)
     except RecursionError:
         raise UserError(f"{path}: nested deeper than Python's JSON parser goes ({sys.getrecursionlimit()} levels); "
                         f"a {what} is JSON a few levels deep") from None
-    except (OSError, ValueError) as e:
+    except ValueError as e:
         raise UserError(f"{path}: not a readable JSON {what} ({first_line(e)[:200]})") from None
     if not isinstance(value, dict):
         raise UserError(f"{path}: holds {a_kind(value)}; a {what} is a JSON object")

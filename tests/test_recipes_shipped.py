@@ -18,7 +18,8 @@ def test_there_are_recipes():
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_recipe_loads_and_builds(path, tmp_path):
     overrides = ["on_cpu=null"]  # as written (a recipe's on_cpu keys may rename a run without a GPU)
-    if path.name in ("hf_finetune.yaml", "hf_lora.yaml", "hf_sft.yaml", "hf_pretrain.yaml"):  # its HF folder, made as its header says
+    # its HF folder, made as its header says
+    if path.name in ("hf_finetune.yaml", "hf_lora.yaml", "hf_sft.yaml", "hf_dpo.yaml", "hf_pretrain.yaml"):
         from recipes.components.hf_folder import write
 
         write(str(tmp_path / "base"))

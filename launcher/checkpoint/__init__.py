@@ -20,6 +20,7 @@ This face is what the rest of the launcher uses; one file per concern behind it:
     weights.py    the plain model's weights from any checkpoint, run folder or file (export, init_from)
     sliced.py     the same read into a sharded model, each rank its own slices (init_from under fsdp)
     adapters.py   a peft model seen as the model it adapts (init_from of the base model's weights)
+    hf_tokenizer.py the tokenizer's files copied beside an exported HF folder, from the folder the run's came from
     hf_layout.py  an HF model's tensors as published folders hold them (each expert's matrices) and as the
                   model holds them (fused 3-D experts), by transformers' own conversion mapping
     fitting.py    whether weights fit a model, naming the first difference
@@ -33,6 +34,7 @@ from launcher.checkpoint.adapters import config_of as adapter_config, is_adapted
 from launcher.checkpoint.adapters import unmerged
 from launcher.checkpoint.files import crc32, write_text
 from launcher.checkpoint.hf import config_of as model_config, keep_config, named_configs
+from launcher.checkpoint.hf_tokenizer import checked as export_tokenizer
 from launcher.checkpoint.layout import choose, complete, folder_of, settle, step_of, steps
 from launcher.checkpoint.manager import Checkpoints
 from launcher.checkpoint.manifest import is_complete, verify
@@ -40,5 +42,5 @@ from launcher.checkpoint.run_state import RunState
 from launcher.checkpoint.sliced import load as load_into_shards
 from launcher.checkpoint.weights import load_model_state
 
-__all__ = ["Checkpoints", "RunState", "adapter_config", "keep_adapter_config", "choose", "complete", "crc32", "folder_of", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
+__all__ = ["Checkpoints", "RunState", "adapter_config", "keep_adapter_config", "choose", "complete", "crc32", "export_tokenizer", "folder_of", "is_adapted", "is_complete", "keep_config", "load_into_shards", "load_model_state",
            "model_config", "named_configs", "settle", "step_of", "steps", "unmerged", "verify", "write_text"]

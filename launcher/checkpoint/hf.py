@@ -192,13 +192,14 @@ class Tensors:
 
 
 def write(out: Path, tensors, cfg: dict, dtype: Optional[torch.dtype], max_shard_bytes: int,
-          replace: bool = False) -> list:
+          replace: bool = False, beside: Optional[Mapping[str, bytes]] = None) -> list:
     """An HF model folder at `out` (new, or empty; with `replace`, one this wrote before): config.json, and
     the floating-point tensors (a state_dict, or Tensors read a shard at a time: no more than one shard's
     tensors are held) in `dtype` (None: as they are) as safetensors files of at most `max_shard_bytes`
     each (one tensor larger than that is a shard alone), with the index when there are several, keyed and
-    split as save_pretrained writes them (a mixture of experts' fused weights per expert: hf_layout.py). Written
-    in a hidden folder beside it, then renamed, so that `out` is whole or absent. Returns the files."""
+    split as save_pretrained writes them (a mixture of experts' fused weights per expert: hf_layout.py), and the
+    files `beside` (a name in the folder -> its bytes: a tokenizer's, hf_tokenizer.py). Written in a hidden folder
+    beside it, then renamed, so that `out` is whole or absent. Returns the files."""
     import shutil
 
     from safetensors.torch import save_file
@@ -228,7 +229,10 @@ def write(out: Path, tensors, cfg: dict, dtype: Optional[torch.dtype], max_shard
         config = {**cfg, "dtype": JSON_DTYPES.get(saved_as, str(saved_as).replace("torch.", ""))}
         config.pop("torch_dtype", None)
         files.write_text(partial / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
-        return written + [CONFIG]
+        for name, raw in (beside or {}).items():
+            (partial / name).parent.mkdir(parents=True, exist_ok=True)
+            (partial / name).write_bytes(raw)
+        return written + [CONFIG] + list(beside or {})
 
     return files.write_folder(out, fill, "the HF model")
 

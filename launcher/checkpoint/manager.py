@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from launcher.checkpoint import adapters, files, formats, hf, layout, run_state, storage
+from launcher.checkpoint import adapters, files, formats, hf, hf_tokenizer, layout, run_state, storage
 from launcher.checkpoint.run_state import RunState
 from launcher.checkpoint.staging import Staging
 from launcher.errors import CheckpointsFailed, UserError
@@ -104,12 +104,15 @@ class Checkpoints:
         return path
 
     def export_hf_folder(self, tensors: "hf.Tensors") -> None:
-        """<run_dir>/hf/, a folder from_pretrained loads, with a peft model's adapters merged in (rank 0)."""
+        """<run_dir>/hf/, a folder from_pretrained loads, with a peft model's adapters merged in, and the
+        tokenizer the run's came from (rank 0; which one was said at start, hf_tokenizer.checked)."""
         config = json.loads((self.run_dir / hf.RUN_CONFIG).read_text())
         if (self.run_dir / adapters.RUN_CONFIG).is_file():
             tensors = adapters.merged(tensors, json.loads((self.run_dir / adapters.RUN_CONFIG).read_text()))
+        tokenizer, _ = hf_tokenizer.of_run(self.run_dir)
         try:
-            hf.write(self.run_dir / "hf", tensors, config, None, 5 * 10**9, replace=True)
+            hf.write(self.run_dir / "hf", tensors, config, None, 5 * 10**9, replace=True,
+                     beside=hf_tokenizer.read(tokenizer) if tokenizer is not None else None)
         except OSError as e:
             raise files.cannot_write(self.run_dir / "hf", e) from None
 

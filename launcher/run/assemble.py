@@ -58,6 +58,10 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
     if model_config is None and recipe.checkpoint.export_hf:
         raise UserError(f"checkpoint.export_hf: the model ({type(model).__name__}) has no HF config (model.config), "
                         f"which an HF folder needs; export_hf is for transformers models")
+    if recipe.checkpoint.export_hf:  # its tokenizer's files checked now, not found wanting when training is done
+        said = strategy.agree(lambda: checkpoint.export_tokenizer(run_dir) if strategy.placement.is_main else None)
+        if said:
+            console.info(said)
     if init_from and not on_meta:
         _initialised(console, init_from, lambda: checkpoint.load_model_state(model, init_from,
                                                                               map_location=strategy.device))
