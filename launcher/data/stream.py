@@ -9,11 +9,9 @@ world size. An HF `datasets.IterableDataset` is split by its own hook instead
 (`datasets.distributed.split_dataset_by_node`: whole files per rank where they divide evenly), so each
 rank reads only its own part; its global batches then depend on the world size.
 
-Validation. Every item is read once, in the same global batches as training's, the last one incomplete.
-Every rank runs as many batches, whatever the stream's length: a rank whose share of the last one is
-empty runs a padding batch that is not counted (`Share._last`). Each rank learns that by reading the
-whole stream (no collective): an HF stream is interleaved here too, not split by its hook; a rank
-then reads the whole validation set, not its part, and the validation loss is one process's.
+Validation. Every item once, in one process's global batches, the last one incomplete; as many batches
+on every rank, which each knows without a collective, having read the whole stream (an HF stream too
+is interleaved here, not split by its hook): `Share._last`.
 
 Workers. Worker w of K takes the rank's batches w, w+K, ... counted from where the loader started, so
 the DataLoader's round robin hands them out in the stream's order. Each worker reads the rank's
@@ -75,8 +73,7 @@ class Share:
         self.epoch_of_keys = -1 if key == "data.val" else None  # validation's items: an epoch of their own
         self.per_rank = max(batch_size // replicas, 1)
         self.global_batch = self.per_rank * replicas
-        # Validation (every item, no drop_last) is always interleaved: each rank then counts the whole stream and
-        # knows how many batches the others run (_last), where a rank of a split stream would have to ask them
+        # validation (no drop_last) is interleaved: each rank counts the whole stream, so the others' batches (_last)
         self.own_split = _is_hf_stream(dataset) and replicas > 1 and drop_last
         if self.own_split:
             from datasets.distributed import split_dataset_by_node
@@ -186,11 +183,10 @@ class Share:
     def _last(self, group: List[Any], group_start: Optional[int], read: Optional[tuple]) -> Optional[tuple]:
         """(place, items, index of the first) of validation's last batch on this rank, where it has one.
 
-        Every rank must run as many forwards: a sharded model's forward is collective (fsdp's all-gathers, ep's
-        all-to-alls), and a rank with a batch fewer left the others waiting in their last forward until
-        dist_timeout. Every rank has read the whole stream (validation is interleaved), and rank 0's share of
-        the last, incomplete global batch is never empty, so a rank whose share of it is empty runs the batch
-        of one item it read last, marked PADDING: run, never counted (metrics.evaluate), as ShardSampler's."""
+        Every rank runs as many: a sharded model's forward is collective (fsdp's all-gathers, ep's all-to-alls),
+        and a rank with a batch fewer left the others waiting in their last forward until dist_timeout. Rank 0's
+        share of an incomplete last global batch is never empty; a rank whose share is runs the item it read
+        last alone, marked PADDING: run, never counted (launcher/run/metrics.py evaluate), as ShardSampler's."""
         if group:
             return None, group, group_start
         if self.replicas > 1 and read is not None and (read[0] + 1) % self.global_batch:
