@@ -9,6 +9,10 @@ world size. An HF `datasets.IterableDataset` is split by its own hook instead
 (`datasets.distributed.split_dataset_by_node`: whole files per rank where they divide evenly), so each
 rank reads only its own part; its global batches then depend on the world size.
 
+Validation. Every item once, in one process's global batches, the last one incomplete; as many batches
+on every rank, which each knows without a collective, having read the whole stream (an HF stream too
+is interleaved here, not split by its hook): `Share._last`.
+
 Workers. Worker w of K takes the rank's batches w, w+K, ... counted from where the loader started, so
 the DataLoader's round robin hands them out in the stream's order. Each worker reads the rank's
 whole share and collates only its own batches: K workers read the stream K times and share the
@@ -35,7 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from launcher.data import item_rng
 from launcher.data.collate import default
-from launcher.data.sampling import placed
+from launcher.data.sampling import Padding, placed
 from launcher.data.loaders import Loader, Loading, loading, stop_workers
 from launcher.errors import UserError
 
@@ -69,7 +73,8 @@ class Share:
         self.epoch_of_keys = -1 if key == "data.val" else None  # validation's items: an epoch of their own
         self.per_rank = max(batch_size // replicas, 1)
         self.global_batch = self.per_rank * replicas
-        self.own_split = _is_hf_stream(dataset) and replicas > 1
+        # validation (no drop_last) is interleaved: each rank counts the whole stream, so the others' batches (_last)
+        self.own_split = _is_hf_stream(dataset) and replicas > 1 and drop_last
         if self.own_split:
             from datasets.distributed import split_dataset_by_node
 
@@ -139,8 +144,9 @@ class Share:
                 items = self._read(dataset, epoch, index, index)
             else:
                 items = self._read(dataset, epoch, index, 0)
-            state, group, handed, group_start = None, [], 0, None
+            state, group, handed, group_start, read = None, [], 0, None, None
             for i, item in items:
+                read = (i, item)  # the epoch's last item read so far, whoever's
                 if self._mine(i):
                     group_start = i if not group else group_start
                     group.append(item)
@@ -160,10 +166,12 @@ class Share:
                     kept = item_rng.Kept()
                 number, group, handed = number + 1, [], handed + 1
             if not self.drop_last:
-                if group and (number - first) % workers == worker:
+                last = self._last(group, group_start, read)
+                if last is not None and (number - first) % workers == worker:
+                    place, group, group_start = last
                     batch = self._collated(group, epoch, group_start, collate)
                     kept.back()
-                    yield None, batch
+                    yield place, batch
                 else:
                     kept.back()
                 return
@@ -171,6 +179,19 @@ class Share:
                 raise UserError(f"{self.key}: the stream's epoch {epoch} holds fewer items than one batch "
                                 f"(data.batch_size {self.global_batch})")
             epoch, index, in_epoch = epoch + 1, 0, 0
+
+    def _last(self, group: List[Any], group_start: Optional[int], read: Optional[tuple]) -> Optional[tuple]:
+        """(place, items, index of the first) of validation's last batch on this rank, where it has one.
+
+        Every rank runs as many: a sharded model's forward is collective (fsdp's all-gathers, ep's all-to-alls),
+        and a rank with a batch fewer left the others waiting in their last forward until dist_timeout. Rank 0's
+        share of an incomplete last global batch is never empty; a rank whose share is runs the item it read
+        last alone, marked PADDING: run, never counted (launcher/run/metrics.py evaluate), as ShardSampler's."""
+        if group:
+            return None, group, group_start
+        if self.replicas > 1 and read is not None and (read[0] + 1) % self.global_batch:
+            return PADDING, [read[1]], read[0]
+        return None
 
     def first_items(self) -> List[Any]:
         """This rank's items of the first global batch, from a fresh pass (for the check before training).
@@ -209,6 +230,7 @@ class Share:
 
 
 START = {"epoch": 0, "index": 0, "batch": 0, "batches": 0, "dataset": None}
+PADDING = "padding"  # the place of a validation batch run only to meet the other ranks' collectives (Share._last)
 
 
 class _Workers(IterableDataset):
@@ -239,7 +261,8 @@ def loader(share: Share, start: Dict[str, Any], collate: Callable, num_workers: 
 
 class StreamBatches:
     """Validation from a stream: the rank's share of every item, in batches of data.batch_size / W (the
-    last one smaller), read again at each evaluation."""
+    last one smaller), read again at each evaluation; as many batches on every rank, a rank short of the
+    last one running a `Padding` batch instead (Share._last)."""
 
     def __init__(self, dataset: Any, batch_size: int, replicas: int, rank: int, num_workers: Union[int, Loading],
                  device: torch.device, collate: Optional[Callable], to_device: Callable, seed: int = 0):
@@ -247,8 +270,9 @@ class StreamBatches:
         self.collate, self.num_workers, self.device, self.to_device = collate or default, num_workers, device, to_device
 
     def __iter__(self):
-        for _, batch in loader(self.share, START, self.collate, self.num_workers, self.device):
-            yield self.to_device(batch, self.device)
+        for place, batch in loader(self.share, START, self.collate, self.num_workers, self.device):
+            batch = self.to_device(batch, self.device)
+            yield Padding(batch) if place == PADDING else batch
 
     def close(self) -> None:
         pass  # each evaluation's loader ends with its stream

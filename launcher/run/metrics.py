@@ -206,14 +206,16 @@ def evaluate(model, batches, results: Callable[[Any, Any], List[Tuple[Result, An
     batch)` runs the step: its results, each with the part of the batch it is of (none on a rank without a loss)."""
     was_training = model.training
     model.eval()
-    sums = torch.zeros(2 + 2 * len(metrics), device=device)  # [loss sum, items, (metric sum, count) ...]
+    # [loss sum, items, (metric sum, count) ...], in float64: the value does not depend on how the items were
+    # batched and shared among ranks beyond float64's rounding
+    sums = torch.zeros(2 + 2 * len(metrics), device=device, dtype=torch.float64)
     for batch in batches:
         if isinstance(batch, Padding):  # run for its collectives alone (launcher/data/sampling.py: ShardSampler)
             results(model, batch.batch)
             continue
         for out, part in results(model, batch):
             n = out.num_items if out.num_items is not None else items_in(part)
-            sums[0].add_(out.loss.detach().float() * n)
+            sums[0].add_(out.loss.detach().double() * n)
             sums[1].add_(n)
             for i, fn in enumerate(metrics.values(), start=1):
                 sums[2 * i:2 * i + 2].add_(_sum_and_count([fn(out.output, out.target)], device))
