@@ -177,9 +177,10 @@ NUMBER = r"(-?\d+\.\d+)"  # a slope a busy machine made negative too (said "not 
 @pytest.mark.measuring
 def test_the_dpo_row_stands_against_trl():
     pytest.importorskip("trl", reason="the trl extra is not installed")
-    # 300 steps between the runs of 100 and 400: 6 to 10 s of steps, beside the seconds a busy machine adds to a process
-    out = bench("--dpo", "--dpo-steps", "400")
-    assert "(python -m launcher.bench --dpo --dpo-steps 400 --reps 1)" in out, out
+    # 150 steps between the runs of 50 and 200: a few seconds, which a busy machine may outweigh (the row then says
+    # "not measured"); the loss's agreement is what this test holds, at step 200
+    out = bench("--dpo", "--dpo-steps", "200")
+    assert "(python -m launcher.bench --dpo --dpo-steps 200 --reps 1)" in out, out
     assert "tokens: every pair the same on both sides" in out, out
     losses = {}
     for side in ("ours, recipes/hf_dpo", "TRL DPOTrainer"):
@@ -189,7 +190,7 @@ def test_the_dpo_row_stands_against_trl():
         assert loop > 0 and 0 < losses[side] < math.log(2), out  # both sides learnt something
         # a busy machine's seconds can outweigh a slope's steps: the row then says "not measured", never a ratio
         assert step > 0 or "ours / TRL step (slopes): not measured" in out, out
-    gap = re.search(r"^loss at step 400: \|ours - TRL\| / TRL (\S+), (NOT )?within 1% \(issue 53\)", out, re.M)
+    gap = re.search(r"^loss at step 200: \|ours - TRL\| / TRL (\S+), (NOT )?within 1% \(issue 53\)", out, re.M)
     assert gap and float(gap.group(1)) <= 0.01 and not gap.group(2), out  # issue 53: within 1%
     if "ours / TRL step (slopes): not measured" in out:
         return
