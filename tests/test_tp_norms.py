@@ -1,15 +1,21 @@
 """Per-head norms a tensor-parallel plan leaves out (launcher/parallel/heads.py): a tiny HF Qwen3 under tp x 2 by a
 recipe's plan copied without its q_norm and k_norm trains to one process's weights (float64, tests/rounding.py),
-the launcher having added them as heads_norm and said so in its start line; which norms are found, in a table."""
+the launcher having added them as heads_norm and said so in its start line; which norms are found, in a table.
+Under tp the model's logits are a view, which FSDP2 warns of and the launcher need not (plans.quiet_split_output)."""
+
+import subprocess
+import sys
 
 import pytest
 import transformers
 
 from launcher.parallel import heads, plans
+from tests.conftest import REPO
 from tests.float64 import overrides as float64
 from tests.hf_zoo import qwen3
 from tests.rounding import assert_within_rounding
 from tests.test_parallel import alone, ran
+from tests.test_strategies import TORCHRUN
 
 QWEN3 = ["tests/hf_zoo.yaml", "devices=cpu", *float64("tests.hf_zoo.qwen3"),
          "optimizer={_target_: torch.optim.SGD, lr: 0.1, momentum: 0.9}"]
@@ -78,3 +84,22 @@ def test_a_lora_model_s_per_head_norms_are_found_under_its_wrapper():
     model = peft.get_peft_model(qwen3(), peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj"]))
     plan = {f"base_model.model.{name}": style for name, style in ATTENTION.items()}
     assert heads.left_out(model, plan) == {f"base_model.model.{name}": style for name, style in NORMS.items()}
+
+
+@pytest.mark.slow
+def test_tp_s_view_of_the_logits_is_not_warned_about_and_torch_refuses_to_change_it_in_place(tmp_path):
+    # the launcher leaves out FSDP2's warning that the root returned a view (plans.quiet_split_output says why)
+    done = subprocess.run([sys.executable, "-m", "launcher", "tests/hf_zoo.yaml", "devices=cpu",
+                           "model._target_=tests.hf_zoo.qwen3", "strategy=fsdp", "nproc_per_node=2", "parallel.tp=2",
+                           "trainer.max_steps=1", f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "parallel.tp: 20 layers split over 2 ranks" in done.stdout and "view tensor" not in done.stderr
+    # ... because the view is one torch will not change in place (the silent failure it warns of cannot happen)
+    done = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "tests/tp_views.py", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text().startswith(
+            "view: True; in-place: Output 0 of _ToTorchTensor is a view and is being modified inplace. This view was "
+            "created inside a custom Function"), rank

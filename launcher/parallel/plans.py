@@ -247,3 +247,18 @@ def _retie(model: nn.Module, names: List[str]) -> None:
     for name in names[1:]:
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, params[0])
+
+
+def quiet_split_output(root: str) -> None:
+    """FSDP2 warns, on every rank, when the module it wraps (`root`, its class's name) returns a view, lest an in-place
+    op on it drop FSDP's pre-backward hook and skip an all-gather. Under tp the root's output is a split layer's: an
+    HF model's logits are its head's (colwise_rep: gathered), which DTensor's `to_local()` returns as a view made
+    inside an autograd Function. torch refuses any in-place op on such a view ("a view ... created inside a custom
+    Function": a RuntimeError), so the silent failure warned of cannot happen, and the warning is left out. Returned
+    as their own tensor, the logits would be copied: a language model's largest activation, twice. A test
+    (tests/test_tp_norms.py) checks that torch still refuses."""
+    import re
+    import warnings
+
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({re.escape(root)}\) returned a view tensor",
+                            category=UserWarning)

@@ -120,6 +120,8 @@ class FSDP(DDP):
         for unit in reversed(found):  # innermost first: a unit inside another is its own shard group
             fully_shard(unit, **options)
         fully_shard(root, **options)
+        if self.shape.tp > 1:  # its output a split layer's: a view FSDP2 warns of (quiet_split_output: why not)
+            plans.quiet_split_output(type(root).__name__)
 
     def _reduce_dtype(self, model: nn.Module):
         """fsdp.reduce_dtype, never narrower than the parameters: fp32 (the default) leaves a float64 model's
