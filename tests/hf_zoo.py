@@ -47,6 +47,14 @@ def qwen2(vocab_size: int = 256) -> torch.nn.Module:
     return transformers.Qwen2ForCausalLM(config)
 
 
+def qwen3(vocab_size: int = 256) -> torch.nn.Module:
+    """Qwen3: a norm over each attention head's features after its q and k projections (q_norm, k_norm)."""
+    config = transformers.Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=128, tie_word_embeddings=False)
+    return transformers.Qwen3ForCausalLM(config)
+
+
 def vit(classes: int = 4) -> torch.nn.Module:
     config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                     image_size=16, patch_size=4, num_channels=3, num_labels=classes, **NO_DROPOUT)

@@ -22,7 +22,8 @@ and for a norm over each attention head's features (Qwen3's q_norm and k_norm, a
     heads_norm          the norm run on the rank's heads (its input's dim 2, [batch, sequence, heads, head_dim]);
                         its weights whole, their gradient summed over the tp ranks (each saw only its heads)
 
-A norm left out of the plan there would run right and train wrong: each rank's gradient only its own heads'.
+A norm left out of the plan there would run right and train wrong: each rank's gradient only its own heads'; so
+`apply` adds such norms to a plan that leaves them out, and says so (launcher/parallel/heads.py).
 
 The Megatron pattern pairs them: colwise into a block (attention's query/key/value, the MLP's first layer),
 rowwise out of it, so the activations between stay split and one all-reduce ends each half. `auto` takes the
@@ -205,12 +206,17 @@ def _split(module: nn.Module, style: str):
     return (module.out_features, "output features") if style.startswith("colwise") else (module.in_features, "input features")
 
 
-def apply(model: nn.Module, mesh, plan) -> Dict[str, str]:
+def apply(model: nn.Module, mesh, plan) -> Tuple[Dict[str, str], Dict[str, str]]:
     """Split the model's planned layers over the tp `mesh` (their parameters become DTensors); returns the
-    modules split, by name. Parameters tied before (an embedding shared with the output head) stay one."""
+    modules split, by name, and the per-head norms' patterns the plan left out and `apply` added (heads.py).
+    Parameters tied before (an embedding shared with the output head) stay one."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    modules = matched(model, resolve(model, plan))
+    from launcher.parallel import heads
+
+    wanted = resolve(model, plan)
+    added = heads.left_out(model, wanted)
+    modules = matched(model, {**wanted, **added})
     found = problems(model, modules, mesh.size())
     if found:
         raise UserError(*found)
@@ -224,7 +230,7 @@ def apply(model: nn.Module, mesh, plan) -> Dict[str, str]:
         model.get_parameter(name).requires_grad_(False)
     for names in ties:
         _retie(model, names)
-    return modules
+    return modules, added
 
 
 def _retie(model: nn.Module, names: List[str]) -> None:
@@ -241,3 +247,18 @@ def _retie(model: nn.Module, names: List[str]) -> None:
     for name in names[1:]:
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, params[0])
+
+
+def quiet_split_output(root: str) -> None:
+    """FSDP2 warns, on every rank, when the module it wraps (`root`, its class's name) returns a view, lest an in-place
+    op on it drop FSDP's pre-backward hook and skip an all-gather. Under tp the root's output is a split layer's: an
+    HF model's logits are its head's (colwise_rep: gathered), which DTensor's `to_local()` returns as a view made
+    inside an autograd Function. torch refuses any in-place op on such a view ("a view ... created inside a custom
+    Function": a RuntimeError), so the silent failure warned of cannot happen, and the warning is left out. Returned
+    as their own tensor, the logits would be copied: a language model's largest activation, twice. A test
+    (tests/test_tp_norms.py) checks that torch still refuses."""
+    import re
+    import warnings
+
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({re.escape(root)}\) returned a view tensor",
+                            category=UserWarning)

@@ -34,6 +34,7 @@ class FSDP(DDP):
     units: List[str] = []
     left: List[str] = []  # default units left to the root, which would have split a tied parameter
     split: Dict[str, str] = {}  # the layers split over the tp ranks, with their styles
+    added: Dict[str, str] = {}  # what the launcher added to the plan (per-head norms: launcher/parallel/heads.py)
     expert_split: Dict[str, int] = {}  # the experts modules split over the ep ranks, with their expert counts
     shape: mesh.Layout
     device_mesh = None
@@ -82,14 +83,14 @@ class FSDP(DDP):
         lines = [f"fsdp: {self.shape.describe()} = {self.placement.world_size} ranks; sharded over {over}, units "
                  f"{units}{left}"]
         if self.split:
-            lines.append(split_line(self.split, self.shape.tp, "layers"))
+            lines.append(split_line(self.split, self.shape.tp, "layers", self.added))
         if self.expert_split:
             lines.append(experts_line(self.expert_split, self.shape))
         return lines
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.shape.tp > 1:  # before FSDP2 shards what the plan leaves whole, and the split layers' other dimension
-            self.split = plans.apply(model, self.device_mesh["tp"], self.parallel.tp_plan)
+            self.split, self.added = plans.apply(model, self.device_mesh["tp"], self.parallel.tp_plan)
         if self.shape.ep > 1:  # the experts' slices before FSDP2 shards them over the ranks that hold the same
             self.expert_split = experts.split(model, self.experts_mesh["ep"])
         self.shard(model, model)
@@ -119,6 +120,8 @@ class FSDP(DDP):
         for unit in reversed(found):  # innermost first: a unit inside another is its own shard group
             fully_shard(unit, **options)
         fully_shard(root, **options)
+        if self.shape.tp > 1:  # its output a split layer's: a view FSDP2 warns of (quiet_split_output: why not)
+            plans.quiet_split_output(type(root).__name__)
 
     def _reduce_dtype(self, model: nn.Module):
         """fsdp.reduce_dtype, never narrower than the parameters: fp32 (the default) leaves a float64 model's
@@ -159,11 +162,15 @@ class FSDP(DDP):
         return get_model_state_dict(self.unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def split_line(split: Dict[str, str], tp: int, what: str) -> str:
-    """The console's line for the layers tensor parallelism split: how many, and the first few with their styles."""
+def split_line(split: Dict[str, str], tp: int, what: str, added: Dict[str, str]) -> str:
+    """The console's line for the layers tensor parallelism split: how many, the first few with their styles, and
+    the patterns the launcher added to the plan (a plan copied without its per-head norms trains wrong silently)."""
     how = ", ".join(f"{n} ({s})" for n, s in list(split.items())[:4])
     more = f" and {len(split) - 4} more" if len(split) > 4 else ""
-    return f"parallel.tp: {len(split)} {what} split over {tp} ranks: {how}{more}"
+    norms = (f"; added to the plan: {', '.join(f'{p}: {s}' for p, s in added.items())} (per-head norms after a "
+             f"colwise split, which train as one process's only so; name them in parallel.tp_plan to choose)"
+             if added else "")
+    return f"parallel.tp: {len(split)} {what} split over {tp} ranks: {how}{more}{norms}"
 
 
 def experts_line(split: Dict[str, int], shape: mesh.Layout) -> str:

@@ -51,6 +51,7 @@ class Pipeline(FSDP):
     counted: Optional[bool] = None  # whether the step counts its items (the last stage tells the others, once)
     tp_split: Dict[str, str] = {}  # the layers of this rank's stages split over the tp ranks (not `split`, which
     # would have the whole model's first batch tried again through the stages: assemble.wrapped)
+    tp_added: Dict[str, str] = {}  # what the launcher added to the plan for those stages (per-head norms)
 
     def setup(self) -> None:
         super().setup()
@@ -79,7 +80,7 @@ class Pipeline(FSDP):
         if self.shape.data_replicas > 1:
             lines += super().wrapped()  # (its tp line is for `split`, which a pipeline leaves empty)
         if self.tp_split:
-            lines.append(split_line(self.tp_split, self.shape.tp, "layers of this rank's stages"))
+            lines.append(split_line(self.tp_split, self.shape.tp, "layers of this rank's stages", self.tp_added))
         return lines
 
     def microbatches(self) -> int:
@@ -98,7 +99,8 @@ class Pipeline(FSDP):
             own = stages.prune(chunk, blocks_name, ranges[i], i == 0, i == self.total - 1, before, after)
             stage = stages.Stage(chunk, own, i, self.total)
             if self.shape.tp > 1:
-                self.tp_split = {**self.tp_split, **plans.apply(chunk, self.device_mesh["tp"], self.parallel.tp_plan)}
+                split, added = plans.apply(chunk, self.device_mesh["tp"], self.parallel.tp_plan)
+                self.tp_split, self.tp_added = {**self.tp_split, **split}, {**self.tp_added, **added}
             if self.shape.data_replicas > 1 or self.shape.tp > 1:
                 self.shard(stage, chunk)
             stage.hook()
