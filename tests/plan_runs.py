@@ -44,6 +44,14 @@ def planned_runs(cases: Dict[str, List[str]], apart: Set[str], folder: Path, npr
     return results, planners
 
 
+def logged(run_dir: Path) -> dict:
+    """Each metric's last value in a run's metrics.jsonl (the run's measured peak: memory/peak_bytes)."""
+    values = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        values.update(json.loads(line))
+    return values
+
+
 def main(cases_file: str, apart_file: str) -> None:
     from launcher.observe import memory
     from tests.several_runs import main as several

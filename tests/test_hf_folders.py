@@ -153,6 +153,16 @@ def export(*args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+def assert_the_trained_logits(folder, base, run_dir) -> None:
+    """from_pretrained of `folder` gives the logits of the run's model.pt, loaded into a model of `base`'s config."""
+    trained = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base))
+    trained.load_state_dict(state_dict(run_dir / "model.pt"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, rtol=0, atol=1e-6)
+
+
 def test_export_as_an_hf_folder_gives_from_pretrained_the_trained_logits(tmp_path):
     base = folder(tmp_path)
     here(base, tmp_path / "run", "checkpoint.every=3")
@@ -160,12 +170,7 @@ def test_export_as_an_hf_folder_gives_from_pretrained_the_trained_logits(tmp_pat
     done = export(tmp_path / "run", tmp_path / "out", "--format", "hf", "--max-shard-size", "60KB")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file() and "config.json" in done.stdout
-    trained = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base))
-    trained.load_state_dict(state_dict(tmp_path / "run" / "model.pt"))
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, rtol=0, atol=1e-6)
+    assert_the_trained_logits(tmp_path / "out", base, tmp_path / "run")
     # bf16, from a checkpoint folder: the run folder's config is found from it
     done = export(tmp_path / "run" / "checkpoints" / "step_3", tmp_path / "bf16", "--format", "hf", "--dtype", "bf16")
     assert done.returncode == 0, done.stderr

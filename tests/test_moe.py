@@ -199,7 +199,7 @@ def test_a_published_folder_in_and_the_same_layout_out(family, tmp_path):
     tensor names), and from_pretrained of it gives the trained model's logits."""
     from launcher.recipe import load
     from launcher.run.train import train
-    from tests.test_hf_folders import export
+    from tests.test_hf_folders import assert_the_trained_logits, export
 
     base = moe_zoo.folder(tmp_path / "base", family)
     train(load(FINETUNE, [f"model.config.pretrained_model_name_or_path={base}", f"run_dir={tmp_path / 'start'}",
@@ -213,12 +213,7 @@ def test_a_published_folder_in_and_the_same_layout_out(family, tmp_path):
     names = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
     written = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
     assert written.keys() == names.keys()
-    trained = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base))
-    trained.load_state_dict(state_dict(tmp_path / "run" / "model.pt"))
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(exported(ids).logits, trained(ids).logits, rtol=0, atol=1e-6)
+    assert_the_trained_logits(tmp_path / "out", base, tmp_path / "run")
 
 
 def test_the_start_line_says_the_experts_and_whether_the_balancing_loss_is_trained(tmp_path, capsys):

@@ -162,7 +162,7 @@ APART = {"charlm single", "llama fsdp x2"}
 
 @pytest.mark.slow
 def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp_path):
-    from tests.plan_runs import planned_runs
+    from tests.plan_runs import logged, planned_runs
 
     def cases(layouts):
         return {f"{model} {layout}": [*MODELS[model], *LAYOUTS[layout], f"run_dir={tmp_path / model / layout}",
@@ -179,9 +179,7 @@ def test_every_run_says_its_measured_peak_beside_the_plan_within_ten_percent(tmp
     for name, result in {**one, **two}.items():
         assert result["error"] is None, (name, result)
         model, layout = name.split(" ", 1)
-        values = {}
-        for line in (tmp_path / model / layout / "metrics.jsonl").read_text().splitlines():
-            values.update(json.loads(line))
+        values = logged(tmp_path / model / layout)
         measured = values["memory/peak_bytes"]
         here = planned_here(asked[name]["argv"], tmp_path / f"{name}.json")
         said = [line for line in result["said"].splitlines() if line.startswith("memory: ")]
@@ -277,7 +275,7 @@ ARCHITECTURES = {
 def test_each_architecture_is_planned_within_ten_percent_of_its_runs_peak(tmp_path):
     """Dropout (the CPU's attention takes its math path then), a batch with no padding (no mask made), experts'
     grouped products in fp32, a ViT built by an initialisation fake tensors cannot run: each planned as run."""
-    from tests.plan_runs import planned_runs
+    from tests.plan_runs import logged, planned_runs
 
     short = ["trainer.max_steps=3", "trainer.log_every=3", "checkpoint.every=null", "logging.memory_plan=wait",
              "logging.jsonl=true"]
@@ -289,9 +287,7 @@ def test_each_architecture_is_planned_within_ten_percent_of_its_runs_peak(tmp_pa
     table = []
     for name, result in ranks[0].items():
         assert result["error"] is None, (name, result)
-        values = {}
-        for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines():
-            values.update(json.loads(line))
+        values = logged(tmp_path / name)
         measured, planned = values["memory/peak_bytes"], planned_here(asked[name]["argv"], tmp_path / f"{name}.json")
         table.append((name, measured, planned, 100 * (planned - measured) / measured))
     print("\n".join(f"{n:10} measured {m / 2**20:7.2f} MiB  planned {p / 2**20:7.2f} MiB {off:+6.1f}%"

@@ -45,7 +45,7 @@ def planned_row(argv, out) -> dict:
 
 @pytest.mark.slow
 def test_expert_parallel_runs_are_planned_within_ten_percent_of_their_measured_peak(tmp_path):
-    from tests.plan_runs import planned_runs
+    from tests.plan_runs import logged, planned_runs
 
     cases = {n: {f"{family} {layout}": [*recipe(family), *overrides, *SHORT, f"run_dir={tmp_path / family / layout}"]
                  for family in BIG_EXPERTS for layout, (nproc, overrides) in LAYOUTS.items() if nproc == n}
@@ -59,9 +59,7 @@ def test_expert_parallel_runs_are_planned_within_ten_percent_of_their_measured_p
     for name, result in results.items():
         assert result["error"] is None, (name, result)
         family, layout = name.split(" ", 1)
-        values = {}
-        for line in (tmp_path / family / layout / "metrics.jsonl").read_text().splitlines():
-            values.update(json.loads(line))
+        values = logged(tmp_path / family / layout)
         measured = values["memory/peak_bytes"]
         row = planned_row(asked[name]["argv"], tmp_path / f"{name}.json")
         assert row["layout"] == layout, (name, row)
@@ -118,7 +116,7 @@ def test_the_table_lists_ep_with_tp_where_the_world_allows_and_plans_it_within_t
     """On 4 devices a recipe's ep 2 adds, beside tp x2, tp x2 with ep 2 over the dp_shard 2 tp leaves (tp x4
     leaves dp_shard 1, which ep 2 does not divide); its row is what a run of that layout plans, within 10 % of
     the run's measured peak."""
-    from tests.plan_runs import planned_runs
+    from tests.plan_runs import logged, planned_runs
 
     ep = [*recipe("qwen3_moe"), "strategy=fsdp", "parallel.ep=2"]
     listed = {row["layout"]: row for row in map(json.loads, plan(*ep, "--devices", "4", "--device", "cpu",
@@ -129,9 +127,7 @@ def test_the_table_lists_ep_with_tp_where_the_world_allows_and_plans_it_within_t
     ranks, asked = planned_runs({name: [*ep, "parallel.tp=2", *SHORT, f"run_dir={tmp_path / 'run'}"]}, set(),
                                 tmp_path, nproc=4, timeout=900)
     assert ranks[0][name]["error"] is None, ranks[0][name]
-    values = {}
-    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
-        values.update(json.loads(line))
+    values = logged(tmp_path / "run")
     measured = values["memory/peak_bytes"]
     row = planned_row(asked[name]["argv"], tmp_path / "planned.json")
     assert row["layout"] == "fsdp x2 tp x2 ep x2" and row["peak_bytes"] == listed[row["layout"]]["peak_bytes"], row

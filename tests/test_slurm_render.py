@@ -1,6 +1,7 @@
 """The sbatch script is a pure function of typed options: checked against golden files."""
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,27 @@ def test_bad_values_name_the_flag(capsys):
     err = capsys.readouterr().err
     assert err.splitlines() == ["launcher: --layout mpi: got 'mpi'; valid: torchrun, srun",
                                 "launcher: --time soon: got 'soon'; Slurm's forms: MM, HH:MM:SS, D-HH:MM:SS"]
+
+
+@pytest.mark.parametrize("layout", ["torchrun", "srun"])
+def test_a_job_array_task_names_itself_by_its_array_and_index(layout):
+    """A sweep's or the replica groups' task is `<array job id>_<task id>` in squeue, scontrol and its log's name
+    (%A_%a), not its own SLURM_JOB_ID: the line it starts with says that name. The script's lines that name the
+    job, run in bash under the environment Slurm gives a task (no cluster)."""
+    script = render(SlurmConfig(layout=layout), Path("/repo/recipes/quickstart.yaml"), [], Path("/repo/runs/q"), "q",
+                    Path("/repo"))
+    naming = [line for line in script.splitlines() if line.startswith(("job=", 'echo "launcher: job '))]
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "107", "SLURM_JOB_NODELIST": "node1",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "20107"}
+
+    def said(**array: str) -> str:
+        done = subprocess.run(["bash", "-euc", "\n".join(["head_addr=10.0.0.1 port=20107", *naming])],
+                              env={**env, **array}, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert said().startswith("launcher: job 107 (restart 0) on node1, ")
+    assert said(SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="7").startswith("launcher: job 100_7 (restart 0) on node1, ")
 
 
 # A fault-tolerant run: the lighthouse's job and the groups' job array (launcher/slurm/groups.py).

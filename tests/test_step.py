@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from launcher.data import collate
-from launcher.data import sampling as data
+from launcher.data.device import each_tensor
 from launcher.model import step
 from tests.conftest import QUICKSTART, launch, train
 
@@ -104,7 +104,7 @@ def test_tensors_anywhere_in_a_batch_are_moved_and_other_leaves_kept():
     Named = namedtuple("Named", "x y")
     batch = {"pair": Pair(torch.zeros(1), "p"), "list": [torch.zeros(1), ("s", torch.zeros(1))],
              "named": Named(torch.zeros(1), 3)}
-    moved = data._each_tensor(batch, lambda t: t + 1)
+    moved = each_tensor(batch, lambda t: t + 1)
     assert isinstance(moved["pair"], Pair) and moved["pair"].a.item() == 1 and moved["pair"].name == "p"
     assert moved["list"][0].item() == 1 and moved["list"][1][0] == "s" and moved["list"][1][1].item() == 1
     assert isinstance(moved["named"], Named) and moved["named"].x.item() == 1 and moved["named"].y == 3

@@ -1,6 +1,6 @@
 """The data path: the sample order (one permutation per (seed, epoch), each rank its share),
-resumable in the middle of an epoch, batches fetched whole where the dataset allows it, and moved
-to the device.
+resumable in the middle of an epoch, and batches fetched whole where the dataset allows it; they reach
+the device through launcher/data/device.py.
 
 Batched fetching: a dataset with `__getitems__(indices)` is asked for a whole batch at once (as the
 DataLoader does). If it returns a list, that is a list of items and is collated as usual; anything
@@ -10,15 +10,15 @@ else (a tuple or dict of batched tensors) is the batch itself, with no per-item 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from launcher.data import item_rng
+from launcher.data.device import placed, to_device
 from launcher.data.loaders import Loader, Loading, loading, shut
 from launcher.data.collate import default
 from launcher.errors import UserError, first_line
@@ -159,36 +159,6 @@ class TrainData:
         shut(self.loader)
 
 
-def placed(data, position: Position) -> Iterator[Any]:
-    """`data`'s batches on the device; as each is handed out, `position` (and the data's own place) moves
-    to it, so a checkpoint taken between two batches resumes with the next one."""
-    batches = data.host_batches(position)
-    if data.device.type == "cuda":
-        batches = _copied_ahead(batches, data.device)
-    for place, batch in batches:
-        data.arrive(place, position)
-        yield batch
-
-
-def _copied_ahead(batches: Iterator[tuple], device: torch.device) -> Iterator[tuple]:
-    """Batch n+1 is copied from pinned memory to the GPU on a side stream while batch n computes.
-    No host sync: the compute stream waits on the copy stream on the device."""
-    copy, compute = torch.cuda.Stream(device), torch.cuda.current_stream(device)
-
-    def start(item: tuple) -> tuple:
-        place, batch = item
-        with torch.cuda.stream(copy):
-            return place, to_device(batch, device)
-
-    ahead = start(next(batches))
-    for item in batches:
-        current = ahead
-        compute.wait_stream(copy)  # before the next copy is queued: wait for this batch's only
-        _each_tensor(current[1], lambda t: t.record_stream(compute))  # made on the copy stream: freed after use here
-        ahead = start(item)
-        yield current
-
-
 def val_batches(dataset: Optional[Dataset], batch_size: int, replicas: int, rank: int, num_workers: Union[int, Loading],
                 device: torch.device, seed: int, collate_fn: Callable = None):
     """A re-iterable of validation batches on the device, or None without a validation set."""
@@ -273,32 +243,3 @@ def _length(dataset: Dataset, key: str) -> int:
         raise UserError(f"{key}: the dataset is empty")
     return n
 
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move a batch's tensors to the device; asynchronous from pinned memory on CUDA."""
-    if device.type == "cpu":
-        return batch
-    return _each_tensor(batch, lambda t: t.to(device, non_blocking=True))
-
-
-def _each_tensor(batch: Any, fn) -> Any:
-    """`batch` with `fn` applied to each tensor in it, through tuples, named tuples, lists, mappings and
-    dataclasses, however nested; any other leaf (a string, an id) is kept as it is."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(_each_tensor(b, fn) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_each_tensor(b, fn) for b in batch)
-    if isinstance(batch, Mapping):
-        moved = {k: _each_tensor(v, fn) for k, v in batch.items()}
-        if type(batch) is dict:
-            return moved
-        try:  # keep the mapping's type (an OrderedDict, HF's BatchEncoding) where it can be rebuilt
-            return type(batch)(moved)
-        except Exception:
-            return moved
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: _each_tensor(getattr(batch, f.name), fn)
-                                             for f in dataclasses.fields(batch) if f.init})
-    return batch

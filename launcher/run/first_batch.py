@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
-from launcher.data.sampling import to_device
+from launcher.data.device import to_device
 from launcher.errors import UserError, a_kind, first_line
 from launcher.model import packed
 from launcher.model.step import ModelLoss, Supervised, items_in, result
