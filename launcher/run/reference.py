@@ -34,6 +34,7 @@ from safetensors.torch import load, save
 from torch import nn
 
 from launcher.checkpoint import adapters
+from launcher.data.device import to_device
 from launcher.errors import UserError
 from launcher.model.plain import unwrap
 from launcher.model.step import logits_of
@@ -74,9 +75,8 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
         if _everywhere(strategy, found):
             say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {folder}")
         elif kept is not None and kept != folder and _everywhere(strategy, _attached(dataset, kept)):
-            if strategy.placement.is_main:
-                shutil.copytree(kept, folder, dirs_exist_ok=True)
-            strategy.barrier()
+            strategy.agree(lambda: _written(folder, lambda: shutil.copytree(kept, folder, dirs_exist_ok=True))
+                           if strategy.placement.is_main else None)
             say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {kept} (the resumed "
                 f"run's), kept in {folder}")
         else:
@@ -122,13 +122,12 @@ def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, fold
         with torch.no_grad(), _adapters_off(plain):
             for f in range(forwards):
                 taken = mine[f * per_rank:(f + 1) * per_rank]
-                batch = _collated(collate, [dataset.pair_item(k) for k in (taken or [0])])
-                batch = {k: v.to(_device(model)) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                items = [dataset.pair_item(k) for k in (taken or [0])]  # a share with none left: pair 0, unkept
+                batch = to_device(_collated(collate, items), strategy.device)
                 with autocast():
                     output = model(**step.inputs(model, batch))
                 values = logps.per_token(logits_of(output), batch["labels"]).double().cpu()
-                for j, k in enumerate(taken):
-                    item = dataset.pair_item(k)
+                for j, (k, item) in enumerate(zip(taken, items)):
                     found[k] = (values[2 * j, :len(item["chosen_labels"])].clone(),
                                 values[2 * j + 1, :len(item["rejected_labels"])].clone())
     finally:
@@ -278,9 +277,3 @@ def _adapters_off(plain: nn.Module):
     """A peft model without its adapters (the base it adapts); anything else as it is."""
     off = getattr(plain, "disable_adapter", None)
     return off() if callable(off) and hasattr(plain, "peft_config") else contextlib.nullcontext()
-
-
-def _device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device if not hasattr(p, "device_mesh") else torch.device(p.device_mesh.device_type)
-    return torch.device("cpu")
