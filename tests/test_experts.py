@@ -167,13 +167,7 @@ def test_tp_splits_qwen3_s_per_head_norms_and_trains_them_as_one_process(one, wi
 
 @pytest.mark.slow
 def test_checkpoints_move_between_ep_with_tp_and_one_process(one, with_tp, tmp_path, capsys):
-    folder, said = ran(with_tp, "ep-tp-from-one")
-    assert "written by 1 process, resharded to 4" in said
-    assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)
-    capsys.readouterr()
-    alone(tmp_path, *MOE, f"checkpoint.resume={with_tp[0] / 'ep-tp' / 'checkpoints' / 'step_3'}")
-    assert "written by 4 processes, resharded to 1" in capsys.readouterr().out
-    assert_within_rounding(one / "model.pt", tmp_path / "model.pt", STEPS)
+    resumes_both_ways(one, with_tp, "ep-tp", 4, tmp_path, capsys)
 
 
 def test_an_moe_model_s_own_tp_plan_leaves_its_experts_out():
@@ -203,12 +197,18 @@ def test_checkpoints_move_between_ep_and_fsdp_and_between_ep_layouts(one, two, f
 
 @pytest.mark.slow
 def test_one_process_checkpoints_resume_under_ep_and_ep_s_in_one_process(one, two, tmp_path, capsys):
-    folder, said = ran(two, "ep-from-one")
-    assert "written by 1 process, resharded to 2" in said
+    resumes_both_ways(one, two, "ep", 2, tmp_path, capsys)
+
+
+def resumes_both_ways(one, runs, layout, processes, tmp_path, capsys):
+    """`<layout>-from-one` (one process's step 3 resumed under the layout) and the layout's own step 3 resumed in
+    one process both end with one process's weights, each checkpoint resharded as its line says."""
+    folder, said = ran(runs, f"{layout}-from-one")
+    assert f"written by 1 process, resharded to {processes}" in said
     assert_within_rounding(one / "model.pt", folder / "model.pt", STEPS)
     capsys.readouterr()
-    alone(tmp_path, *MOE, f"checkpoint.resume={two[0] / 'ep' / 'checkpoints' / 'step_3'}")
-    assert "written by 2 processes, resharded to 1" in capsys.readouterr().out
+    alone(tmp_path, *MOE, f"checkpoint.resume={runs[0] / layout / 'checkpoints' / 'step_3'}")
+    assert f"written by {processes} processes, resharded to 1" in capsys.readouterr().out
     assert_within_rounding(one / "model.pt", tmp_path / "model.pt", STEPS)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.test_text_formats import labelled_runs
 from tests.text_folders import END_OF_TURN, LAYOUTS, tokenizer_folder
 
 pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
@@ -43,14 +44,7 @@ def jsonl(path, rows):
 
 def targets(tokenizer, ids, labels):
     """The text of the labelled tokens, each run decoded (labels are the tokens or -100)."""
-    runs, run = [], []
-    for token, label in zip(ids.tolist(), labels.tolist()):
-        assert label in (-100, token)
-        if label != -100:
-            run.append(token)
-        elif run:
-            runs, run = runs + [tokenizer.decode(run)], []
-    return runs + ([tokenizer.decode(run)] if run else [])
+    return labelled_runs(tokenizer, {"input_ids": ids.tolist(), "labels": labels.tolist()})
 
 
 def preference(folder, files, **settings):
