@@ -1,6 +1,8 @@
 """Placement from the environment: a pure function, tested with tables."""
 
 import re
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +159,51 @@ def test_process_count_refuses_more_than_the_machine_holds(nproc, gpus, device, 
     with pytest.raises(UserError) as info:
         process_count(nproc, gpus, device, cpus)
     assert message in str(info.value)
+
+
+
+def _signal(sig):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return SignalException(f"Process 670 got signal: {int(sig)}", sigval=sig)
+
+
+def _signal_raised(args):
+    raise _signal(signal.SIGINT)
+
+
+def _signalled_inside_torchs_metrics_wrapper(args):
+    """What torch 2.13's torchrun raised in CI when SIGTERM landed on `start = time.time()` in its metrics
+    wrapper: the wrapper's `finally` read `start` and raised UnboundLocalError while handling the signal."""
+    try:
+        raise _signal(signal.SIGTERM)
+    finally:
+        raise UnboundLocalError("cannot access local variable 'start' where it is not associated with a value")
+
+
+def _a_bug_of_its_own(args):
+    raise UnboundLocalError("no signal here")
+
+
+@pytest.mark.parametrize("raised, expected", [(_signal_raised, 130), (_signalled_inside_torchs_metrics_wrapper, 143)])
+def test_a_signal_torchrun_raised_however_wrapped_exits_128_plus_n(monkeypatch, raised, expected):
+    import torch.distributed.run
+
+    from launcher.placement import spawn
+    from launcher.stopping import PARENT
+
+    monkeypatch.setattr(torch.distributed.run, "run", raised)
+    monkeypatch.setenv(PARENT, "1")  # restored after the test: torchrun() sets it
+    assert spawn.torchrun(Path("recipes/quickstart.yaml"), [], 2) == expected
+
+
+def test_a_bug_inside_torchrun_keeps_its_traceback(monkeypatch):
+    import torch.distributed.run
+
+    from launcher.placement import spawn
+    from launcher.stopping import PARENT
+
+    monkeypatch.setattr(torch.distributed.run, "run", _a_bug_of_its_own)
+    monkeypatch.setenv(PARENT, "1")
+    with pytest.raises(UnboundLocalError, match="no signal here"):
+        spawn.torchrun(Path("recipes/quickstart.yaml"), [], 2)

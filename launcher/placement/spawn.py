@@ -61,8 +61,24 @@ def torchrun(recipe: Path, overrides: List[str], nproc: int) -> int:
             return EXIT_USER
         _, first = e.get_first_failure()
         return first.exitcode if first.exitcode and first.exitcode > 0 else EXIT_BUG
-    except SignalException as e:
-        # torchrun's handler raised this after passing the signal on to the workers and waiting for them
-        # to save and exit (its shutdown timeout, 30 s): the plain path's exit code, no traceback.
-        return exit_code(e.sigval)
+    except Exception as e:
+        # torchrun's handler raised SignalException; its agent passed the signal on to the workers and waited
+        # for them to save and exit (its shutdown timeout, 30 s): the plain path's exit code, no traceback.
+        # A signal that lands inside torch's metrics wrapper before its clock is read comes out as that
+        # wrapper's UnboundLocalError, with the SignalException as its context (torch 2.13; seen in CI).
+        signalled = signal_in(e, SignalException)
+        if signalled is None:
+            raise
+        return exit_code(signalled.sigval)
     return 0
+
+
+def signal_in(error: BaseException, kind: type) -> Optional[BaseException]:
+    """The exception of `kind` that `error` is, or was raised while handling (or from)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
