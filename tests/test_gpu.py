@@ -157,6 +157,46 @@ def test_fp8_trains_charlm_under_fsdp_and_its_model_loads_plain(tmp_path):
         state_dict(tmp_path / "fp8" / "model.pt"), strict=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="fp8 matmuls need compute capability 8.9 or newer (H100, L4, RTX 4090)")
+def test_fp8_scales_computed_after_the_step_are_the_stepped_weights_own(one_rank):
+    """Under FSDP2 the fp8 weights' scales are computed once after each optimizer step (float8_scales_ahead):
+    each is fp8's largest value over the amax of the weight as it stepped, not of the weight before."""
+    pytest.importorskip("torchao", reason="the fp8 extra (torchao) is not installed")
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8.float8_utils import EPS
+
+    from launcher.model.precision import Precision, float8_scales_ahead, to_float8
+
+    dist.init_process_group("nccl", device_id=torch.device("cuda:0"))
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).cuda()
+        assert to_float8(model, sharded=True) == 2
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        precision = Precision("fp8", torch.device("cuda:0"))
+        precision.after_step = float8_scales_ahead(model)
+        for _ in range(2):
+            before = [layer.weight.full_tensor().detach().clone() for layer in (model[0], model[2])]
+            with precision.autocast():
+                loss = model(torch.randn(32, 64, device="cuda")).float().square().mean()
+            loss.backward()
+            precision.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            for layer, old in zip((model[0], model[2]), before):
+                weight = layer.weight.full_tensor().detach()
+                assert not torch.equal(weight, old)  # it stepped
+                amax = weight.abs().max().clamp(min=EPS).double()
+                expected = (torch.finfo(torch.float8_e4m3fn).max / amax).float()
+                assert torch.equal(layer.weight._local_tensor._precomputed_scale, expected)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_fsdp_cpu_offload_trains_and_resumes(tmp_path, one_rank):
     values = train(tmp_path, "devices=cuda", "strategy=fsdp", "fsdp.cpu_offload=true", "trainer.grad_accum_steps=2",
                    "trainer.clip_grad_norm=1.0", "checkpoint.every=40")

@@ -27,7 +27,7 @@ from launcher.errors import CheckpointsFailed, Hung, OutOfMemory, TrainingDiverg
 from launcher.run.loop import Parts, fit, total_steps
 from launcher.run.metrics import TrainMeter
 from launcher.model import moe
-from launcher.model.precision import Precision, tf32
+from launcher.model.precision import Precision, float8_scales_ahead, tf32
 from launcher.recipe import Loaded
 from launcher.recipe.flat import hparams
 from launcher.run_dir import RunFolder
@@ -173,6 +173,8 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
                                  device)  # the recipe's metrics: a step's own are its to check
     wrapped = assemble.wrapped(model, strategy, console, init_from, checked)
     trained = strategy.unwrap(wrapped)  # the model (a pipeline: this rank's stages)
+    if recipe.precision == "fp8" and strategy.sharded:
+        precision.after_step = float8_scales_ahead(trained)
     optimizer, chosen = build.optimizer(recipe.optimizer, [q for q in trained.parameters() if q.requires_grad])
     if chosen:
         console.info(chosen)
