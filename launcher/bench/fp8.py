@@ -8,7 +8,8 @@ its loss against bf16's (asked: within 1%). It needs a GPU with fp8 matmuls (com
 
 With `--with-trainer`, HF Trainer on the same folder and data (the fine-tuning row's peer, bf16, compiled)
 alternates with both: the bf16 side is the fine-tuning row's own side without activation checkpointing, so
-one command (three runs instead of four) gives that row's ours / Trainer too."""
+one command (three runs instead of four) gives that row's ours / Trainer too. With `--single`, both precisions
+also run under strategy=single, one process without torchrun (Trainer's own setting: one process against one)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from launcher.bench.finetune import LENGTH_BATCH, SHAPES, _sides
-from launcher.bench.runs import alternate, median
+from launcher.bench.runs import PY, alternate, median
 
 
 def measure(args) -> int:
@@ -29,11 +30,16 @@ def measure(args) -> int:
     made = _sides(args, folder, length, batch, checkpointing=False, compile=True)
     base = [a for a in made["ours"][0] if not a.startswith(("precision=", "run_dir="))]
     sides = {name: ([*base, f"precision={name}", f"run_dir={args.run_dir}/{name}"], {}) for name in ("bf16", "fp8")}
+    if getattr(args, "single", False):  # one process, no torchrun: the strategy a one-GPU user may choose
+        plain = [PY, "-m", *base[base.index("launcher.bench.child"):]]
+        for name in ("bf16", "fp8"):
+            sides[f"{name} single"] = ([*(a if a != "strategy=fsdp" else "strategy=single" for a in plain),
+                                        f"precision={name}", f"run_dir={args.run_dir}/{name}-single"], {})
     if getattr(args, "with_trainer", False):
         sides["Trainer"] = made["peer"]
     print(f"fp8 against bf16: a 1B Llama from a bf16 HF folder, fsdp on one device, compiled, batch {batch} of {length} "
           f"tokens, {args.steps} steps", flush=True)
-    print(f"{'side':7} {'step':>9} {'tokens/s':>10} {'memory':>9} {'loss':>8}", flush=True)
+    print(f"{'side':11} {'step':>9} {'tokens/s':>10} {'memory':>9} {'loss':>8}", flush=True)
     res = alternate(sides, args.reps)
     if set(res) != set(sides):
         raise SystemExit(f"a side gave no figures ({', '.join(res) or 'neither'} did)")
@@ -42,7 +48,7 @@ def measure(args) -> int:
         mem = [run["max_memory_gib"] for run in res[side] if "max_memory_gib" in run]
         memory = f"{statistics.median(mem):6.2f}GiB" if mem else f"{'-':>9}"
         loss = f"{median(res[side], 'loss'):8.4f}" if all(run.get("loss") is not None for run in res[side]) else f"{'-':>8}"
-        print(f"{side:7} {step_s * 1e3:7.2f}ms {batch * length / step_s:10,.0f} {memory} {loss}", flush=True)
+        print(f"{side:11} {step_s * 1e3:7.2f}ms {batch * length / step_s:10,.0f} {memory} {loss}", flush=True)
     speed = [b["median_step_us"] / f["median_step_us"] for f, b in zip(res["fp8"], res["bf16"])]
     loss = median(res["fp8"], "loss") / median(res["bf16"], "loss") - 1
     print(f"fp8 / bf16: tokens/s {statistics.median(speed):.3f} ({min(speed):.3f}-{max(speed):.3f}; asked >= 1.2), "
@@ -51,4 +57,8 @@ def measure(args) -> int:
         vs = [b["median_step_us"] / t["median_step_us"] for b, t in zip(res["bf16"], res["Trainer"])]
         print(f"bf16 (ours, no recompute) / Trainer: step {statistics.median(vs):.3f} ({min(vs):.3f}-{max(vs):.3f}; "
               f"issue 25 asks <= 0.95)", flush=True)
+    if "Trainer" in res and "bf16 single" in res:
+        vs = [b["median_step_us"] / t["median_step_us"] for b, t in zip(res["bf16 single"], res["Trainer"])]
+        print(f"bf16 single (one process against one) / Trainer: step {statistics.median(vs):.3f} "
+              f"({min(vs):.3f}-{max(vs):.3f})", flush=True)
     return 0

@@ -124,6 +124,8 @@ def main(argv=None) -> int:
                         help="with --finetune: activation checkpointing off, on, or each (default)")
     parser.add_argument("--with-trainer", action="store_true",
                         help="with --fp8: HF Trainer alternates with both sides (the fine-tuning row without recompute)")
+    parser.add_argument("--single", action="store_true",
+                        help="with --fp8: bf16 and fp8 under strategy=single too, one process without torchrun")
     parser.add_argument("--no-peers", dest="peers", action="store_false",
                         help="with --sft: padded against packed alone, without TRL's SFTTrainer")
     which = parser.add_mutually_exclusive_group()
