@@ -38,7 +38,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from launcher.checkpoint import adapters, files, hf, hf_tokenizer, storage, untrusted, weights
+from launcher.checkpoint import adapters, files, hf, hf_generation, hf_tokenizer, storage, untrusted, weights
 from launcher.checkpoint.hf import RUN_CONFIG
 from launcher.errors import UserError
 from launcher.report import say
@@ -102,7 +102,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError("--tokenizer: its files go into an HF folder; give --format hf with it")
         if args.format == "hf":  # checked before any weight is written
             tokenizer, why = _tokenizer(args.checkpoint, args.tokenizer)
-            beside = hf_tokenizer.read(tokenizer) if tokenizer is not None else None
+            beside = {**(hf_tokenizer.read(tokenizer) if tokenizer is not None else {}),
+                      **_generation(args.checkpoint)}
         if args.format in ("hf", "peft"):  # read a shard at a time
             tensors, source = _adapted(*weights.lazy(args.checkpoint), args)
             specs = tensors.specs
@@ -175,6 +176,12 @@ def _config(checkpoint: Path, given: Optional[Path]) -> dict:
         return own
     raise UserError(f"{checkpoint}: --format hf needs the model's config, and none was found: a run of an HF model "
                     f"keeps it in <run_dir>/{RUN_CONFIG}; name one with --config FILE")
+
+
+def _generation(checkpoint: Path) -> dict:
+    """The generation config to write beside the model: the run's (in the run folder, found as its HF config is),
+    else an HF folder's own; else none."""
+    return {} if storage.is_remote(checkpoint) else hf_generation.kept(checkpoint, checkpoint.parent.parent)
 
 
 def _tokenizer(checkpoint: Path, given: Optional[Path]):

@@ -26,7 +26,7 @@ from launcher.errors import UserError
 
 # What a run writes that belongs to its history (the recipe.yaml of the run that wrote them too).
 ARTEFACTS = ("checkpoints", "model.pt", "tensorboard", "recipe.yaml", "metrics.jsonl", "config.json", "trackers.json", "wandb",
-             "profile", "memory", "flight_recorder", "hf_config.json", "hf")
+             "profile", "memory", "flight_recorder", "hf_config.json", "generation_config.json", "hf")
 REPLACED = "replaced"
 
 

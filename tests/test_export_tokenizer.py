@@ -86,7 +86,8 @@ def test_without_a_tokenizer_folder_the_model_is_written_alone_and_said(tmp_path
     out = capsys.readouterr().out
     assert (f"tokenizer: none found (no data.train.tokenizer, checkpoint.init_from '{base}' holds no tokenizer files): "
             f"{tmp_path / 'run' / 'hf'} holds the model alone") in out, out
-    assert sorted(p.name for p in (tmp_path / "run" / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "run" / "hf").iterdir()) == ["config.json", "generation_config.json",
+                                                                           "model.safetensors"]
     done = export(tmp_path / "run", tmp_path / "out", "--format", "hf")
     assert done.returncode == 0 and "tokenizer: none found" in done.stdout, done.stdout + done.stderr
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from launcher.checkpoint import adapters, files, formats, hf, hf_tokenizer, layout, run_state, storage
+from launcher.checkpoint import adapters, files, formats, hf, hf_generation, hf_tokenizer, layout, run_state, storage
 from launcher.checkpoint.run_state import RunState
 from launcher.checkpoint.staging import Staging
 from launcher.errors import CheckpointsFailed, UserError
@@ -112,7 +112,8 @@ class Checkpoints:
         tokenizer, _ = hf_tokenizer.of_run(self.run_dir)
         try:
             hf.write(self.run_dir / "hf", tensors, config, None, 5 * 10**9, replace=True,
-                     beside=hf_tokenizer.read(tokenizer) if tokenizer is not None else None)
+                     beside={**(hf_tokenizer.read(tokenizer) if tokenizer is not None else {}),
+                             **hf_generation.kept(self.run_dir)})
         except OSError as e:
             raise files.cannot_write(self.run_dir / "hf", e) from None
 

@@ -16,6 +16,7 @@ from typing import Callable, List
 import torch
 
 from launcher import checkpoint, seeding, strategies
+from launcher.checkpoint import hf_generation
 from launcher.run import build
 from launcher.model import empty
 from launcher.model import moe
@@ -49,6 +50,8 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
     model_config = checkpoint.model_config(model)
     if model_config is not None:  # an HF model's config: export --format hf writes it beside the weights
         strategy.agree(lambda: checkpoint.keep_config(run_dir, model_config) if strategy.placement.is_main else None)
+        strategy.agree(lambda: hf_generation.keep(run_dir, recipe.checkpoint.init_from, recipe.model, model)
+                       if strategy.placement.is_main else None)  # and its generation config, as save_pretrained
     adapters = checkpoint.adapter_config(model)
     if adapters is not None and recipe.checkpoint.export_hf and checkpoint.unmerged(adapters):
         raise UserError(f"checkpoint.export_hf: merges the adapters into the HF folder, and "
