@@ -36,12 +36,15 @@ def lora(base, *extra) -> list:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, base):
-    """ep x 2: LoRA on the attention alone, and on the experts' weights too; tp x 2 (no ep), LoRA on the attention."""
+    """ep x 2: LoRA on the attention alone, and on the experts' weights too (and that run resumed from its step 2);
+    tp x 2 (no ep), LoRA on the attention."""
     from tests.several_runs import several
 
     root = tmp_path_factory.mktemp("eplora")
     cases = {"attention": ["recipes/hf_lora.yaml", *lora(base, *EP)],
-             "experts": ["recipes/hf_lora.yaml", *lora(base, *EP, EXPERTS_LORA)],
+             "experts": ["recipes/hf_lora.yaml", *lora(base, *EP, EXPERTS_LORA, "checkpoint.every=2")],
+             "experts-resumed": ["recipes/hf_lora.yaml", *lora(base, *EP, EXPERTS_LORA,
+                                                            f"checkpoint.resume={root / 'experts' / 'checkpoints' / 'step_2'}")],
              "tp": ["recipes/hf_lora.yaml", *lora(base, "strategy=fsdp", "parallel.tp=2")]}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=900)
 
@@ -67,6 +70,33 @@ def test_lora_on_the_experts_weights_under_ep_x2_gives_one_process_weights(base,
     got = state_dict(folder / "model.pt")
     experts_b = [k for k in got if ".mlp.experts." in k and ".lora_B." in k]
     assert len(experts_b) == 4 and all(got[k].abs().sum() > 0 for k in experts_b)  # built as zeros, trained
+
+
+@pytest.mark.slow
+def test_lora_on_the_experts_under_ep_x2_resumes_exactly_and_exports_its_adapters_as_peft_does(base, two, tmp_path):
+    """The ep run's step 2 resumed under ep x 2 ends with the run's own weights, bit for bit; its adapters exported
+    by `--format peft` (each rank's experts' share of the 3-D adapters gathered whole) are what peft loads onto the
+    base model, equal to the run's."""
+    import peft
+    import torch
+    import transformers
+
+    from tests.conftest import state_dict
+    from tests.test_hf_folders import export
+
+    folder, _ = ran(two, "experts")
+    resumed, said = ran(two, "experts-resumed")
+    assert f"resumed from {folder / 'checkpoints' / 'step_2'} (step 2, epoch 0)" in said, said
+    trained, again = state_dict(folder / "model.pt"), state_dict(resumed / "model.pt")
+    assert trained.keys() == again.keys() and all(torch.equal(trained[k], again[k]) for k in trained)
+    done = export(folder, tmp_path / "adapters", "--format", "peft")
+    assert done.returncode == 0, done.stderr
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64), tmp_path / "adapters")
+    loaded = model.state_dict()
+    adapters = [k for k in trained if ".lora_" in k]
+    assert any(".mlp.experts." in k for k in adapters) and all(k in loaded for k in adapters), adapters
+    assert all(torch.equal(loaded[k], trained[k]) for k in adapters)
 
 
 @pytest.mark.slow
