@@ -41,12 +41,12 @@ def model(folder):
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
 
 
-def attached(folder, model, run_dir):
+def attached(folder, model, run_dir, autocast=contextlib.nullcontext):
     """A fresh dataset of the shipped pairs given the reference by `attach` in `run_dir`: (its values, lines said)."""
     dataset = TextDataset(str(folder), str(PAIRS), format="preference", max_len=128, cache=None)
     said = []
     reference.attach(DPO(), {"data.train": dataset}, model, create("single", Placement()), run_dir, 4, Pairs(),
-                     contextlib.nullcontext, said.append)
+                     autocast, said.append)
     return dataset.reference, said
 
 
@@ -159,3 +159,22 @@ def test_a_folder_that_cannot_be_written_is_one_line(folder, model, tmp_path, mo
     monkeypatch.setattr(reference, failing, full)
     with pytest.raises(UserError, match=r"reference's log-probabilities cannot be written there: No space left"):
         attached(folder, model, tmp_path / "run")
+
+
+def test_a_run_resumed_under_another_precision_computes_the_reference_again(folder, model, tmp_path):
+    """The values depend on the dtype the forward computes in: kept apart by it, each read back by its own."""
+    def bf16():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    fp32, said = attached(folder, model, tmp_path)
+    assert "computed once" in said[0], said
+    in_bf16, said = attached(folder, model, tmp_path, bf16)
+    assert "computed once" in said[0], said
+    assert len(list((tmp_path / reference.FOLDER).iterdir())) == 2
+    def same(x, y):
+        return len(x) == len(y) and all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(x, y))
+
+    assert not same(fp32, in_bf16)  # bf16's matmuls: other values
+    for autocast, values in ((contextlib.nullcontext, fp32), (bf16, in_bf16)):
+        again, said = attached(folder, model, tmp_path, autocast)
+        assert "read from" in said[0] and same(again, values), said

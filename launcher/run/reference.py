@@ -10,9 +10,10 @@ recipe's autocast, and writes them to the run folder; then every rank reads them
 dataset (`attach_reference`), whose items carry them from then on.
 
 They are kept in `<run_dir>/reference/<key>/`, the key a digest of what the tokens were made from (the dataset's
-`reference_key()`) and of the reference weights' bytes (every parameter and buffer, gathered whole one at a
-time where sharded, under names without the wrappers'): a resumed run, under this layout or another, reads the
-same values, and a run whose data or starting weights changed computes them again.
+`reference_key()`), of the reference weights' bytes (every parameter and buffer, gathered whole one at a
+time where sharded, under names without the wrappers') and of the dtype the recipe's autocast computes in: a
+resumed run, under this layout or another, reads the same values, and a run whose data, starting weights or
+precision changed computes them again.
 
 The folder holds a part per rank and `done.json`, written last by rank 0, naming each part with a digest of its
 bytes: a folder without it (a run killed during the pass), or whose parts are not the bytes it names or not the
@@ -68,7 +69,7 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
                             f"{type(dataset).__name__} holds none (a stream is read as it comes); use TextDataset with "
                             f"format: preference, or a reference-free step.loss_type: simpo")
         weights = weights or _digest(model)  # once for data.train and data.val: a pass over every weight
-        digest = hashlib.sha256(f"{dataset.reference_key()}\n{weights}".encode()).hexdigest()[:24]
+        digest = hashlib.sha256(f"{dataset.reference_key()}\n{weights}\n{_computed_in(autocast)}".encode()).hexdigest()[:24]
         folder = run_dir / FOLDER / digest
         kept = elsewhere / FOLDER / digest if elsewhere is not None else None
         found = _attached(dataset, folder)
@@ -243,6 +244,12 @@ def _read(folder: Path, pairs: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     if missing:
         raise ValueError(f"{missing} of {pairs} pairs in no part")
     return values  # type: ignore[return-value]
+
+
+def _computed_in(autocast: Callable) -> str:
+    """The dtype the recipe's autocast computes in (none: the weights' own): a run resumed under another precision
+    computes the reference again, as a run started under it would."""
+    return str(getattr(autocast(), "fast_dtype", None))
 
 
 def _bytes_digest(data: bytes) -> str:
