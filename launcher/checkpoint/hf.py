@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -120,18 +120,24 @@ def named_configs(spec: Any, key: str) -> None:
     """The config.json of each local folder that a recipe section names as `pretrained_model_name_or_path`,
     checked before transformers reads it (AutoConfig.from_pretrained parses it with Python's json, where a
     file nested too deep is a RecursionError)."""
+    for where, value in named_folders(spec, key):
+        if isinstance(value, str) and (Path(value) / CONFIG).is_file():
+            try:
+                untrusted.json_file(Path(value) / CONFIG, "config")
+            except UserError as e:
+                raise UserError(*(f"{where}: {p}" for p in e.problems)) from None
+
+
+def named_folders(spec: Any, key: str) -> Iterator[Tuple[str, Any]]:
+    """(its key, its value) of every `pretrained_model_name_or_path` in a recipe section, outermost first."""
     if isinstance(spec, Mapping):
         for name, value in spec.items():
-            where = f"{key}.{name}"
-            if name == "pretrained_model_name_or_path" and isinstance(value, str) and (Path(value) / CONFIG).is_file():
-                try:
-                    untrusted.json_file(Path(value) / CONFIG, "config")
-                except UserError as e:
-                    raise UserError(*(f"{where}: {p}" for p in e.problems)) from None
-            named_configs(value, where)
+            if name == "pretrained_model_name_or_path":
+                yield f"{key}.{name}", value
+            yield from named_folders(value, f"{key}.{name}")
     elif isinstance(spec, Sequence) and not isinstance(spec, str):
         for i, value in enumerate(spec):
-            named_configs(value, f"{key}[{i}]")
+            yield from named_folders(value, f"{key}[{i}]")
 
 
 def _files(folder: Path) -> Dict[Path, Optional[list]]:

@@ -12,9 +12,9 @@ would write it; else none."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
+from typing import Any, Dict, Optional
 
-from launcher.checkpoint import files
+from launcher.checkpoint import files, hf
 from launcher.errors import UserError, first_line
 from launcher.jsonfile import bounded, parsed
 
@@ -26,22 +26,10 @@ MAX_DEPTH = 8
 def source(init_from: Any, model_spec: Any) -> Optional[Path]:
     """The local folder holding the generation config of the model a recipe builds (its checkpoint.init_from and
     model section), or None."""
-    for where in (init_from, *_named(model_spec)):
+    for where in (init_from, *(value for _, value in hf.named_folders(model_spec, "model"))):
         if isinstance(where, str) and "://" not in where and (Path(where).expanduser() / FILE).is_file():
             return Path(where).expanduser()
     return None
-
-
-def _named(spec: Any) -> Iterator[Any]:
-    """Every `pretrained_model_name_or_path` in a recipe section, outermost first."""
-    if isinstance(spec, Mapping):
-        if "pretrained_model_name_or_path" in spec:
-            yield spec["pretrained_model_name_or_path"]
-        for value in spec.values():
-            yield from _named(value)
-    elif isinstance(spec, Sequence) and not isinstance(spec, str):
-        for value in spec:
-            yield from _named(value)
 
 
 def read(folder: Path) -> bytes:
