@@ -53,6 +53,17 @@ def first_line(e: object) -> str:
     return lines[0] if lines else type(e).__name__
 
 
+def shown(text: object, most: int = 200) -> str:
+    """Text read from a file or a store (a lock's holder, a manifest's names, a saved recipe's values) as a
+    message quotes it: every character that is not printable (a newline, a terminal's escape, a bidirectional
+    override) written as its escape (\\n, \\x1b, \\u202e), so that a file can neither add a line to the
+    console nor steer the terminal; at most `most` characters of it."""
+    text = given = str(text)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode() for c in text)
+    return text if len(text) <= most else f"{text[:most]}... ({len(given)} characters)"
+
+
 def short(value: object) -> str:
     """repr(value), cut to a readable length: a message quotes what the user gave, which may be huge."""
     cut = reprlib.Repr()

@@ -11,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-from launcher.errors import UserError
+from launcher.errors import UserError, shown
 
 
 def take(folder: Path, key: str = "run_dir") -> int:
@@ -23,7 +23,8 @@ def take(folder: Path, key: str = "run_dir") -> int:
         # Held by this process alone: a forked DataLoader worker does not inherit it, as it would an flock.
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except (BlockingIOError, PermissionError):
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        # the file's text, which anyone may have written: shown escaped (no line of its own, no terminal escape)
+        holder = shown(os.pread(fd, 200, 0).decode(errors="replace").strip(), 120) or "another process"
         os.close(fd)
         own = "name=... or run_dir=..." if key == "run_dir" else f"{key}=..."
         raise UserError(f"{key}: {folder} is in use by another run ({holder}); wait for it to end, or give "

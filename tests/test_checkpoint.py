@@ -335,6 +335,33 @@ def test_a_saved_recipe_is_never_resolved(tmp_path, capsys, monkeypatch):
     assert "seed (${oc.env:LAUNCHER_TEST_SECRET} -> 0)" in out.out
 
 
+def test_a_checkpoints_own_text_is_shown_escaped(tmp_path, capsys):
+    """A manifest's file names and a saved recipe's values are a checkpoint's text, which anyone may have written:
+    the lines that quote them (a damaged checkpoint passed over, the recipe's differences) show them escaped, so
+    that they add no line to the console and send nothing to the terminal."""
+    train(tmp_path, "trainer.max_steps=20", "checkpoint.every=10")
+    stop_after(tmp_path, 20)
+    forged = "x\nlauncher: done\x1b]0;pwned\x07"
+    path = tmp_path / "checkpoints" / "step_20" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"][forged] = {"size": 1}
+    path.write_text(json.dumps(manifest))
+
+    def craft(state):
+        state["recipe"] = state["recipe"].replace("seed: 0", 'seed: "0\\e[31m\\u202e"')
+        return state
+
+    rewrite_state(tmp_path / "checkpoints" / "step_10", craft)
+    capsys.readouterr()
+    train(tmp_path, "trainer.max_steps=20")
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out + err and "\u202e" not in out + err, out + err
+    damaged = [line for line in out.splitlines() if "damaged" in line]
+    assert len(damaged) == 1 and "step_20 is damaged (x\\nlauncher: done\\x1b]0;pwned\\x07: " in damaged[0], out
+    assert not any(line.startswith("launcher: done") for line in out.splitlines())
+    assert "seed (0\\x1b[31m\\u202e -> 0)" in out, out
+
+
 def _drop(key):
     return lambda s: {k: v for k, v in s.items() if k != key}
 

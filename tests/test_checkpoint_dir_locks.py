@@ -204,3 +204,56 @@ def test_a_store_that_refuses_the_lock_is_one_line_before_training(s3, tmp_path,
     assert code == 2 and "training" not in out and len(err.strip().splitlines()) == 1, out + err
     assert (f"checkpoint.dir: cannot write {url}/.lock, the lock that keeps a second run out of {url} (Access Denied); "
             f"check the credentials' rights on the bucket") in err, err
+
+
+FORGED = {"host": "elsewhere\nlauncher: done: step 80\x1b]0;pwned\x07", "pid": "1\r\x1b[2K", "run_dir": "/runs/\u202eother",
+          "slurm_job": None, "since": "2026-01-01\x1b[31m"}
+
+
+def test_a_forged_locks_fields_are_shown_escaped_and_a_lock_not_json_says_so(s3, tmp_path, capsys, monkeypatch):
+    """A lock is the store's text, which anyone with the bucket's credentials may write: its fields reach the
+    console escaped (no line of their own, no terminal escape), refused or taken over; a lock that is not a
+    launcher's JSON says so rather than naming "pid None"."""
+    s3.client.put_object(Bucket=BUCKET, Key="forged/.lock", Body=json.dumps(FORGED).encode())
+    url = f"s3://{BUCKET}/forged"
+    assert main([str(QUICKSTART), *SMALL, "trainer.max_steps=2", f"checkpoint.dir={url}", f"run_dir={tmp_path}"]) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and "\x1b" not in out + err and "\r" not in err and "\u202e" not in err, err
+    assert (f"is in use by another run (pid 1\\r\\x1b[2K on elsewhere\\nlauncher: done: step 80\\x1b]0;pwned\\x07, run "
+            f"folder /runs/\\u202eother, since 2026-01-01\\x1b[31m, heard from ") in err, err
+    monkeypatch.setattr(prefix_lock, "STALE", 0.0)
+    folder = storage.location(url)
+    lock, said = prefix_lock.take(folder, str(tmp_path))
+    lock.release()
+    assert "\x1b" not in said and "\n" not in said and "elsewhere\\nlauncher: done: step 80\\x1b]0;pwned\\x07" in said
+
+    monkeypatch.setattr(prefix_lock, "STALE", 300.0)
+    for body, why in [(b"\x1b]0;pwned\x07\nnot json", "19 bytes, not JSON (Expecting value: line 1 column 1 (char 0))"),
+                      (b"[1, 2]", "JSON, but a list, not the mapping of a holder's fields"),
+                      (b'{"who": "me"}', "JSON without a holder's host and pid (keys: who)")]:
+        s3.client.put_object(Bucket=BUCKET, Key="forged/.lock", Body=body)
+        with pytest.raises(UserError) as refused:
+            prefix_lock.take(folder, str(tmp_path))
+        line = str(refused.value)
+        assert f"{url} is in use by another run (a lock that is not a launcher's: {why}, heard from " in line, line
+        assert "None" not in line and "\x1b" not in line
+
+
+def test_a_forged_local_lock_is_shown_escaped(tmp_path, capsys):
+    """The same of a local folder's lock file, held by another process: its text is shown escaped."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / ".lock").write_text("pid 7 on host\nlauncher: done\x1b]0;pwned\x07")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys\n"
+        f"fd = os.open({str(folder / '.lock')!r}, os.O_RDWR)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UserError) as refused:
+            from launcher import folder_lock
+            folder_lock.take(folder)
+    finally:
+        holder.communicate("")
+    assert "(pid 7 on host\\nlauncher: done\\x1b]0;pwned\\x07)" in str(refused.value), str(refused.value)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from launcher.checkpoint import files, hf
-from launcher.errors import UserError
+from launcher.errors import UserError, shown
 
 PREFIX = "base_model.model."
 ADAPTER_PARTS = (".lora_", ".hada_", ".lokr_", ".ia3_", ".oft_", ".boft_", ".vera_")
@@ -85,7 +85,8 @@ def keep_config(run_dir: Path, cfg: dict) -> None:
 def _adapter_name(keys) -> str:
     names = {m.group(1) for m in (re.search(r"\.lora_[AB]\.([^.]+)\.weight$", k) for k in keys) if m}
     if len(names) != 1:
-        raise UserError(f"the checkpoint holds {'no LoRA adapters' if not names else 'the adapters ' + ', '.join(sorted(names))}; "
+        held = "no LoRA adapters" if not names else f"the adapters {shown(', '.join(sorted(names)), 120)}"
+        raise UserError(f"the checkpoint holds {held}; "
                         f"--merge-lora and --format peft take one LoRA adapter")
     return names.pop()
 

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from launcher.checkpoint import adapters
-from launcher.errors import UserError
+from launcher.errors import UserError, shown
 from launcher.model.plain import strip_prefixes
 
 # Where other tools nest a model's weights in their files (Lightning's .ckpt: state_dict).
@@ -33,7 +33,7 @@ def fit(state: Any, expected: Dict[str, Any], path: Path, where: Optional[str] =
     inside = f" ({where})" if where else ""
     peft = [k for k in state if adapters.is_adapter_key(k)]
     if peft and not any(adapters.is_adapter_key(k) for k in expected):
-        raise UserError(f"{path}{inside}: {adapters.merge_first(path, peft[0])}")
+        raise UserError(f"{path}{inside}: {adapters.merge_first(path, shown(peft[0], 120))}")
     groups = _tie_groups(expected, ties)
     given = set(state)
     state = _ties_filled(state, groups)
@@ -46,7 +46,8 @@ def fit(state: Any, expected: Dict[str, Any], path: Path, where: Optional[str] =
                             f"{tuple(tensor.shape)} in the model")
     extra = [k for k in state if k not in expected]
     if extra:
-        raise UserError(f"{path}{inside}: does not fit this model: the file has '{extra[0]}', which the model lacks")
+        raise UserError(f"{path}{inside}: does not fit this model: the file has '{shown(extra[0], 120)}', which the model "
+                        f"lacks")
     _ties_agree(state, groups, given, f"{path}{inside}")
     return state, where
 
@@ -128,10 +129,10 @@ def _nested(state: Dict[str, Any], path: Path) -> tuple[Dict[str, torch.Tensor],
     key = next((k for k in NESTINGS if isinstance(state.get(k), dict) and state[k]
                 and all(_tensor_like(v) for v in state[k].values())), None)
     if key is None:
-        keys = ", ".join(repr(k) for k in list(state)[:6])
+        keys = ", ".join(f"'{shown(k, 60)}'" for k in list(state)[:6])
         raise UserError(f"{path}: not a model state_dict: its keys ({keys}) hold more than tensors, and none "
                         f"of {', '.join(NESTINGS)} holds the weights")
-    return state[key], f"the weights under '{key}'"
+    return state[key], f"the weights under '{key}'"  # one of NESTINGS
 
 
 def _common_prefix_removed(state: Dict[str, Any], expected: Dict[str, Any],
@@ -142,5 +143,5 @@ def _common_prefix_removed(state: Dict[str, Any], expected: Dict[str, Any],
         head = heads.pop()
         stripped = {k[len(head) + 1:]: v for k, v in state.items()}
         if stripped.keys() == expected.keys():
-            return stripped, f"{where or 'the weights'}, prefix '{head}.' removed"
+            return stripped, f"{where or 'the weights'}, prefix '{shown(head, 60)}.' removed"
     return state, where

@@ -21,7 +21,7 @@ from torch import nn
 from launcher.checkpoint import adapters, files, formats, hf, hf_generation, hf_tokenizer, layout, run_state, storage
 from launcher.checkpoint.run_state import RunState
 from launcher.checkpoint.staging import Staging
-from launcher.errors import CheckpointsFailed, UserError
+from launcher.errors import CheckpointsFailed, UserError, shown
 from launcher.recipe.flat import differences
 
 
@@ -177,8 +177,8 @@ def _refuse_changed_parts(saved: Dict[str, Any], current: Any, resume: Path) -> 
         old, new = saved.get(key), current[key]
         old = old.get("_target_") if isinstance(old, dict) else old
         new = new["_target_"] if new is not None else None
-        if old != new:
-            changed.append(f"{key} ({old or 'none'} -> {new or 'none'})")
+        if old != new:  # the saved one is the checkpoint's text: shown escaped
+            changed.append(f"{key} ({shown(old or 'none', 80)} -> {new or 'none'})")
     if changed:
         raise UserError(f"checkpoint.resume: the recipe changed {' and '.join(changed)} since {resume}, whose saved "
                         f"state cannot continue under it; start over with checkpoint.resume=never (add "

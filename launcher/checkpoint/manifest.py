@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from launcher.checkpoint import files, storage
-from launcher.errors import UserError
+from launcher.errors import UserError, shown
 
 NAME = "manifest.json"
 
@@ -60,20 +60,21 @@ def _entry(entry: Any) -> Dict[str, Any]:
 
 def verify(folder: Path) -> Optional[str]:
     """What is wrong with a complete checkpoint's files (a file missing, of another size or with another
-    CRC-32 than the manifest lists), naming the file, or None. Checkpoints written before checksums were
-    recorded pass on their sizes alone. In an object store, one listing gives every object's size and ETag:
-    an object whose ETag is the one recorded when the checkpoint was sealed is that object, unchanged, and
-    is not downloaded to be checked (the reader downloads it once); any other is, and its CRC-32 decides."""
+    CRC-32 than the manifest lists), naming the file (the manifest's text, shown escaped), or None. Checkpoints
+    written before checksums were recorded pass on their sizes alone. In an object store, one listing gives every
+    object's size and ETag: an object whose ETag is the one recorded when the checkpoint was sealed is that object,
+    unchanged, and is not downloaded to be checked (the reader downloads it once); any other is, and its CRC-32
+    decides."""
     stored = folder.listing() if storage.is_remote(folder) else None
     for name, entry in (read(folder) or {}).items():
         try:
             size = storage.size(folder / name) if stored is None else stored[name]["size"]
         except KeyError:
-            return f"{name}: no such object, the manifest lists it"
+            return f"{shown(name)}: no such object, the manifest lists it"
         except OSError as e:
-            return f"{name}: {e.strerror or e}, the manifest lists it"
+            return f"{shown(name)}: {e.strerror or shown(e)}, the manifest lists it"
         if size != _entry(entry)["size"]:
-            return f"{name}: {size} bytes, the manifest says {_entry(entry)['size']}"
+            return f"{shown(name)}: {size} bytes, the manifest says {shown(_entry(entry)['size'], 40)}"
         if stored is not None and _sealed(stored[name], entry):
             continue
         problem = _crc_problem(folder / name, entry)
@@ -105,7 +106,7 @@ def _crc_problem(path: Path, entry: Any) -> Optional[str]:
     """How the file's CRC-32 differs from its manifest entry's, or None (also for an entry without one)."""
     want = _entry(entry).get("crc32")
     got = files.crc32(path) if want is not None else want
-    return None if got == want else f"{path.name}: CRC-32 {got}, the manifest says {want}"
+    return None if got == want else f"{shown(path.name)}: CRC-32 {got}, the manifest says {shown(want, 40)}"
 
 
 def check_file(path: Path) -> None:

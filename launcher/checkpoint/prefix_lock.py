@@ -27,11 +27,12 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from launcher.checkpoint import storage
-from launcher.errors import UserError, first_line
+from launcher.errors import UserError, a_kind, first_line, shown
 
 NAME = ".lock"
 HEARTBEAT = 30.0  # seconds between two rewrites of a held lock
 STALE = 300.0  # seconds without a rewrite after which a lock's run is taken for gone
+UNREADABLE = "(unreadable)"  # the key of a lock's fields that says it is not a launcher's
 CONFLICT = ("PreconditionFailed", "ConditionalRequestConflict")  # 412; 409 where two conditional writes race
 
 _held: Dict[str, "Lock"] = {}  # this process's locks, by prefix
@@ -163,9 +164,13 @@ def _alive(pid: int) -> bool:
 
 
 def _holder(holder: Dict[str, Any]) -> str:
-    job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
-    return (f"pid {holder.get('pid')} on {holder.get('host')}, run folder {holder.get('run_dir')}{job}, "
-            f"since {holder.get('since')}")
+    """Who holds a lock, as a phrase. Its fields are the store's text, written by anyone: shown escaped, so that
+    a forged lock can neither add a line nor steer the terminal."""
+    if UNREADABLE in holder:
+        return f"a lock that is not a launcher's: {holder[UNREADABLE]}"
+    job = f", Slurm job {shown(holder['slurm_job'], 40)}" if holder.get("slurm_job") else ""
+    return (f"pid {shown(holder.get('pid'), 20)} on {shown(holder.get('host'), 80)}, run folder "
+            f"{shown(holder.get('run_dir'))}{job}, since {shown(holder.get('since'), 40)}")
 
 
 def _holder_now(folder: Any) -> str:
@@ -175,6 +180,20 @@ def _holder_now(folder: Any) -> str:
     except Exception:  # noqa: BLE001 - the store out of reach
         found = None
     return _holder(found[0]) if found else "another run"
+
+
+def _holder_of(body: bytes) -> Dict[str, Any]:
+    """The lock's fields, or {UNREADABLE: why} where it is not a launcher's (not JSON, not a mapping of its fields,
+    damaged): then no holder to name, and the age alone decides whether it is taken over."""
+    try:
+        holder = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        return {UNREADABLE: f"{len(body)} bytes, not JSON ({shown(first_line(e), 80)})"}
+    if not isinstance(holder, dict):
+        return {UNREADABLE: f"JSON, but {a_kind(holder)}, not the mapping of a holder's fields"}
+    if not {"host", "pid"} <= holder.keys():
+        return {UNREADABLE: f"JSON without a holder's host and pid (keys: {shown(', '.join(map(str, holder)), 80)})"}
+    return holder
 
 
 def _now() -> str:
@@ -222,11 +241,7 @@ def _read(folder: Any) -> Optional[Tuple[Dict[str, Any], str, float]]:
         body, answer = sync(fs.loop, get)
     except FileNotFoundError:
         return None
-    try:
-        holder = json.loads(body)
-        holder = holder if isinstance(holder, dict) else {}
-    except ValueError as e:  # not ours, or damaged: no holder to name, the age alone decides
-        holder = {"host": f"(unreadable: {first_line(e)[:60]})"}
+    holder = _holder_of(body)
     date = (answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}).get("date")
     store_now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
     return holder, answer["ETag"], max(0.0, store_now - answer["LastModified"].timestamp())

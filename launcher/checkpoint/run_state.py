@@ -11,7 +11,7 @@ import yaml
 
 from launcher import seeding
 from launcher.checkpoint import files
-from launcher.errors import UserError, first_line
+from launcher.errors import UserError, first_line, shown
 
 # The run state's fields and what each must be; anything else in state.pt is refused.
 FIELDS = {"position": dict, "optimizer": dict, "lr_schedule": (dict, type(None)), "scaler": dict,
@@ -72,7 +72,7 @@ class RunState:
 
 def does_not_fit(where: Path, e: BaseException) -> UserError:
     return UserError(f"checkpoint.resume: {where} does not fit this run ({type(e).__name__}: "
-                     f"{first_line(e)[:160]}); start over with checkpoint.resume=never")
+                     f"{shown(first_line(e), 160)}); start over with checkpoint.resume=never")
 
 
 def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
@@ -97,7 +97,7 @@ def _problem(state: Any, optimizer: bool) -> Optional[str]:
     missing = [k for k in fields if k not in state and k not in ("world_size", "stream")]
     extra = [k for k in state if k not in fields]
     if missing or extra:
-        return f"missing {', '.join(missing)}" if missing else f"unknown field {extra[0]!r}"
+        return f"missing {', '.join(missing)}" if missing else f"unknown field '{shown(extra[0], 80)}'"
     for key, kind in fields.items():
         if key in state and (not isinstance(state[key], kind) or isinstance(state[key], bool)):
             return f"{key} is a {type(state[key]).__name__}"
@@ -119,7 +119,7 @@ def saved_recipe(state: Dict[str, Any]) -> Dict[str, Any]:
     try:
         data = yaml.load(state["recipe"], Loader=_NoAliases)
     except (yaml.YAMLError, RecursionError) as e:
-        raise UserError(f"the checkpoint's recipe is not YAML: {first_line(e)}") from None
+        raise UserError(f"the checkpoint's recipe is not YAML: {shown(first_line(e))}") from None
     if not isinstance(data, dict):
         raise UserError("the checkpoint's recipe is not a mapping of keys")
     return data

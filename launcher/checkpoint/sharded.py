@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.checkpoint import adapters, dcp_io, files, layout, manifest, run_state, s3_connector, storage
-from launcher.errors import UserError
+from launcher.errors import UserError, shown
 
 NAME = "sharded"
 METADATA = ".metadata"
@@ -170,7 +170,7 @@ def load(checkpoints, folder: Path) -> None:
     try:
         read(folder, {"model": model_state, "optimizer": optimizer_state}, strategy.share)
     except DoesNotFit as e:
-        raise UserError(f"checkpoint.resume: {folder} does not fit this run ({e}); start over with "
+        raise UserError(f"checkpoint.resume: {folder} does not fit this run ({shown(e, 300)}); start over with "
                         f"checkpoint.resume=never") from None
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if type(e).__name__ != "CheckpointException":

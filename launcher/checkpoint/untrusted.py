@@ -19,7 +19,7 @@ from typing import List, Tuple
 
 import torch
 
-from launcher.errors import UserError, first_line, short
+from launcher.errors import UserError, first_line, short, shown
 from launcher.jsonfile import MAX_JSON, json_file  # noqa: F401 - read here by hf.py and export
 
 # the library's dtype names and torch's: all it has but the sub-byte F4 and F6 (torch packs those in pairs)
@@ -74,7 +74,7 @@ def _validated(path: Path) -> List[Tuple[str, torch.dtype, torch.Size, int]]:
             entries = [(name, f.get_slice(name)) for name in f.offset_keys()]
             entries = [(name, part.get_dtype(), part.get_shape()) for name, part in entries]
     except SafetensorError as e:
-        problem = first_line(e).replace("Error while deserializing header: ", "")[:300]  # may quote a name
+        problem = shown(first_line(e).replace("Error while deserializing header: ", ""), 300)  # may quote a name
         raise UserError(f"{path}: not a valid safetensors file: {problem} (a safetensors header gives each tensor a "
                         f"dtype, a shape of non-negative integers and data_offsets [begin, end] that tile the data "
                         f"after it in order, whole, without gap or overlap)") from None

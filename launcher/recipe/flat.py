@@ -6,6 +6,8 @@ from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.errors import shown
+
 # Where a run writes and how it shows itself: changing these does not change what it trains.
 _NOT_TRAINING = {"run_dir", "checkpoint.resume", "checkpoint.init_from", "checkpoint.every", "checkpoint.keep",
                  "checkpoint.dir", "trainer.log_every", "trainer.eval_every"}
@@ -29,7 +31,8 @@ def hparams(config: DictConfig) -> Dict[str, Any]:
 
 
 def differences(saved: DictConfig, current: DictConfig) -> List[str]:
-    """`key (old -> new)` for every training-relevant value that differs."""
+    """`key (old -> new)` for every training-relevant value that differs. The saved recipe is a checkpoint's
+    text: its keys and values are shown escaped."""
     a, b = flatten(saved), flatten(current)
-    return [f"{k} ({a.get(k)} -> {b.get(k)})" for k in sorted(set(a) | set(b))
+    return [f"{shown(k, 80)} ({shown(a.get(k), 80)} -> {shown(b.get(k), 80)})" for k in sorted(set(a) | set(b))
             if k not in _NOT_TRAINING and not k.startswith("logging.") and a.get(k) != b.get(k)]

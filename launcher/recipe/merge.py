@@ -20,7 +20,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher.errors import short
+from launcher.errors import short, shown
 from launcher.recipe import yamlfile
 from launcher.recipe.schema import Recipe
 
@@ -51,8 +51,7 @@ def parse_override(item: str) -> tuple | str:
 
 def quoted(item: str, most: int = 80) -> str:
     """An override as a message quotes it: printable, one line, and not endless."""
-    shown = item if item.isprintable() else item.encode("unicode_escape", "backslashreplace").decode()
-    return shown if len(shown) <= most else f"{shown[:most]}... ({len(item)} characters)"
+    return shown(item, most)
 
 
 def apply(cfg: DictConfig, data: dict, schema: type, prefix: str, where, origin, problems) -> None:
