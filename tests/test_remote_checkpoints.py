@@ -372,6 +372,14 @@ NOT_A_STORE = [  # checkpoint.dir, the end of its one line
     (f"s3://{BUCKET}/a/../b", "the key has an empty part (//), or . or .. between slashes"),
     ("file://otherhost/tmp/ckpt", f"a file:// URL names a folder of this machine (file:///path or "
                                   f"file://localhost/path), not one on otherhost; {USE}"),  # once host/path, here
+    # a URL with one slash, once the local folder ./s3:/launcher-ckpt/one-slash (exit 0, nothing in the store)
+    (f"s3:/{BUCKET}/one-slash", f"begins as a URL does (s3:) without the // that follows a URL's scheme, so it would "
+                                f"be the local folder ./s3:/{BUCKET}/one-slash; write s3://{BUCKET}/one-slash if a URL "
+                                f"is meant, or ./s3:/{BUCKET}/one-slash for a local folder of that name"),
+    # bucket names that no store has: once "cannot reach the object store ...; check AWS_ENDPOINT_URL and the network"
+    ("s3://launcher?ckpt/run", "the bucket's name holds ?; a bucket is named by letters, digits, . - and _ (AWS: 3 to "
+                               "63 lowercase letters, digits, . and -), as s3://bucket/prefix"),
+    ("s3://launcher*/run", "the bucket's name holds *; "),
 ]
 
 
@@ -386,7 +394,7 @@ def test_a_checkpoint_dir_that_cannot_hold_checkpoints_is_one_line_before_traini
     out, err = capsys.readouterr()
     assert code == 2 and "training" not in out and len(err.strip().splitlines()) == 1, out + err
     assert f"checkpoint.dir: {url.rstrip('/')}: {line}" in err, err
-    assert not (tmp_path / "recipe.yaml").exists() and not s3.objects("p#1")
+    assert not (tmp_path / "recipe.yaml").exists() and not s3.objects("p#1") and not os.path.exists(url.split(":")[0] + ":")
 
 
 def test_a_checkpoint_dir_of_no_store_stops_every_rank_of_ddp_x2_with_its_line(s3, tmp_path):

@@ -46,7 +46,26 @@ def location(where: Any, client: str = "auto", key: str = "") -> Union[Path, "Re
             raise UserError(f"{key + ': ' if key else ''}{where}: a file:// URL names a folder of this machine (file:///path or "
                             f"file://localhost/path), not one on {host}; {USE}")
         return Path(slash + path)
+    if not is_url(where):
+        _not_a_url(str(where), key)
     return Remote(str(where), client=client) if is_url(where) else Path(where)
+
+
+# A scheme (two characters at least: C:/ is a drive elsewhere) and its colon, not followed by //: s3:/b/x, s3:b/x.
+_SCHEME_LIKE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(/*)(.*)", re.DOTALL)
+
+
+def _not_a_url(where: str, key: str) -> None:
+    """Refuse a path that begins as a URL does but is not one (s3:/bucket/x, one slash): it would be a local
+    folder `./s3:/bucket/x`, and the run would seem to save to the store while writing here."""
+    m = _SCHEME_LIKE.fullmatch(where)
+    if m is None:
+        return
+    scheme, rest = m.group(1), m.group(3)
+    url = f"{LOCAL}/{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
+    raise UserError(f"{key + ': ' if key else ''}{where}: begins as a URL does ({scheme}:) without the // that "
+                    f"follows a URL's scheme, so it would be the local folder ./{where}; write {url} if a URL is "
+                    f"meant, or ./{where} for a local folder of that name")
 
 
 def is_remote(where: Any) -> bool:
@@ -231,6 +250,7 @@ USE = "use a local folder (a path, or file:///path) or s3://bucket/prefix (S3 an
 # boto write the literal key. AWS's "safe characters" (less `*`), the letters of any script, and = , + (the run
 # names of a sweep).
 _KEY = re.compile(r"[\w!\-.'()=,+]+")
+_BUCKET = re.compile(r"[A-Za-z0-9._-]+")  # AWS's rules, and the uppercase and _ of its old buckets and other stores
 KEY_CHARACTERS = "letters, digits and _ - . ! ' ( ) = , + between slashes"
 
 
@@ -244,11 +264,17 @@ def supported(folder: Remote, key: str) -> None:
         raise UserError(f"{key}: {folder}: memory:// lives in this process alone, and {lost}; {USE}")
     if scheme not in STORES:
         raise UserError(f"{key}: {folder}: {scheme}:// is not a place for checkpoints; {USE}")
-    prefix = folder.key.partition("/")[2]
+    bucket, _, prefix = folder.key.partition("/")
+    if not _BUCKET.fullmatch(bucket):
+        odd = sorted({c for c in bucket if not _BUCKET.fullmatch(c)})
+        held = f"holds {' '.join(c if c.isprintable() and not c.isspace() else repr(c) for c in odd)}" if odd \
+            else "is empty"
+        raise UserError(f"{key}: {folder}: the bucket's name {held}; a bucket is named by letters, digits, . - and _ "
+                        f"(AWS: 3 to 63 lowercase letters, digits, . and -), as s3://bucket/prefix")
     odd = sorted({c for c in prefix if c != "/" and not _KEY.fullmatch(c)})
     if odd:
-        shown = " ".join(c if c.isprintable() and not c.isspace() else repr(c) for c in odd)
-        raise UserError(f"{key}: {folder}: the key holds {shown}; name a prefix of {KEY_CHARACTERS}, which both S3 "
+        held = " ".join(c if c.isprintable() and not c.isspace() else repr(c) for c in odd)
+        raise UserError(f"{key}: {folder}: the key holds {held}; name a prefix of {KEY_CHARACTERS}, which both S3 "
                         f"clients read as written (s3fs takes ?versionId= as a version and ? * [ as a glob)")
     if prefix and {"", ".", ".."} & set(prefix.split("/")):
         raise UserError(f"{key}: {folder}: the key has an empty part (//), or . or .. between slashes, which some "
