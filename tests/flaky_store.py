@@ -7,6 +7,8 @@ rule, which it answers as a failing store would:
     slow     passed through after a delay (seconds in `delay`)
     die      passed through, and then the store is gone: every later request's connection closed, every new
              one refused (the store's process killed)
+    lost     passed through (the store holds what it wrote), and then the connection closed without an answer,
+             as a store that went away before answering; `lost+die`: and then gone, as `die`
 
 Rules change while a run uses the store (`store.rules = {...}`), so a test chooses which saves fail."""
 
@@ -100,6 +102,12 @@ def _handler(store: FlakyStore):
                 upstream.request(self.command, self.path, body=body, headers=headers)
                 answer = upstream.getresponse()
                 data = answer.read()
+                if rule.startswith("lost"):
+                    self.close_connection = True
+                    self.connection.close()
+                    if rule == "lost+die":
+                        store.die()
+                    return
                 self.send_response(answer.status, answer.reason)
                 for k, v in answer.getheaders():
                     if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):

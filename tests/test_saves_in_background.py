@@ -200,3 +200,43 @@ def test_a_store_killed_under_fsdp_x2_stops_every_rank_with_exit_7_and_the_rerun
     ranks = several({"again": case}, tmp_path)
     assert [rank["again"]["error"] for rank in ranks] == [None, None], ranks
     assert f"resumed from {url}/step_10 (step 10" in ranks[0]["again"]["said"]
+
+
+@pytest.mark.slow  # two runs against the store, about 10 CPU s
+def test_a_save_whose_manifest_landed_before_a_failure_is_sealed_and_the_lines_say_what_the_store_holds(
+        s3, flaky, tmp_path, capsys):
+    """Step 20's manifest is stored but its answer is lost (the connection closed): the store holds step 20 sealed,
+    so the run says it is saved. Steps 30 and 40 dropped: the lines name step 20 as the newest sealed, and the same
+    command resumes from it (before: "step 20 was not saved", and the newest named step 10)."""
+    flaky.rules = {r"/step_20/manifest\.json": "lost", r"/step_(30|40)/": "drop"}
+    url = f"s3://{BUCKET}/landed"
+    args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=40", "checkpoint.every=10",
+            f"checkpoint.dir={url}", NO_PLAN]
+    assert main(args) == 7
+    out, err = capsys.readouterr()
+    assert any("/step_20/manifest.json" in failed for failed in flaky.failed), flaky.failed
+    assert f"checkpoint step 20 saved: {url}/step_20 (its manifest is in; a request after it failed: cannot write " in out
+    assert "step 20 was not saved" not in out and out.count("was not saved") == 2, out  # steps 30 and 40
+    assert f"checkpoint step 30 was not saved (cannot write {url}: " in out
+    assert f"the newest sealed checkpoint: {url}/step_20 (step 20). Training goes on" in out, out
+    assert (f"The newest sealed checkpoint: {url}/step_20 (step 20); the same command resumes from the newest there"
+            in err), err
+    flaky.rules = {}
+    assert main(args) == 0
+    assert f"resumed from {url}/step_20 (step 20" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a run against a store that dies, about 7 CPU s
+def test_a_store_out_of_reach_after_a_failed_save_is_said_to_be_unknown(s3, flaky, tmp_path, capsys):
+    """Step 20's manifest stored, its answer lost, and the store gone: the store cannot be read to tell whether step
+    20 is sealed, and the line says so rather than naming step 10 as the newest for sure."""
+    flaky.rules = {r"/step_20/manifest\.json": "lost+die"}
+    url = f"s3://{BUCKET}/landed-unknown"
+    args = [str(QUICKSTART), *SMALL, f"run_dir={tmp_path / 'run'}", "trainer.max_steps=20", "checkpoint.every=10",
+            f"checkpoint.dir={url}", NO_PLAN, "checkpoint.keep=5"]
+    assert main(args) == 7
+    out, err = capsys.readouterr()
+    assert flaky.dead
+    assert (f"the newest sealed checkpoint: {url}/step_10 (step 10) as this run last knew it (the store cannot be read "
+            f"now to tell whether step 20's manifest landed before the failure)") in out, out
+    assert "step_20/manifest.json" in s3.objects("landed-unknown")  # sealed in the store, as the line allows

@@ -127,15 +127,19 @@ def prepare(folder: Path, step: int) -> Path:
 @contextlib.contextmanager
 def guarding(folder: Path, step: int) -> Iterator[None]:
     """Where the disk refuses a write (full, read-only), the partial folder removed and one line: the
-    complete checkpoints stay as they were."""
+    complete checkpoints stay as they were. In an object store a step whose manifest is in stays: its request
+    failed after the store had written it (the answer lost), and the checkpoint is sealed (Checkpoints.failed
+    reads the store again to say so)."""
     try:
         yield
     except BaseException as e:  # OSError, or DCP's CheckpointException (a BaseException) gathering every rank's failures
         cause = _os_error(e)
         if cause is None:
             raise
+        written = partial(folder, step)
         try:
-            _remove(partial(folder, step))
+            if not (storage.is_remote(folder) and manifest.is_complete(written)):
+                _remove(written)
         except Exception as gone:  # noqa: BLE001 - a store that refuses the write may refuse this too:
             if _os_error(gone) is None:  # the next save deletes the partial one
                 raise

@@ -61,7 +61,8 @@ class Checkpoints:
             except UserError as e:
                 if not (background or storage.is_remote(self.folder)):
                     raise  # a local disk that refuses a synchronous save: one line, exit 2
-                self.failed(step, e)
+                if self.failed(step, e, final) and not final:
+                    break  # its manifest landed: sealed, though a request after it failed
                 if final:
                     continue  # the run's end: at once, until FAILURES in a row
             else:
@@ -77,20 +78,47 @@ class Checkpoints:
             self.say(f"checkpoint step {step} saved: {self.folder / f'step_{step}'}")
         self.saved_step, self.failures = step, 0
 
-    def failed(self, step: int, e: UserError) -> None:
-        """A save that failed (on every rank: its failure is agreed): said, or the run stopped."""
-        self.failures += 1
+    def failed(self, step: int, e: UserError, final: bool = False) -> bool:
+        """A save that failed (on every rank: its failure is agreed): said, or the run stopped. What the lines
+        say is what the folder holds, read again now: a save whose manifest landed before a later request failed
+        (its answer lost, the retention, the export after it) is sealed, and the same command resumes from it.
+        Returns whether the checkpoint of `step` is sealed (a save that is not the final one is then done)."""
         problem = "; ".join(e.problems)
-        newest = (f"{self.folder / f'step_{self.saved_step}'} (step {self.saved_step})" if self.saved_step is not None
-                  else "none yet")
+        held = self.held()
+        if held is not None:
+            self.saved_step = held if held >= 0 else None
+        path = self.folder / f"step_{step}"
+        if held == step and not final:
+            self.failures = 0
+            self.say(f"checkpoint step {step} saved: {path} (its manifest is in; a request after it failed: {problem})")
+            return True
+        self.failures += 1
+        newest = "none" if self.saved_step is None else f"{self.folder / f'step_{self.saved_step}'} (step {self.saved_step})"
+        if held is None:
+            newest += (f" as this run last knew it (the store cannot be read now to tell whether step {step}'s manifest "
+                       f"landed before the failure)")
         if self.failures >= FAILURES:
-            then = (f"The newest sealed checkpoint: {newest}; the same command resumes from it" if self.saved_step is not None
-                    else "No checkpoint is sealed: the same command starts over")
+            then = (f"The newest sealed checkpoint: {newest}; the same command resumes from the newest there"
+                    if self.saved_step is not None or held is None else "No checkpoint is sealed: the same command "
+                                                                        "starts over")
             raise CheckpointsFailed(f"checkpoint: {FAILURES} saves in a row failed, the last at step {step} ({problem}); "
                                     f"the run stops. {then}") from None
-        self.say(f"checkpoint step {step} was not saved ({problem}); the newest sealed checkpoint: {newest}. "
-                 f"Training goes on and the next save tries again ({self.failures} of {FAILURES} failed in a row "
-                 f"stop the run)")
+        what = (f"checkpoint step {step} is sealed ({path}) but what follows its manifest failed ({problem})" if held == step
+                else f"checkpoint step {step} was not saved ({problem}); the newest sealed checkpoint: {newest}")
+        self.say(f"{what}. Training goes on and the next save tries again ({self.failures} of {FAILURES} failed in a "
+                 f"row stop the run)")
+        return held == step
+
+    def held(self) -> Optional[int]:
+        """The newest step whose checkpoint the folder holds sealed, read now by the writer and told every rank (a
+        collective): -1 where none is, None where the folder cannot be read (the store still out of reach)."""
+        def newest() -> Optional[int]:
+            try:
+                sealed = layout.complete(self.folder)
+            except Exception:  # noqa: BLE001 - the store out of reach, or anything else: the line says it is unknown
+                return None  # (an exception here would leave the other ranks waiting in the gather below)
+            return layout.step_of(sealed[-1]) if sealed else -1
+        return self.strategy.all_gather_object(newest() if self.writer else None)[0]
 
     def write_model(self, state: Dict[str, torch.Tensor]) -> Path:
         """<run_dir>/model.pt, atomically (rank 0)."""
