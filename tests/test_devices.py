@@ -150,7 +150,7 @@ def test_process_count(nproc, gpus, device, cpus, expected):
     (None, 0, "cpu", 2, "nproc_per_node: strategy=ddp on the CPU starts torchrun for you and needs a process count"),
     (100, 0, "cpu", 2, "nproc_per_node: 100 processes on the CPU, but this process may use 2 CPU core(s) "
                        "(os.sched_getaffinity); each process needs a core of its own: use nproc_per_node=2 or fewer"),
-    (3, 2, "cuda:0", 64, "nproc_per_node: 3 processes, but this process sees 2 GPU(s) and DDP trains one process "
+    (3, 2, "cuda:0", 64, "nproc_per_node: 3 processes, but this process sees 2 GPU(s) and strategy=ddp trains one process "
                          "per GPU; use nproc_per_node=2 or fewer"),
 ])
 def test_process_count_refuses_more_than_the_machine_holds(nproc, gpus, device, cpus, message):
@@ -159,6 +159,22 @@ def test_process_count_refuses_more_than_the_machine_holds(nproc, gpus, device, 
     with pytest.raises(UserError) as info:
         process_count(nproc, gpus, device, cpus)
     assert message in str(info.value)
+
+
+def test_fsdp_with_ep_and_no_process_count_names_fsdp_and_the_count_its_layout_takes(capsys):
+    """strategy=fsdp parallel.ep=2 on the CPU without nproc_per_node: one line naming fsdp (it named ddp) and the
+    count the layout takes; a plain fsdp names fsdp too."""
+    from launcher.cli import main
+
+    assert main(["recipes/quickstart.yaml", "strategy=fsdp", "parallel.ep=2", "parallel.tp=2", "devices=cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["launcher: nproc_per_node: strategy=fsdp on the CPU starts torchrun for you and needs a process "
+                   "count; add nproc_per_node=4 or a multiple of 4 (parallel.tp=2 parallel.ep=2 lays ranks out in "
+                   "groups of 4), or start it with torchrun --nproc_per_node=4 -m launcher ..."], err
+    assert main(["recipes/quickstart.yaml", "strategy=fsdp", "devices=cpu"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "launcher: nproc_per_node: strategy=fsdp on the CPU starts torchrun for you and needs a process count; add "
+        "nproc_per_node=N, or start it with torchrun --nproc_per_node=N -m launcher ...")
 
 
 

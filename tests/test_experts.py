@@ -266,11 +266,19 @@ def test_experts_modules_are_recognised_by_their_interface():
     model = qwen3_moe()
     assert list(experts.found(model)) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert experts.problems(model, 2) == [] and experts.problems(model, 8) == []
-    assert experts.problems(model, 3) == [
-        "parallel.ep: model.layers.0.mlp.experts holds 8 experts, which do not split over ep=3 ranks; use an ep that "
-        "divides 8",
-        "parallel.ep: model.layers.1.mlp.experts holds 8 experts, which do not split over ep=3 ranks; use an ep that "
-        "divides 8"]
+    assert experts.problems(model, 3) == [  # one line for the model (the ep chosen), not one per layer
+        "parallel.ep: 2 experts modules (model.layers.0.mlp.experts, ...) hold 8 experts each, which do not split over "
+        "ep=3 ranks; use an ep that divides 8: 1, 2, 4, 8"]
+    model.model.layers[1].mlp.experts.num_experts = 6  # (its weights' first dimension is not read by problems)
+    with torch.no_grad():
+        for name, param in model.model.layers[1].mlp.experts.named_parameters(recurse=False):
+            param.data = param.data[:6].clone()
+    assert experts.problems(model, 4) == [
+        "parallel.ep: model.layers.1.mlp.experts holds 6 experts, which do not split over ep=4 ranks; use an ep that "
+        "divides every layer's count (6, 8): 1, 2"]
+    assert experts.problems(model, 5) == [
+        "parallel.ep: 2 experts modules (model.layers.0.mlp.experts, ...) hold 6, 8 experts, which do not split over "
+        "ep=5 ranks; use an ep that divides every layer's count (6, 8): 1, 2"]
     dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
     assert experts.found(dense) == {}

@@ -169,8 +169,11 @@ def test_a_store_killed_mid_run_fails_each_save_in_one_line_and_stops_with_exit_
     out, err = capsys.readouterr()
     assert flaky.dead and "Traceback" not in out + err, out + err
     assert out.count("was not saved (cannot write") == 2 and err.strip().count("\n") == 0, out + err
+    # the store dead, what it holds cannot be read: the line names the newest the run knew of, and says so
     assert (f"checkpoint: 3 saves in a row failed, the last at step 40 (cannot write {url}: " in err
-            and f"The newest sealed checkpoint: {url}/step_10 (step 10); the same command resumes from it" in err), err
+            and f"The newest sealed checkpoint: {url}/step_10 (step 10) as this run last knew it (the store cannot be "
+                f"read now to tell whether step 40's manifest landed before the failure); the same command resumes from "
+                f"the newest sealed one" in err), err
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.env["AWS_ENDPOINT_URL"])  # the store back
     assert main(args) == 0
     assert f"resumed from {url}/step_10 (step 10" in capsys.readouterr().out
@@ -219,8 +222,7 @@ def test_a_save_whose_manifest_landed_before_a_failure_is_sealed_and_the_lines_s
     assert "step 20 was not saved" not in out and out.count("was not saved") == 2, out  # steps 30 and 40
     assert f"checkpoint step 30 was not saved (cannot write {url}: " in out
     assert f"the newest sealed checkpoint: {url}/step_20 (step 20). Training goes on" in out, out
-    assert (f"The newest sealed checkpoint: {url}/step_20 (step 20); the same command resumes from the newest there"
-            in err), err
+    assert f"The newest sealed checkpoint: {url}/step_20 (step 20); the same command resumes from it" in err, err
     flaky.rules = {}
     assert main(args) == 0
     assert f"resumed from {url}/step_20 (step 20" in capsys.readouterr().out

@@ -98,9 +98,9 @@ class Checkpoints:
             newest += (f" as this run last knew it (the store cannot be read now to tell whether step {step}'s manifest "
                        f"landed before the failure)")
         if self.failures >= FAILURES:
-            then = (f"The newest sealed checkpoint: {newest}; the same command resumes from the newest there"
-                    if self.saved_step is not None or held is None else "No checkpoint is sealed: the same command "
-                                                                        "starts over")
+            then = (f"The newest sealed checkpoint: {newest}; the same command resumes from "
+                    f"{'it' if held is not None else 'the newest sealed one'}" if self.saved_step is not None or held is None
+                    else "No checkpoint is sealed: the same command starts over")
             raise CheckpointsFailed(f"checkpoint: {FAILURES} saves in a row failed, the last at step {step} ({problem}); "
                                     f"the run stops. {then}") from None
         what = (f"checkpoint step {step} is sealed ({path}) but what follows its manifest failed ({problem})" if held == step

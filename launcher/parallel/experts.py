@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -77,12 +78,21 @@ def problems(model: nn.Module, ep: int) -> List[str]:
     if not modules:
         return [f"parallel.ep: the model ({type(model).__name__}) has no experts module this launcher can split "
                 f"({EXPECTED}); set parallel.ep=1"]
-    out = []
-    for name, module in modules.items():
-        if module.num_experts % ep:
-            out.append(f"parallel.ep: {name} holds {module.num_experts} experts, which do not split over ep={ep} "
-                       f"ranks; use an ep that divides {module.num_experts}")
-    return out
+    uneven = {name: module.num_experts for name, module in modules.items() if module.num_experts % ep}
+    if not uneven:
+        return []
+    # One line for the model, however many layers: they are one mistake (the ep chosen), not one per layer.
+    counts = sorted(set(module.num_experts for module in modules.values()))
+    odd = sorted(set(uneven.values()))
+    first = next(iter(uneven))
+    where = first if len(uneven) == 1 else f"{len(uneven)} experts modules ({first}, ...)"
+    held = (f"{odd[0]} experts" + (" each" if len(uneven) > 1 else "")) if len(odd) == 1 else \
+        f"{', '.join(map(str, odd))} experts"
+    common = functools.reduce(math.gcd, counts)
+    fits = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+    divides = f"{counts[0]}" if len(counts) == 1 else f"every layer's count ({', '.join(map(str, counts))})"
+    return [f"parallel.ep: {where} hold{'s' * (len(uneven) == 1)} {held}, which do not split over ep={ep} ranks; "
+            f"use an ep that divides {divides}: {fits}"]
 
 
 def split(model: nn.Module, mesh) -> Dict[str, int]:

@@ -8,24 +8,30 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from launcher.errors import EXIT_BUG, EXIT_USER, UserError
 
 
-def process_count(nproc_per_node: Optional[int], visible_gpus: int, device: str, cpus: int) -> int:
-    """How many workers to start: one per visible GPU by default. More than the machine holds (a
-    process per GPU, at least a core per process on the CPU) is refused: nproc_per_node=100 on two
-    cores once started 100 workers and took 14 GB before the first step."""
+def process_count(nproc_per_node: Optional[int], visible_gpus: int, device: str, cpus: int, strategy: str = "ddp",
+                  layout: Optional[Tuple[str, int]] = None) -> int:
+    """How many workers to start for `strategy` (ddp, fsdp): one per visible GPU by default. More than the
+    machine holds (a process per GPU, at least a core per process on the CPU) is refused: nproc_per_node=100 on
+    two cores once started 100 workers and took 14 GB before the first step. `layout`: the recipe's parallel
+    keys that lay ranks out (`parallel.ep=2`) and the count the processes must be a multiple of, for the line."""
     on_gpu = device != "cpu" and visible_gpus > 0
     if not nproc_per_node:
         if on_gpu:
             return visible_gpus
-        raise UserError("nproc_per_node: strategy=ddp on the CPU starts torchrun for you and needs a process "
-                        "count; add nproc_per_node=N (or start it with torchrun --nproc_per_node=N -m launcher ...)")
+        keys, multiple = layout or ("", 1)
+        n = str(multiple) if multiple > 1 else "N"
+        count = f" or a multiple of {n} ({keys} lays ranks out in groups of {n})" if multiple > 1 else ""
+        raise UserError(f"nproc_per_node: strategy={strategy} on the CPU starts torchrun for you and needs a process "
+                        f"count; add nproc_per_node={n}{count}, or start it with torchrun --nproc_per_node={n} -m "
+                        f"launcher ...")
     if on_gpu and nproc_per_node > visible_gpus:
         raise UserError(f"nproc_per_node: {nproc_per_node} processes, but this process sees {visible_gpus} GPU(s) "
-                        f"and DDP trains one process per GPU; use nproc_per_node={visible_gpus} or fewer")
+                        f"and strategy={strategy} trains one process per GPU; use nproc_per_node={visible_gpus} or fewer")
     if not on_gpu and nproc_per_node > cpus:
         raise UserError(f"nproc_per_node: {nproc_per_node} processes on the CPU, but this process may use {cpus} "
                         f"CPU core(s) (os.sched_getaffinity); each process needs a core of its own: use "

@@ -4,8 +4,9 @@ reads it; one process ignores them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from launcher.errors import short
 from launcher.recipe.checks import at_least, positive
@@ -68,6 +69,15 @@ class ParallelConfig:
     microbatches: Optional[int] = None  # each rank's batch split into this many for the pipeline; null: pp x stages
     stages_per_rank: Optional[int] = None  # stages each rank holds (interleaved schedules); null: 1, or 2 for those
     pp_split: Optional[List[str]] = None  # the blocks that begin stages 2, 3, ...; null: the blocks split evenly
+
+    def laid_out(self) -> Optional[Tuple[str, int]]:
+        """The keys of this section that lay ranks out (`parallel.ep=2`), and the ranks they take together, which
+        the world must be a multiple of; None where none is above 1."""
+        sizes = {key: getattr(self, key) for key in ("pp", "dp_replicate", "tp", "ep")}
+        above = {key: size for key, size in sizes.items() if isinstance(size, int) and size > 1}
+        if not above:
+            return None
+        return " ".join(f"parallel.{key}={size}" for key, size in above.items()), math.prod(above.values())
 
     def stages(self) -> int:
         """Stages per rank, the schedule's own default where the recipe gives none."""

@@ -49,7 +49,8 @@ def run(loaded: Loaded, overrides: list) -> int:
     placed = _place(loaded)
     placement, _, visible = placed
     if strategies.must_spawn(loaded.recipe.strategy, placement):
-        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device, spawn.cpus())
+        nproc = spawn.process_count(loaded.recipe.nproc_per_node, visible, placement.device, spawn.cpus(),
+                                    loaded.recipe.strategy, loaded.recipe.parallel.laid_out())
         collector.resume()  # this process now waits on the workers, for as long as they train
         return spawn.torchrun(loaded.path, overrides, nproc)
     if loaded.recipe.nproc_per_node is not None and placement.launched_by == "plain":
