@@ -31,6 +31,11 @@ EP = ["strategy=fsdp", "parallel.ep=2"]
 MORE = ["trainer.grad_accum_steps=2", "trainer.activation_checkpointing=[Qwen3MoeDecoderLayer]",
         "trainer.clip_grad_norm=0.5"]  # accumulation, recomputed blocks, clipping: gradients on two meshes
 STEPS = 6  # tests/hf_zoo.yaml's
+# packed rows of 20 to 44 token passages, at most 48 a row (28 to 48 long): a batch is padded to its longest row, on
+# two ranks each half to its own longest; the expert load leaves the padding out, so it is the same however the
+# batch is split
+PACKED = ["data.train={_target_: tests.packed_tokens.PackedTokens, n: 40, min_len: 20, max_len: 44, row_len: 48}",
+          "data.collate={_target_: launcher.data.collate.Packed}", "logging.jsonl=true", "checkpoint.every=null"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +64,8 @@ def two(tmp_path_factory, one):
              "ep-from-fsdp": [*MOE, *EP, f"checkpoint.resume={root / 'fsdp' / 'checkpoints' / 'step_3'}"],
              "ep-from-one": [*MOE, *EP, f"checkpoint.resume={one / 'checkpoints' / 'step_3'}"],
              "ep-more": [*MOE, *EP, *MORE],
-             "ep-pretrained": [*MOE, *EP, f"checkpoint.init_from={one / 'hf'}"]}
+             "ep-pretrained": [*MOE, *EP, f"checkpoint.init_from={one / 'hf'}"],
+             "ep-packed": [*MOE, *EP, *PACKED], "fsdp-packed": [*MOE, "strategy=fsdp", *PACKED]}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, timeout=900)
 
 
@@ -232,6 +238,54 @@ def test_ep_with_accumulation_recomputation_and_clipping(two, tmp_path):
 
 
 @pytest.mark.slow
+def expert_loads(run_dir) -> list:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k.startswith("moe/")} for row in rows if "train/loss" in row]
+
+
+@pytest.mark.slow
+def test_the_expert_load_of_packed_rows_leaves_their_padding_out_alike_at_one_and_two_processes(two, tmp_path):
+    """Packed rows (a 4-D mask, which cannot tell padding from a sample): the load counts the rows' real tokens
+    alone, so one process and ep x 2 and fsdp x 2 (each rank padding its half of the batch to its own longest row)
+    log the same load (counts of tokens: exact). Counting the padding, they differed (0.3828 against 0.3804)."""
+    alone(tmp_path / "one", *MOE, *PACKED)
+    one = expert_loads(tmp_path / "one")
+    assert len(one) == 2 and all(row.keys() >= {"moe/load_max", "moe/load_min"} for row in one), one
+    for name in ("ep-packed", "fsdp-packed"):
+        folder, _ = ran(two, name)
+        assert expert_loads(folder) == one, (name, expert_loads(folder), one)
+
+
+def test_the_expert_load_counts_the_real_tokens_the_meter_marks():
+    """One forward of a batch whose rows are padded: the counts are those of its real tokens (packed rows'
+    document_ids >= 0, or a 2-D attention_mask's ones), however much padding the batch holds."""
+    from launcher.model.moe import ExpertLoad
+    from launcher.run.metrics import _marks
+    from tests.moe_models import qwen3_moe
+
+    model = qwen3_moe().train()
+    load = ExpertLoad(model, torch.device("cpu"))
+    ids = torch.randint(1, 200, (2, 12))
+    documents = torch.tensor([[0] * 5 + [1] * 4 + [-1] * 3, [0] * 12])
+    for padding in (0, 7):  # the same rows with 7 more padding positions: the same counts
+        batch = {"input_ids": torch.cat([ids, torch.zeros(2, padding, dtype=torch.long)], 1),
+                 "document_ids": torch.cat([documents, torch.full((2, padding), -1)], 1)}
+        load.tokens(_marks(batch))
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"])
+        counts = load.counts.clone()
+        load.reset()
+        assert counts.sum(1).tolist() == [2 * 21] * 2, counts  # 21 real tokens, top 2, each layer
+        if padding:
+            assert torch.equal(counts, before)
+        before = counts
+    load.tokens(_marks({"input_ids": ids, "attention_mask": (documents >= 0).long()}))
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert load.counts.sum(1).tolist() == [2 * 21] * 2
+    load.remove()
+
+
 def test_pretrained_weights_load_into_ep_slices(one, two, tmp_path):
     folder, said = ran(two, "ep-pretrained")
     assert "initialised the model from" in said and "into this rank's shards" in said

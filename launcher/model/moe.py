@@ -7,7 +7,8 @@ called as `experts(hidden_states, top_k_index, top_k_weights)`, with `top_k_inde
 experts its router chose for each token. A forward pre-hook on each adds those choices into a device
 tensor of counts per layer and expert (`index_add_`: no host read, unlike bincount on CUDA), in training
 forwards only: not in evaluation, and not again when activation checkpointing recomputes a layer during
-backward. The loop's meter reads the counts with its other values, in the interval's one host read
+backward; the batch's padding (told by the meter before each forward, as it finds it for tokens/s) is routed
+but not counted. The loop's meter reads the counts with its other values, in the interval's one host read
 (summed over the ranks there: a share is the same of a sum as of a mean), and starts them again.
 
 A share is the fraction of the layer's tokens routed to an expert: each token goes to `top k` experts, so
@@ -109,16 +110,20 @@ class ExpertLoad:
         self.top_k = [top_k or 0] * len(found)  # and from the routers' output shapes, as they run
         self.handles = [module.register_forward_pre_hook(self._hook(i), with_kwargs=True)
                         for i, (_, module) in enumerate(found)]
-        # The batch's attention mask, [batch, sequence], read as the model is called: the experts see the tokens
-        # flattened in that order, and a padding position, routed like any other, is not counted (else the load
-        # would depend on how the batch is split into padded parts: one process's 32 rows against 2 ranks' 16).
-        self.mask: Optional[torch.Tensor] = None
-        if hf_model is not None:
-            self.handles.append(hf_model.register_forward_pre_hook(self._remember_mask, with_kwargs=True))
+        # Where the batch's real tokens are, flattened as the experts see them (`tokens`, told before each forward):
+        # a padding position, routed like any other, is not counted, else the load would depend on how the batch is
+        # split into padded parts (one process's 32 rows against 2 ranks' 16, each padded to its own longest).
+        self.real: Optional[torch.Tensor] = None
 
-    def _remember_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        mask = kwargs.get("attention_mask")
-        self.mask = mask.reshape(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    def tokens(self, marks: Optional[Tuple[torch.Tensor, bool]]) -> None:
+        """Where the next forward's real tokens are: packed rows' document_ids (>= 0: a packed batch's model gets a
+        4-D mask, which cannot tell padding from a sample), or a 2-D attention_mask (not 0), as the meter finds
+        them in the batch (run/metrics.py); None: every token counts. On the device, no host read."""
+        if marks is None:
+            self.real = None
+            return
+        tensor, documents = marks
+        self.real = ((tensor >= 0) if documents else (tensor != 0)).reshape(-1)
 
     def _hook(self, layer: int):
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -130,10 +135,9 @@ class ExpertLoad:
                 return
             self.top_k[layer] = index.shape[-1] if index.dim() > 1 else 1
             chosen = index.reshape(-1).to(self.counts.device, non_blocking=True)
-            mask = self.mask
-            if mask is not None and mask.numel() == index.shape[0]:  # a weight per routed slot: 1, or 0 for padding
-                weight = (mask != 0).to(torch.int64)[:, None].expand(index.shape[0], index.shape[-1] if
-                                                                      index.dim() > 1 else 1)
+            real = self.real
+            if real is not None and real.numel() == index.shape[0]:  # a weight per routed slot: 1, or 0 for padding
+                weight = real.to(torch.int64)[:, None].expand(index.shape[0], index.shape[-1] if index.dim() > 1 else 1)
                 self.counts[layer].index_add_(0, chosen, weight.reshape(-1).to(self.counts.device, non_blocking=True))
             else:
                 self.counts[layer].index_add_(0, chosen, torch.ones_like(chosen))

@@ -134,6 +134,7 @@ def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", p
     weights.start()
     for micro in range(accum):
         batch = next(batches)
+        p.meter.before(batch)
         syncs = micro + 1 == accum  # the micro-batch whose backward synchronises the gradients
         zero = micro == 0 and not free_after_step
         for loss, count, out, part in p.strategy.train_batch(

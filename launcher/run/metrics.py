@@ -72,6 +72,12 @@ class TrainMeter:
         self.grad_norm: Optional[torch.Tensor] = None
         self.clock = time.perf_counter()
 
+    def before(self, batch: Any) -> None:
+        """A micro-batch about to be trained: an MoE model's expert load counts its real tokens alone, as tokens/s
+        does (`_marks`: packed rows' document_ids, or a 2-D attention_mask)."""
+        if self.loads is not None:
+            self.loads.tokens(_marks(batch))
+
     def add(self, loss: torch.Tensor, count: Optional[torch.Tensor], out: Optional[Result], batch: Any = None) -> None:
         """One micro-batch: `loss` is its summed loss when `count` is given, else its mean already
         divided by the accumulation steps. A batch of token rows (input_ids with an attention_mask, or packed
