@@ -230,7 +230,9 @@ def test_a_forged_locks_fields_are_shown_escaped_and_a_lock_not_json_says_so(s3,
     monkeypatch.setattr(prefix_lock, "STALE", 300.0)
     for body, why in [(b"\x1b]0;pwned\x07\nnot json", "19 bytes, not JSON (Expecting value: line 1 column 1 (char 0))"),
                       (b"[1, 2]", "JSON, but a list, not the mapping of a holder's fields"),
-                      (b'{"who": "me"}', "JSON without a holder's host and pid (keys: who)")]:
+                      (b'{"who": "me"}', "JSON without a holder's host and pid (keys: who)"),
+                      (json.dumps({"host": "h", "pid": 1, prefix_lock.UNREADABLE: "\x1b]0;pwned\x07"}).encode(),
+                       "\\x1b]0;pwned\\x07")]:
         s3.client.put_object(Bucket=BUCKET, Key="forged/.lock", Body=body)
         with pytest.raises(UserError) as refused:
             prefix_lock.take(folder, str(tmp_path))

@@ -167,7 +167,7 @@ def _holder(holder: Dict[str, Any]) -> str:
     """Who holds a lock, as a phrase. Its fields are the store's text, written by anyone: shown escaped, so that
     a forged lock can neither add a line nor steer the terminal."""
     if UNREADABLE in holder:
-        return f"a lock that is not a launcher's: {holder[UNREADABLE]}"
+        return f"a lock that is not a launcher's: {shown(holder[UNREADABLE], 300)}"  # (a forged one may name it)
     job = f", Slurm job {shown(holder['slurm_job'], 40)}" if holder.get("slurm_job") else ""
     return (f"pid {shown(holder.get('pid'), 20)} on {shown(holder.get('host'), 80)}, run folder "
             f"{shown(holder.get('run_dir'))}{job}, since {shown(holder.get('since'), 40)}")
