@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.pace import paced
 
 pytestmark = pytest.mark.measuring
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.measuring
 def bench(*args: str) -> str:
     """`python -m launcher.bench ARGS` at the smallest sizes whose figures still mean something; its output."""
     done = subprocess.run([sys.executable, "-m", "launcher.bench", "--steps", "120", "--reps", "1", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=paced(600))
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -116,7 +117,7 @@ def test_the_pipeline_row():
 def test_gpu_benchmark_runs_tiny_on_the_cpu():
     done = subprocess.run([sys.executable, "-m", "launcher.bench.gpu", "--device", "cpu", "--size", "tiny",
                            "--steps", "51", "--reps", "1", "--no-compile"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=paced(600))
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     for side in ("raw", "ours"):
@@ -130,7 +131,7 @@ def test_gpu_benchmark_runs_tiny_on_the_cpu():
 def test_gpu_benchmark_compares_fsdp_with_ddp_tiny_on_the_cpu():
     done = subprocess.run([sys.executable, "-m", "launcher.bench.gpu", "--device", "cpu", "--size", "tiny",
                            "--steps", "51", "--reps", "1", "--fsdp"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=paced(600))
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"^eager +ddp +\d+\.\d+ms ", done.stdout, re.M), done.stdout
     ratio = float(re.search(r"^eager +fsdp .*  (\d+\.\d+) \(\S+\)$", done.stdout, re.M).group(1))
@@ -142,7 +143,7 @@ def test_gpu_benchmark_s_fine_tuning_row_runs_tiny_on_the_cpu():
     pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
     done = subprocess.run([sys.executable, "-m", "launcher.bench.gpu", "--device", "cpu", "--size", "tiny",
                            "--steps", "51", "--reps", "1", "--finetune", "--recompute", "on"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=paced(600))
     assert done.returncode == 0, done.stderr[-2000:]
     for setting in ("recompute",):  # (off is the same command without the recomputing layers)
         assert re.search(rf"^{setting} +Trainer +\d+\.\d+ms ", done.stdout, re.M), done.stdout
@@ -172,7 +173,7 @@ def test_gpu_benchmark_s_sft_row_runs_tiny_on_the_cpu():
     # that test runs it, the same side through the same code (launcher/bench/sft.py)
     done = subprocess.run([sys.executable, "-m", "launcher.bench.gpu", "--device", "cpu", "--size", "tiny",
                            "--steps", "12", "--reps", "1", "--sft", "--no-peers"], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=paced(600))
     assert done.returncode == 0, done.stderr[-2000:]
     gain = re.search(r"^packed / padded real tokens/s (\d+\.\d{3}) \(\S+\)$", done.stdout, re.M)
     assert gain and plausible(float(gain.group(1))), done.stdout  # a sanity bound on what was measured, not a target

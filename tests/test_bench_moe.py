@@ -13,6 +13,7 @@ import pytest
 from launcher.bench import moe, moe_gpu
 from launcher.observe import holdings
 from tests.conftest import REPO
+from tests.pace import paced
 from tests.test_bench import bench, plausible
 
 MIB = 2**20
@@ -150,7 +151,7 @@ def test_the_moe_row_sets_ep_against_fsdp_on_two_processes():
 def test_the_gpu_moe_row_runs_tiny_on_the_cpu():
     pytest.importorskip("transformers")
     done = subprocess.run([sys.executable, "-m", "launcher.bench.gpu", "--moe", "--device", "cpu", "--size", "tiny",
-                           "--steps", "30", "--reps", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           "--steps", "30", "--reps", "1"], cwd=REPO, capture_output=True, text=True, timeout=paced(600))
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert "MoE on 2 processes on the CPU (gloo)" in out and "ep's steps 29-30 profiled" in out, out

@@ -16,6 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from tests.conftest import QUICKSTART, REPO, train
+from tests.pace import paced
 
 README = (REPO / "README.md").read_text()
 
@@ -39,7 +40,7 @@ def test_loading_snippet_runs(tmp_path):
     train(tmp_path / "runs" / "quickstart")
     snippet = re.search(r"```python\n(.*?)```", page("checkpoints.md"), re.S).group(1)
     done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n{snippet}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=paced(60))
     assert done.returncode == 0, done.stderr
 
 
@@ -163,7 +164,7 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
             assert extra in (REPO / "pyproject.toml").read_text() and importlib.util.find_spec(extra), shown
             continue
         done = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=paced(300))
         out = done.stdout + done.stderr
         assert done.returncode == 0, f"{shown}\n{out}"
         if argv[:3] == ["python", "-m", "recipes.components.hf_folder"]:  # writes a folder from_pretrained loads
