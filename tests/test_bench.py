@@ -29,8 +29,10 @@ def in_this_process(main, argv: list) -> str:
 
 def bench(*args: str) -> str:
     """`python -m launcher.bench ARGS` at the smallest sizes whose figures still mean something; its output."""
+    from launcher.bench import runs
     from launcher.bench.__main__ import main
 
+    runs.aborted_at_exit.clear()  # this invocation's runs alone, as in a process of its own
     return in_this_process(main, ["--steps", "120", "--reps", "1", *args])
 
 
