@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.pace import paced
 from tests.slurm_cluster import slurm_session  # noqa: F401  (one cluster for the session, whichever module asks)
 
 # One intra-op thread: the machines running the tests are small and shared, and two spinning
@@ -68,7 +69,7 @@ def train(run_dir: Path, *overrides: str, recipe: Path = QUICKSTART) -> dict:
 def launch(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m launcher ARGS` in a fresh process, as a user types it."""
     return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=paced(timeout), env={**os.environ, **(env or {})})
 
 
 def in_this_process(*args: str) -> tuple:

@@ -19,6 +19,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from tests.pace import paced
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "tests" / "hf_zoo.yaml"
 OPTIMIZERS = {
@@ -48,7 +50,7 @@ def launch(run_dir: Path, args: List[str], strategy: str = "single", timeout: fl
         model = next(a.rsplit(".", 1)[1] for a in args if a.startswith("model._target_=tests.hf_zoo."))
         procs = ["strategy=fsdp", "parallel.tp=2", f"parallel.tp_plan={TP_PLANS[model]}", "nproc_per_node=2"]
     done = subprocess.run([sys.executable, "-m", "launcher", str(RECIPE), f"run_dir={run_dir}", *args, *procs],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(timeout))
     assert done.returncode == 0, f"{args} {strategy}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done
 

@@ -23,6 +23,7 @@ def planned_runs(cases: Dict[str, List[str]], apart: Set[str], folder: Path, npr
     """Run `cases` in one torchrun launch of `nproc` processes, the planner in a process of its own only for the
     cases named in `apart`: (each rank's results, by rank; {case: the planner's arguments, and whether apart})."""
     from tests.conftest import REPO
+    from tests.pace import paced
 
     cases = {name: [str(arg) for arg in args] for name, args in cases.items()}
     (folder / "cases.json").write_text(json.dumps(cases))
@@ -32,7 +33,7 @@ def planned_runs(cases: Dict[str, List[str]], apart: Set[str], folder: Path, npr
     asked.unlink(missing_ok=True)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            "tests/plan_runs.py", str(folder / "cases.json"), str(folder / "apart.json")], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=paced(timeout))
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads((folder / f"cases.rank{rank}.json").read_text()) for rank in range(nproc)]
     by_run_dir = {arg: name for name, args in cases.items() for arg in args if arg.startswith("run_dir=")}

@@ -85,11 +85,13 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 def run(run_dir: Path, kill_at: int = 0, extra: list = (), kill_rank: int = 0) -> subprocess.CompletedProcess:
     """One run of the recipe (under torchrun when `extra` asks for fsdp), killed at `kill_at` (0: never)."""
+    from tests.pace import paced
+
     sharded = "strategy=fsdp" in extra
     prefix = [*TORCHRUN, "-m"] if sharded else [sys.executable, "-m"]
     command = [*prefix, "tests.save_crash", "--kill-at", str(kill_at), "--kill-rank", str(kill_rank), "--", *RECIPE,
                *extra, f"run_dir={run_dir}"]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=paced(300),
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

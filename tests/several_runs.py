@@ -30,8 +30,10 @@ sys.path.insert(0, os.getcwd())  # run as a script from the repository's root: `
 
 
 def several(cases: Dict[str, List[str]], folder: Path, nproc: int = 2, timeout: float = 300) -> List[dict]:
-    """Run `cases` in one torchrun launch of `nproc` processes; each rank's results, by rank."""
+    """Run `cases` in one torchrun launch of `nproc` processes; each rank's results, by rank (`timeout`: seconds on a
+    quiet machine, paced)."""
     from tests.conftest import REPO
+    from tests.pace import paced
 
     cases_file = folder / "cases.json"
     cases_file.write_text(json.dumps({name: [str(arg) for arg in args] for name, args in cases.items()}))
@@ -39,11 +41,11 @@ def several(cases: Dict[str, List[str]], folder: Path, nproc: int = 2, timeout: 
     for result in results:
         result.unlink(missing_ok=True)
     if nproc == 2:
-        Pool.get().run(cases_file, results, timeout)
+        Pool.get().run(cases_file, results, paced(timeout))
     else:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                f"--nproc_per_node={nproc}", "tests/several_runs.py", str(cases_file)], cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=paced(timeout))
         assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(result.read_text()) for result in results]
 

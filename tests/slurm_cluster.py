@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.pace import paced, until
+
 REPO = Path(__file__).resolve().parents[1]
 UP = REPO / "slurm" / "local" / "up.sh"
 DOWN = REPO / "slurm" / "local" / "down.sh"
@@ -46,7 +48,7 @@ class SlurmCluster:
 
     def run(self, *cmd: str, timeout: float = 30, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster; raise with its output when it fails."""
-        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout, **kwargs)
+        proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=paced(timeout), **kwargs)
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}")
         return proc
@@ -66,6 +68,7 @@ class SlurmCluster:
 
     def wait(self, job_id: int, states=FINISHED, timeout: float = 120) -> dict:
         """Poll every 0.3 s until the job's JobState is one of `states`; return the job's state."""
+        timeout = paced(timeout)
         deadline = time.monotonic() + timeout
         while True:
             info = self.job_state(job_id)
@@ -102,7 +105,7 @@ def slurm_session():
     if shutil.which("bash") is None:
         pytest.skip("slurm cluster: no bash")
     try:
-        proc = subprocess.run(["bash", str(UP)], capture_output=True, text=True, timeout=180)
+        proc = subprocess.run(["bash", str(UP)], capture_output=True, text=True, timeout=paced(180))
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"slurm/local/up.sh did not finish in 180 s:\n{e.stdout or ''}{e.stderr or ''}")
     said = (proc.stdout + proc.stderr).strip()
@@ -128,7 +131,7 @@ def slurm_session():
     if leftover:
         cluster.run("scancel", "--full", *leftover, check=False)
     if started:
-        subprocess.run(["bash", str(DOWN)], capture_output=True, text=True, timeout=120)
+        subprocess.run(["bash", str(DOWN)], capture_output=True, text=True, timeout=paced(120))
 
 
 @pytest.fixture
@@ -137,6 +140,6 @@ def slurm_cluster(slurm_session):
     left = sorted(slurm_session.queued() - slurm_session.preexisting)
     if left:
         slurm_session.run("scancel", "--full", *left, check=False)
-        deadline = time.monotonic() + 60
+        deadline = until(60)
         while slurm_session.queued() & set(left) and time.monotonic() < deadline:
             time.sleep(0.3)

@@ -15,6 +15,7 @@ from launcher.checkpoint import full
 from launcher.cli import main
 from recipes.components.mlp import MLP
 from tests.conftest import REPO, SMALL, launch
+from tests.pace import paced
 
 Q = "recipes/quickstart.yaml"
 NO_PLAN = "logging.memory_plan=false"  # no planner process beside a run that trains; no test here checks its line
@@ -210,7 +211,7 @@ def test_one_line_exit_2(tmp_path, capsys, args, says):
     args = [a.replace("{t}", str(tmp_path)) for a in args]
     if args[0] == Q and "run_dir=" not in " ".join(args):
         args.append(f"run_dir={tmp_path / 'run'}")
-    started = time.time()
+    used = time.process_time()  # this process's CPU seconds: load does not stretch them, as it does wall time
     try:
         code = main(args)
     except SystemExit as e:  # argparse's errors
@@ -219,7 +220,7 @@ def test_one_line_exit_2(tmp_path, capsys, args, says):
     assert code == 2, err
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("launcher: ") and says in lines[0], err
-    assert time.time() - started < 30
+    assert time.process_time() - used < 30  # no unbounded work on the way to the line (~0.01 s)
     assert "this must never run" not in capsys.readouterr().out
 
 
@@ -302,20 +303,19 @@ def test_no_space_or_permission_while_saving(tiny_disk, capsys):
     (["model={_target_: tests.components.Frozen}"], "model: tests.components.Frozen has nothing to train"),
 ], ids=["recipe", "batch-not-divisible", "empty-dataset", "wrong-shape", "nothing-to-train"])
 def test_the_same_under_torchrun_with_two_processes(tmp_path, args, says):
-    started = time.time()
     done = subprocess.run([sys.executable, "-m", "launcher", Q, "strategy=ddp", "nproc_per_node=2",
                            f"run_dir={tmp_path}", "logging.tensorboard=false", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(120))
     assert done.returncode == 2, done.stderr[-2000:]
     ours = [l for l in done.stderr.splitlines() if "launcher:" in l]
     assert len(ours) == 1 and says in ours[0], done.stderr[-2000:]
-    assert "Traceback" not in done.stderr and time.time() - started < 60
+    assert "Traceback" not in done.stderr
 
 
 def ddp2(*args: str) -> subprocess.CompletedProcess:
     """`python -m launcher` starting torchrun with two processes (gloo), as a user types it."""
     return subprocess.run([sys.executable, "-m", "launcher", Q, "strategy=ddp", "nproc_per_node=2", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(120))
 
 
 def assert_one_line(done: subprocess.CompletedProcess, says: str) -> None:
@@ -338,10 +338,8 @@ def test_a_mistake_only_rank_0_meets_stops_every_rank_with_one_line(tmp_path, ar
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "tensorboard").write_text("")
     args = [a.replace("{t}", str(tmp_path)) for a in args]
-    started = time.time()
     done = ddp2(f"run_dir={tmp_path / 'run'}", "logging.tensorboard=false", *args)
     assert_one_line(done, says.replace("{t}", str(tmp_path)))
-    assert time.time() - started < 60
 
 
 @pytest.mark.slow
@@ -349,10 +347,8 @@ def test_the_exit_code_of_one_rank_s_mistake_is_always_2(tmp_path):
     """A mistake rank 0 alone meets (it decides the resume): it raced between 1 (the rank that died in a
     collective) and 2; now every rank agrees, every time."""
     for _ in range(3):
-        started = time.time()
         assert_one_line(ddp2(f"run_dir={tmp_path}", "logging.tensorboard=false", "checkpoint.resume=/etc"),
                         "checkpoint.resume: /etc is incomplete (no valid manifest.json)")
-        assert time.time() - started < 60
 
 
 @pytest.mark.slow
@@ -414,7 +410,7 @@ def test_torchrun_s_own_report_carries_our_line(tmp_path):
                        (["trainer.max_step=5"], "trainer.max_step: unknown key")):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                "-m", "launcher", Q, f"run_dir={tmp_path}", "logging.tensorboard=false", *args],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+                              cwd=REPO, capture_output=True, text=True, timeout=paced(120))
         err = done.stderr
         assert done.returncode == 1, err[-3000:]  # torchrun's code for any failed worker
         ours = [l for l in err.splitlines() if l.startswith("launcher:") or l.startswith("[rank")]
@@ -472,7 +468,7 @@ def test_an_occupied_master_port_names_it(tmp_path):
 def test_a_device_or_a_fifo_named_as_a_checkpoint_is_one_line(tmp_path):
     """/dev/zero read as a checkpoint would fill the memory, a FIFO would block: refused before a read. The
     commands run one after another in one process (tests/commands_in_one_process.py: torch imported once), held
-    to 4 GiB of address space and 60 s, so a regression fails instead of taking the machine."""
+    to 4 GiB of address space and 60 s (on a quiet machine: tests/pace.py), so a regression fails instead of taking the machine."""
     import json
     import os
     import resource
@@ -487,7 +483,7 @@ def test_a_device_or_a_fifo_named_as_a_checkpoint_is_one_line(tmp_path):
     (tmp_path / "cases.json").write_text(json.dumps([[str(a) for a in c] for c in commands]))
     limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # noqa: E731
     done = subprocess.run([sys.executable, "tests/commands_in_one_process.py", str(tmp_path / "cases.json")], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, preexec_fn=limit)
+                          capture_output=True, text=True, timeout=paced(60), preexec_fn=limit)
     assert done.returncode == 0, done.stderr[-2000:]
     outcomes = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(outcomes) == len(commands), done.stdout[-2000:]

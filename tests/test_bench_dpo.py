@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from launcher.bench import dpo
 from tests.conftest import REPO
+from tests.pace import paced
 from tests.test_bench import bench, plausible
 
 
@@ -105,7 +106,7 @@ def test_trl_s_side_trains_the_dpo_the_row_says(folder_and_pairs):
     steps = 12
     done = subprocess.run([sys.executable, "-m", "launcher.bench.peer_dpo", str(folder), str(data), str(steps),
                            str(dpo.BATCH), str(dpo.MAX_LEN), str(dpo.BETA), str(dpo.LR)], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=paced(300))
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads([line for line in done.stdout.splitlines() if line.startswith("BENCH ")][-1][6:])
     assert report["steps"] == steps and report["pairs"] == steps * dpo.BATCH

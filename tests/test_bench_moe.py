@@ -5,15 +5,12 @@ run whole at the CPU size on 2 gloo processes. The figures themselves are for do
 import argparse
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 
 from launcher.bench import moe, moe_gpu
 from launcher.observe import holdings
-from tests.conftest import REPO
-from tests.test_bench import bench, plausible
+from tests.test_bench import bench, gpu, plausible
 
 MIB = 2**20
 
@@ -149,10 +146,7 @@ def test_the_moe_row_sets_ep_against_fsdp_on_two_processes():
 @pytest.mark.measuring
 def test_the_gpu_moe_row_runs_tiny_on_the_cpu():
     pytest.importorskip("transformers")
-    done = subprocess.run([sys.executable, "-m", "launcher.bench.gpu", "--moe", "--device", "cpu", "--size", "tiny",
-                           "--steps", "30", "--reps", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = done.stdout
+    out = gpu("--moe", "--device", "cpu", "--size", "tiny", "--steps", "30", "--reps", "1")
     assert "MoE on 2 processes on the CPU (gloo)" in out and "ep's steps 29-30 profiled" in out, out
     fsdp = re.search(rf"^fsdp x2 +{NUMBER}ms +([\d,]+) +{NUMBER}MiB +- +- +1$", out, re.M)
     ep = re.search(rf"^ep x2 +{NUMBER}ms +([\d,]+) +{NUMBER}MiB +- +{NUMBER} \({NUMBER}-{NUMBER}\) +"

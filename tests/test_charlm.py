@@ -12,6 +12,7 @@ import torch
 
 from recipes.components.chars import CharText
 from recipes.components.gpt import GPT, SequenceCrossEntropy
+from tests.pace import paced
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "recipes/data/hamlet.txt"
@@ -69,7 +70,7 @@ def test_tiny_charlm_run_learns(tmp_path):
            "checkpoint.every=null", "logging.tensorboard=false", "logging.progress_bar=false",
            "logging.memory_plan=false", f"run_dir={tmp_path}/run"]
     # Takes about 8 s on two idle cores; the timeout only guards against a hang.
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=paced(180))
     assert done.returncode == 0, done.stdout + done.stderr
     steps = [(int(s), int(total), float(loss)) for s, total, loss in LINE.findall(done.stdout)]
     assert [s for s, _, _ in steps] == list(range(10, 61, 10)), done.stdout

@@ -17,6 +17,7 @@ from launcher.checkpoint import layout, prefix_lock, storage
 from launcher.cli import main
 from launcher.errors import UserError
 from tests.conftest import QUICKSTART, REPO, SMALL
+from tests.pace import until
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -50,7 +51,7 @@ def test_a_second_run_on_a_prefix_in_use_is_refused_and_the_first_runs_rerun_tak
     running = subprocess.Popen([sys.executable, "-m", "launcher", *args, "seed=1", "trainer.max_steps=1000000",
                                 f"run_dir={first}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
+        deadline = until(180)
         while lock_of(s3, "shared") is None:
             assert running.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
             time.sleep(0.2)
@@ -114,7 +115,7 @@ def test_the_heartbeat_rewrites_the_lock_and_a_lock_taken_over_fails_every_later
     try:
         assert said is None
         first = lock.etag
-        deadline = time.monotonic() + 30
+        deadline = until(30)
         while lock.etag == first:  # rewritten (a new heartbeat time, a new ETag)
             assert time.monotonic() < deadline
             time.sleep(0.05)

@@ -15,6 +15,7 @@ from launcher.strategies import create
 from launcher.strategies.ddp import options, unused_parameters, with_sync_batchnorm
 from tests.components_ddp import UnusedHead, WithBatchNorm
 from tests.conftest import REPO, SMALL, state_dict
+from tests.pace import paced
 from tests.test_strategies import ACCELERATE, EXACT, RECIPE, TORCHRUN, assert_equivalent, free_port, run
 
 UNUSED = "model._target_=tests.components_ddp.UnusedHead"
@@ -158,14 +159,14 @@ def test_sync_batchnorm_in_one_process_is_a_note(name, says):
 def ddp2(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "launcher", "recipes/quickstart.yaml", "strategy=ddp",
                            "nproc_per_node=2", *SHORT, f"run_dir={tmp_path}", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(180))
 
 
 def accelerate2(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*ACCELERATE, "--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
                            "--dynamo_backend=no", f"--main_process_port={free_port()}", "-m", "launcher",
                            "recipes/quickstart.yaml", *SHORT, f"run_dir={tmp_path}", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(180))
 
 
 # DDP's options that must keep the single-process weights, by the test's id

@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.pace import paced
 
 DOCS = REPO / "docs"
 PAGES = sorted(p.relative_to(REPO).as_posix() for p in DOCS.glob("*.md")) + ["README.md"]
@@ -317,7 +318,7 @@ def test_the_site_builds_strict(tmp_path):
     """Broken links and anchors, missing pages, pages left out of the nav: mkdocs.yml makes each a warning, and
     --strict a failure."""
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(120),
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stdout + done.stderr + (
         "\n(mkdocs is in the dev and docs extras: python -m pip install -c constraints.txt -e '.[dev]')")
@@ -455,7 +456,7 @@ def test_a_pages_commands_run(block, tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(clone),
            "CUDA_VISIBLE_DEVICES": "", "NO_MKDOCS_2_WARNING": "1"}
     for i, (line, argv) in enumerate(lines):
-        done = subprocess.run(["bash", "-c", line], cwd=clone, env=env, capture_output=True, text=True, timeout=400)
+        done = subprocess.run(["bash", "-c", line], cwd=clone, env=env, capture_output=True, text=True, timeout=paced(400))
         said = done.stdout[-3000:] + done.stderr[-3000:]
         assert done.returncode == 0, f"{block.page}:{block.line}: {line}\n{said}"
         if is_training(argv):

@@ -12,6 +12,7 @@ import torch
 
 from tests.conftest import REPO
 from tests.float64 import overrides as float64
+from tests.pace import paced
 from tests.rounding import assert_within_rounding
 
 pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
@@ -157,7 +158,7 @@ def test_a_dataset_of_other_rows_is_one_line(folder, tmp_path):
                        (["strategy=fsdp", "parallel.pp=2", "nproc_per_node=2"], "parallel.pp")):
         run_dir = tmp_path / str(len(list(tmp_path.iterdir())))
         done = subprocess.run([sys.executable, "-m", "launcher", str(RECIPE), *args(folder, run_dir, *more)],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+                              cwd=REPO, capture_output=True, text=True, timeout=paced(300))
         assert done.returncode == 2, done.stderr[-2000:]
         said = [line for line in done.stderr.splitlines() if line.startswith("launcher: ")]
         assert said and said[0].startswith(f"launcher: {says}"), done.stderr[-1000:]

@@ -21,6 +21,7 @@ from launcher.errors import UserError
 from tests.conftest import REPO, state_dict
 from tests.float64 import overrides as float64
 from tests.moe_models import routed
+from tests.pace import paced
 from tests.rounding import assert_within_rounding
 from tests.test_parallel import alone, held, ran
 
@@ -298,7 +299,7 @@ def test_four_hf_moe_models_experts_dispatch_exactly(tmp_path):
     out = tmp_path / "dispatch.json"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "tests/experts_dispatch.py", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=paced(300))
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         results = json.loads(out.with_suffix(f".rank{rank}.json").read_text())
@@ -366,7 +367,7 @@ def test_an_ep_the_recipe_cannot_run_is_one_line(args, line):
 def test_experts_the_launcher_cannot_split_are_one_line_on_every_rank(tmp_path, args, line):
     done = subprocess.run([sys.executable, "-m", "launcher", *args, "strategy=fsdp", "nproc_per_node=2",
                            "trainer.max_steps=2", f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=paced(120))
     assert done.returncode == 2, done.stderr[-2000:]
     ours = [l for l in done.stderr.splitlines() if "launcher:" in l]
     assert len(ours) == 1 and line in ours[0] and "Traceback" not in done.stderr, done.stderr[-2000:]

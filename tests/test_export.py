@@ -10,6 +10,7 @@ import torch
 from recipes.components.gpt import GPT
 from recipes.components.mlp import MLP
 from tests.conftest import REPO, assert_same_weights, state_dict, train
+from tests.pace import paced
 
 safetensors = pytest.importorskip("safetensors.torch", reason="the dev extra (safetensors) is not installed")
 
@@ -17,7 +18,7 @@ safetensors = pytest.importorskip("safetensors.torch", reason="the dev extra (sa
 def command(*args):
     """`python -m launcher.export ARGS` in a fresh process, as a user types it."""
     return subprocess.run([sys.executable, "-m", "launcher.export", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=paced(120))
 
 
 def export(*args):

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, assert_same_weights
+from tests.pace import paced
 from tests.rounding import assert_within_rounding, float64
 from tests.test_strategies import RECIPE, run
 
@@ -37,7 +38,8 @@ CONSOLIDATE = [*EXACT, *FSDP, "trainer.max_steps=20", "checkpoint.every=10"]
 
 # Validation sets that split into a different number of batches per rank (8 items a rank's batch): 17 items are
 # 9 on rank 0 (two batches) and 8 on rank 1 (one); 1 item leaves rank 1 none.
-UNEVEN = ["trainer.max_steps=4", "checkpoint.every=null", "logging.jsonl=true", "dist_timeout=60"]
+UNEVEN = ["trainer.max_steps=4", "checkpoint.every=null", "logging.jsonl=true",
+          f"dist_timeout={round(paced(60))}"]  # a busy machine's healthy waits: longer
 UNEVEN_VAL = (17, 1)
 
 
@@ -195,7 +197,7 @@ def test_a_unit_the_model_lacks_is_one_line_on_every_rank(tmp_path):
     import subprocess
 
     done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, *FSDP, "fsdp.units=[Block]",
-                           f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=paced(120))
     assert done.returncode == 2, done.stderr[-2000:]
     assert "fsdp.units: the model has no class Block; its classes: MLP" in done.stderr
     assert "Traceback" not in done.stderr
@@ -215,7 +217,7 @@ def test_fp16_is_refused_with_one_line(tmp_path):
     import subprocess
 
     done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, *FSDP, "precision=fp16", f"run_dir={tmp_path}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(120))
     assert done.returncode == 2 and "precision: fp16 needs a grad scaler" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -233,7 +235,7 @@ def test_a_sharded_checkpoint_of_another_model_names_the_difference_on_every_ran
                 f"checkpoint, (64, 32) in the model); start over with checkpoint.resume=never"]
     done = subprocess.run([sys.executable, "-m", "launcher", *EXACT, *FSDP, "model.hidden=64",
                            f"checkpoint.resume={step}", f"run_dir={tmp_path / 'fsdp'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(120))
     assert done.returncode == 2, done.stderr[-2000:]
     lines = [x for x in done.stderr.splitlines() if x.startswith("launcher:") or "Traceback" in x]
     assert lines == expected, done.stderr[-2000:]

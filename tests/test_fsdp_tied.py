@@ -8,6 +8,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.hf_tolerance import RECIPE, in_process, overrides
+from tests.pace import paced
 from tests.rounding import assert_within_rounding
 from tests.test_hf_tolerance import exact
 
@@ -42,7 +43,7 @@ def test_units_that_would_split_a_tied_weight_are_one_line_on_every_rank(tmp_pat
     done = subprocess.run([sys.executable, "-m", "launcher", str(RECIPE), f"run_dir={tmp_path}",
                            *overrides("llama", "sgd"), "strategy=fsdp", "nproc_per_node=2",
                            "fsdp.units=[Embedding,LlamaDecoderLayer]"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(300))
     assert done.returncode == 2, done.stderr[-3000:]
     lines = [x for x in done.stderr.splitlines() if x.startswith("launcher:") or "Traceback" in x]
     assert lines == ["launcher: fsdp.units: 'model.embed_tokens.weight' and 'lm_head.weight' are one tied parameter, "

@@ -8,10 +8,11 @@ import pytest
 
 from launcher.recipe.schema import SlurmConfig
 from tests.conftest import REPO
+from tests.pace import paced
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=paced(60))
 
 
 def test_the_launchers_help_lists_the_commands_and_points_to_the_recipe_reference():

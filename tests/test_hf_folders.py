@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, launch, state_dict
+from tests.pace import paced
 from tests.rounding import assert_within_rounding, float64
 
 transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
@@ -134,7 +135,7 @@ def export_peak(run_dir, out) -> float:
     code = ("import resource, sys; from launcher.export import main; code = main(sys.argv[1:]); "
             "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
     done = subprocess.run([sys.executable, "-c", code, str(run_dir), str(out), "--format", "hf", "--max-shard-size",
-                           "20MB"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "20MB"], cwd=REPO, capture_output=True, text=True, timeout=paced(300))
     assert done.returncode == 0 and (run_dir / "checkpoints").is_dir(), done.stderr[-3000:]
     return int(re.search(r"^PEAK (\d+)$", done.stdout, re.M).group(1)) / 1024
 

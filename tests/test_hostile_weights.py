@@ -10,13 +10,13 @@ import re
 import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from tests import hostile
 from tests.conftest import REPO
+from tests.pace import paced
 
 pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
 safetensors = pytest.importorskip("safetensors.torch", reason="the dev extra (safetensors) is not installed")
@@ -69,7 +69,7 @@ def test_hostile_files_are_one_line_each_in_one_process_and_in_export(tmp_path):
             expected.append((name, "export .pt", f"launcher: {file}: ", says))
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     done = subprocess.run([sys.executable, "-m", "tests.hostile", "--run", str(tmp_path / "jobs.json")], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, preexec_fn=limited)
+                          capture_output=True, text=True, timeout=paced(600), preexec_fn=limited)
     assert done.returncode == 0, done.stderr[-3000:]
     *results, peak = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(expected), done.stdout[-3000:]
@@ -83,14 +83,14 @@ def test_hostile_files_are_one_line_each_in_one_process_and_in_export(tmp_path):
 
 def launch_measured(*args: str) -> tuple:
     """`python -m launcher ARGS` in a fresh process: its outcome, the peak resident memory of the largest of
-    its processes (the workers torchrun starts included) and the seconds it took."""
+    its processes (the workers torchrun starts included). Within a minute on a quiet machine (paced: tests/pace.py): a
+    rank left waiting for another would wait for dist_timeout."""
     code = ("import resource, subprocess, sys; done = subprocess.run([sys.executable, '-m', 'launcher', *sys.argv[1:]]); "
             "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, file=sys.stderr); "
             "sys.exit(done.returncode)")
-    started = time.time()
-    done = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=paced(60))
     peak = int(re.search(r"^PEAK (\d+)$", done.stderr, re.M).group(1))
-    return done, peak, time.time() - started
+    return done, peak
 
 
 @pytest.mark.slow
@@ -106,13 +106,13 @@ def test_a_folder_of_hostile_shards_under_fsdp_x2_is_a_line_each_from_rank_0(tmp
     weight_map = {name: shards[i % len(shards)][0].name for i, name in enumerate(names)}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (folder / "config.json").write_text((good / "config.json").read_text())
-    done, peak, took = launch_measured(*train_args(good, folder, tmp_path / "run", "strategy=fsdp", "nproc_per_node=2"))
+    done, peak = launch_measured(*train_args(good, folder, tmp_path / "run", "strategy=fsdp", "nproc_per_node=2"))
     said = launcher_lines(done.stderr)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert len(said) == len(cases), done.stderr[-3000:]  # rank 0's, none from rank 1
     for line, (path, _, says) in zip(said, cases.values()):  # in the index's order of the shards
         assert line.startswith(f"launcher: checkpoint.init_from: {path}: ") and says in line, line
-    assert peak < MEMORY and took < 60, (peak / 2**20, took)
+    assert peak < MEMORY, peak / 2**20
 
 
 @pytest.mark.slow
@@ -121,12 +121,12 @@ def test_a_deeply_nested_index_under_fsdp_x2_is_one_line_from_rank_0(tmp_path):
     process: the first test.)"""
     good = good_folder(tmp_path)
     path, file, says = hostile.folders(good, tmp_path)["deep-index"]
-    done, peak, took = launch_measured(*train_args(good, path, tmp_path / "run", "strategy=fsdp", "nproc_per_node=2"))
+    done, peak = launch_measured(*train_args(good, path, tmp_path / "run", "strategy=fsdp", "nproc_per_node=2"))
     said = launcher_lines(done.stderr)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert len(said) == 1 and said[0].startswith(f"launcher: checkpoint.init_from: {file}: ") and says in said[0], \
         done.stderr[-3000:]
-    assert peak < MEMORY and took < 60, (peak / 2**20, took)
+    assert peak < MEMORY, peak / 2**20
 
 
 def test_every_dtype_torch_has_is_read_and_the_sub_byte_ones_are_named(tmp_path, capsys):

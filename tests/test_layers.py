@@ -9,13 +9,15 @@ import sys
 import tomllib
 from pathlib import Path
 
+from tests.pace import paced
+
 REPO = Path(__file__).resolve().parents[1]
 LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
         "sys.exit(lint_imports_command())", "--no-cache"]
 
 
 def lint(where: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(LINT, cwd=where, capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    return subprocess.run(LINT, cwd=where, capture_output=True, text=True, timeout=paced(120), env={"PATH": "/usr/bin:/bin"})
 
 
 def test_the_layers_hold_and_a_planted_upward_import_breaks_them(tmp_path):

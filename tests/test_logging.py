@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from tests.conftest import REPO, launch, train
+from tests.pace import paced
 
 
 def test_tensorboard_scalars_recipe_and_hparams(tmp_path):
@@ -76,7 +77,7 @@ def test_progress_bar_on_a_terminal(tmp_path):
         if not chunk:
             break
         chunks.append(chunk)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=paced(60))
     terminal = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 0
     assert "60/60" in terminal and "step/s" in terminal and "loss" in terminal

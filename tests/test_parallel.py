@@ -11,6 +11,7 @@ import torch
 
 from launcher import export
 from tests.conftest import REPO, assert_same_weights, state_dict
+from tests.pace import paced
 from tests.rounding import assert_within_rounding
 from tests.test_fsdp import CHARLM, CHARLM64
 from tests.test_strategies import TORCHRUN
@@ -178,7 +179,7 @@ def test_a_nan_loss_under_tensor_parallel_stops_every_rank_with_exit_3(tmp_path)
                            "model={_target_: tests.components.DivergesAt, at: 3}", "strategy=fsdp", "parallel.tp=2",
                            "parallel.tp_plan={'0': colwise, '2': rowwise}", "trainer.max_steps=20",
                            "logging.tensorboard=false", "logging.memory_plan=false", f"run_dir={tmp_path}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=paced(120))
     # rank 0 says it, whichever rank ends first, and torchrun's report names it as the root cause
     root = done.stderr.partition("Root Cause")[2]
     assert "exitcode  : 3" in root and "the training loss is nan at step 3" in root, done.stderr[-3000:]
@@ -195,7 +196,7 @@ def test_a_mesh_the_world_does_not_fit_or_a_plan_the_model_does_not_is_one_line_
     import subprocess
 
     done = subprocess.run([sys.executable, "-m", "launcher", *CHARLM, "strategy=fsdp", "nproc_per_node=2", *args,
-                           f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=paced(120))
     assert done.returncode == 2, done.stderr[-2000:]
     ours = [l for l in done.stderr.splitlines() if "launcher:" in l]
     assert len(ours) == 1 and line in ours[0] and "Traceback" not in done.stderr, done.stderr[-2000:]

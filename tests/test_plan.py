@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.pace import paced
 
 QUICK = ["recipes/quickstart.yaml"]
 
@@ -132,7 +133,7 @@ def test_a_fake_kernel_that_fails_is_one_line_without_torchs_traceback(tmp_path)
     # a grouped product of batches in fp32: a kernel whose fake takes bf16 alone
     recipe = linear(tmp_path, "grouped.Grouped", "torch._grouped_mm(y[None], y[None].transpose(1, 2))[0].sum(-1)")
     done = subprocess.run([sys.executable, "-m", "launcher.plan", str(recipe), "--jobs", "1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
+                          capture_output=True, text=True, timeout=paced(300),
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
@@ -342,7 +343,7 @@ def launch(tmp_path, *overrides):
     done = subprocess.run([sys.executable, "-m", "launcher", *QUICK, "model._target_=prints.Prints",
                            "trainer.max_steps=3", "trainer.log_every=3", "logging.tensorboard=false",
                            "logging.progress_bar=false", f"run_dir={tmp_path / 'run'}", *overrides], cwd=REPO,
-                          capture_output=True, text=True, timeout=600,
+                          capture_output=True, text=True, timeout=paced(600),
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

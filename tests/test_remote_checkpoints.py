@@ -18,6 +18,7 @@ from launcher.errors import UserError
 from recipes.components.mlp import MLP
 from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights, state_dict
 from tests.conftest import train as conftest_train
+from tests.pace import paced
 from tests.s3 import BUCKET, SECRET, s3  # noqa: F401
 
 pytest.importorskip("s3fs")
@@ -157,7 +158,7 @@ def test_init_from_and_export_read_an_s3_checkpoint(s3, tmp_path):
     url = f"s3://{BUCKET}/exported"
     train(tmp_path / "a", "trainer.max_steps=10", "checkpoint.every=10", f"checkpoint.dir={url}")
     out = subprocess.run([sys.executable, "-m", "launcher.export", f"{url}/step_10", str(tmp_path / "out.pt")],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+                         cwd=REPO, capture_output=True, text=True, timeout=paced(120))
     assert out.returncode == 0, out.stderr
     assert f"from {url}/step_10" in out.stdout
     assert_same_weights(tmp_path / "a" / "model.pt", tmp_path / "out.pt")
@@ -186,7 +187,7 @@ def test_a_missing_bucket_or_no_credentials_is_one_line_before_training(s3, tmp_
     bare.update(AWS_ENDPOINT_URL=os.environ["AWS_ENDPOINT_URL"], AWS_EC2_METADATA_DISABLED="true",
                 AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
     nokeys = subprocess.run([sys.executable, "-m", "launcher", *args, f"checkpoint.dir=s3://{BUCKET}/run"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120, env=bare)
+                            capture_output=True, text=True, timeout=paced(120), env=bare)
     assert nokeys.returncode == 2, nokeys.stderr
     assert "no credentials for the object store; set AWS_ACCESS_KEY_ID" in nokeys.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "recipe.yaml").exists()  # refused before the run folder was written

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, SMALL, assert_same_weights, trained_here
+from tests.pace import paced, until
 from tests.rounding import assert_within_rounding, float64
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
@@ -32,7 +33,7 @@ def signal_after_first_log(proc, sig) -> str:
         if line.startswith("step 10/"):
             proc.send_signal(sig)
             break
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=paced(60))
     return "".join(lines) + out + err
 
 
@@ -222,8 +223,8 @@ def test_workers_stop_and_save_when_the_launcher_that_started_them_is_killed(tmp
     workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
     assert len(workers) == 2, workers
     proc.kill()
-    proc.wait(timeout=10)
-    deadline = time.monotonic() + 60
+    proc.wait(timeout=paced(10))
+    deadline = until(60)
     while any(os.path.exists(f"/proc/{w}") and _state(w) != "Z" for w in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     alive = [w for w in workers if os.path.exists(f"/proc/{w}") and _state(w) != "Z"]

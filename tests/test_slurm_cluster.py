@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from tests.pace import until
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -35,7 +36,7 @@ def test_requeued_job_runs_again_with_restart_count(slurm_cluster, tmp_path):  #
     job = slurm_cluster.sbatch(script, "--requeue", "--open-mode=append", f"--output={out}")
 
     slurm_cluster.wait(job, states=("RUNNING",), timeout=30)
-    deadline = time.monotonic() + 30
+    deadline = until(30)
     while "SLURM_RESTART_COUNT=0" not in (out.read_text() if out.exists() else ""):
         assert time.monotonic() < deadline, "the first run never wrote its output"
         time.sleep(0.2)

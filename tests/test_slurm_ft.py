@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import REPO, assert_same_weights
 from tests.ft_runs import PACED, RECIPE, TIMEOUTS, steps
+from tests.pace import paced, until
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -25,13 +26,13 @@ def test_replica_groups_as_jobs_a_killed_group_is_requeued_and_rejoins_live(slur
                            "trainer.max_steps=800", "trainer.log_every=50", f"run_dir={tmp_path}", "--replica-groups",
                            "2", f"--python={sys.executable}", "--time=5"],
                           cwd=REPO, env={**slurm_cluster.env, "FT_TEST_DIE": f"1:{KILLED_AT}"}, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=paced(60))
     assert done.returncode == 0, done.stderr
     said = re.fullmatch(r"submitted lighthouse job (\d+) \(log \S+\), replica groups 0 to 1 as job array (\d+) "
                         r"\(logs \S+\); scripts in (\S+)\n", done.stdout)
     assert said and said.group(3) == str(tmp_path / "slurm"), done.stdout
     lighthouse, array = said.group(1), said.group(2)
-    deadline = time.monotonic() + 120
+    deadline = until(120)
     while slurm_cluster.job_state(f"{array}_1").get("Restarts") != "1":  # killed, its task requeues itself
         assert time.monotonic() < deadline, slurm_cluster.job_state(f"{array}_1")
         time.sleep(0.3)
@@ -59,13 +60,13 @@ def test_a_groups_array_sbatch_refuses_cancels_the_lighthouse_job_it_would_wait_
     before = slurm_cluster.queued()
     done = subprocess.run([sys.executable, "-m", "launcher.slurm", "submit", *RECIPE, f"run_dir={tmp_path}",
                            "--replica-groups", "1002", f"--python={sys.executable}", "--time=5"],
-                          cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=60)
+                          cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=paced(60))
     assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"launcher: sbatch refused {tmp_path / 'slurm' / 'groups.sbatch'}: "), line
     script = (tmp_path / "slurm" / "lighthouse.sbatch").read_text()
     assert "--lighthouse" in script
-    deadline = time.monotonic() + 30
+    deadline = until(30)
     while slurm_cluster.queued() - before:  # the lighthouse's job, cancelled
         assert time.monotonic() < deadline, slurm_cluster.queued() - before
         time.sleep(0.3)

@@ -10,6 +10,7 @@ from launcher.errors import UserError
 from launcher.recipe.schema import SlurmConfig
 from launcher.slurm.__main__ import main, parse
 from launcher.slurm.render import render
+from tests.pace import paced
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = {
@@ -78,7 +79,7 @@ def test_a_job_array_task_names_itself_by_its_array_and_index(layout):
 
     def said(**array: str) -> str:
         done = subprocess.run(["bash", "-euc", "\n".join(["head_addr=10.0.0.1 port=20107", *naming])],
-                              env={**env, **array}, capture_output=True, text=True, timeout=30)
+                              env={**env, **array}, capture_output=True, text=True, timeout=paced(30))
         assert done.returncode == 0, done.stderr
         return done.stdout
 

@@ -12,6 +12,7 @@ import torch
 from launcher.checkpoint.full import named_optimizer_state
 from recipes.components.mlp import MLP
 from tests.conftest import assert_same_weights, state_dict, train
+from tests.pace import paced
 from tests.rounding import assert_within_rounding, float64
 
 
@@ -90,7 +91,7 @@ def test_a_truncated_sharded_file_is_named_by_resume_auto_explicit_resume_and_ex
     with pytest.raises(UserError, match=rf"^checkpoint.resume: {step} is {re.escape(says)}; pick another folder"):
         train(tmp_path / "other", *common, f"checkpoint.resume={step}")
     exported = subprocess.run([sys.executable, "-m", "launcher.export", str(step), str(tmp_path / "o.pt")], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=paced(120))
     assert exported.returncode == 2 and exported.stderr.strip() == f"launcher: {step}: {says}; use another checkpoint"
     capsys.readouterr()
     train(run, *common, "trainer.max_steps=60")

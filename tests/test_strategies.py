@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tests.conftest import QUICKSTART, REPO, assert_same_weights, trained_here
+from tests.pace import paced
 from tests.rounding import assert_within_rounding, float64
 
 pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
@@ -29,7 +30,7 @@ def free_port() -> int:
 
 
 def run(command: list, timeout: float = 180) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=paced(timeout))
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
@@ -97,7 +98,7 @@ def test_two_nodes_one_process_each(reference, tmp_path):
         [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
          "--rdzv_id=equivalence", "-m", "launcher", *EXACT, f"run_dir={tmp_path}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outputs = [agent.communicate(timeout=180)[0] for agent in agents]
+    outputs = [agent.communicate(timeout=paced(180))[0] for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     table = next(o for o in outputs if "training quickstart" in o)
     assert "1     0           1" in table  # rank 1 is local rank 0 on node 1
@@ -116,7 +117,7 @@ def test_elastic_restart_resumes_and_finishes(tmp_path, ddp_torchrun):
 def test_a_mistake_under_torchrun_exits_2_on_every_rank_with_one_line(tmp_path):
     done = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "launcher", *RECIPE,
                            f"run_dir={tmp_path}", "trainer.max_step=3"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=paced(120))
     assert done.returncode != 0
     line = "launcher: override 'trainer.max_step=3': trainer.max_step: unknown key; did you mean 'trainer.max_steps'?"
     said = [l for l in done.stderr.splitlines() if "launcher:" in l and not l.startswith(" ")]

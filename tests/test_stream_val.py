@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tests.pace import paced
 from tests.rounding import float64
 from tests.test_strategies import RECIPE
 
@@ -16,7 +17,7 @@ from tests.test_strategies import RECIPE
 VAL = [*RECIPE, *float64("recipes.components.mlp.MLP"), "trainer.max_steps=4", "checkpoint.every=null",
        "logging.jsonl=true", "data.val={_target_: recipes.components.synthetic.BlobStream, n: 33, spread: 3.0, "
        "split: 1}"]
-FSDP = ["strategy=fsdp", "nproc_per_node=2", "dist_timeout=30"]
+FSDP = ["strategy=fsdp", "nproc_per_node=2", f"dist_timeout={round(paced(30))}"]  # a busy machine's healthy waits: longer
 
 
 class _Numbers(torch.utils.data.IterableDataset):

@@ -14,6 +14,7 @@ from launcher.errors import UserError
 from launcher.sweep import folder, grid
 from launcher.sweep.__main__ import main
 from tests.conftest import QUICKSTART, REPO, SMALL, assert_same_weights
+from tests.pace import paced, until
 from tests.s3 import BUCKET, s3  # noqa: F401
 
 
@@ -149,12 +150,12 @@ def test_ctrl_c_saves_every_running_run_and_the_same_command_resumes_them(tmp_pa
     proc = subprocess.Popen([sys.executable, "-m", "launcher.sweep", *map(str, args)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     logs = [tmp_path / "grid" / f"seed={s}" / "output.log" for s in (1, 2)]
-    deadline = time.time() + 120
+    deadline = until(120)
     while not all(p.exists() and "step 20/" in p.read_text() for p in logs):
-        assert time.time() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() is not None else ""
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() is not None else ""
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=paced(120))
     assert proc.returncode == 130, out
     assert "stopped by SIGINT; the same command resumes the runs" in out
     for s in (1, 2):
@@ -163,7 +164,7 @@ def test_ctrl_c_saves_every_running_run_and_the_same_command_resumes_them(tmp_pa
     assert done.returncode == 0, done.stdout + done.stderr
     assert all(r["status"] == "done" for r in _rows(tmp_path / "grid"))
     alone = subprocess.run([sys.executable, "-m", "launcher", QUICKSTART, *slow, "seed=2", f"run_dir={tmp_path / 'alone'}"],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
+                           cwd=REPO, capture_output=True, text=True, timeout=paced(120))
     assert alone.returncode == 0, alone.stderr
     assert_same_weights(tmp_path / "alone" / "model.pt", tmp_path / "grid" / "seed=2" / "model.pt")
     assert json.loads((tmp_path / "grid" / "seed=2" / folder.EXIT).read_text())["exit_code"] == 0

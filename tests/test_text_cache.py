@@ -12,6 +12,7 @@ import struct
 
 import pytest
 
+from tests.pace import paced
 from tests.text_folders import tokenizer_folder
 
 pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
@@ -245,9 +246,9 @@ def test_two_processes_building_at_once_both_end_with_the_right_samples(made):
     processes = [spawn.Process(target=_build_in_a_process, args=(folder, data, where, start, out)) for _ in range(2)]
     for process in processes:
         process.start()
-    results = [out.get(timeout=240) for _ in processes]
+    results = [out.get(timeout=paced(240)) for _ in processes]
     for process in processes:
-        process.join(timeout=60)
+        process.join(timeout=paced(60))
         assert process.exitcode == 0
     fresh = build(folder, data, None)
     assert [samples == fresh.samples for samples, _ in results] == [True, True]

@@ -14,6 +14,7 @@ import pytest
 
 from tests import hostile
 from tests.conftest import REPO
+from tests.pace import paced
 from tests.text_folders import MARKED, PARTS, QWEN25, tokenizer_folder
 from recipes.components.tiny_tokenizer import CHATML, LLAMA3
 
@@ -57,7 +58,7 @@ def test_hostile_templates_are_one_line_each_at_start_in_bounded_memory(good, tm
                                f"messages at start, the chat template {says}"))
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     done = subprocess.run([sys.executable, "-m", "tests.hostile", "--run", str(tmp_path / "jobs.json")], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, preexec_fn=limited)
+                          capture_output=True, text=True, timeout=paced(600), preexec_fn=limited)
     assert done.returncode == 0, done.stderr[-3000:]
     *results, peak = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(results) == len(expected), done.stdout[-3000:]

@@ -13,6 +13,7 @@ from launcher.parallel import heads, plans
 from tests.conftest import REPO
 from tests.float64 import overrides as float64
 from tests.hf_zoo import qwen3
+from tests.pace import paced
 from tests.rounding import assert_within_rounding
 from tests.test_parallel import alone, ran
 from tests.test_strategies import TORCHRUN
@@ -92,12 +93,12 @@ def test_tp_s_view_of_the_logits_is_not_warned_about_and_torch_refuses_to_change
     done = subprocess.run([sys.executable, "-m", "launcher", "tests/hf_zoo.yaml", "devices=cpu",
                            "model._target_=tests.hf_zoo.qwen3", "strategy=fsdp", "nproc_per_node=2", "parallel.tp=2",
                            "trainer.max_steps=1", f"run_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=paced(300))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "parallel.tp: 20 layers split over 2 ranks" in done.stdout and "view tensor" not in done.stderr
     # ... because the view is one torch will not change in place (the silent failure it warns of cannot happen)
     done = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", "tests/tp_views.py", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=paced(300))
     assert done.returncode == 0, done.stderr[-2000:]
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text().startswith(

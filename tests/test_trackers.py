@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from tests.conftest import launch, train
+from tests.pace import paced
 
 mlflow = pytest.importorskip("mlflow", reason="the dev extra installs mlflow-skinny")
 wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="the dev extra installs wandb")
@@ -339,7 +340,7 @@ def test_runs_started_side_by_side_share_their_new_experiment(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", SIDE_BY_SIDE, uri, str(tmp_path), me, other], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for me, other in (("a", "b"), ("b", "a"))]
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    outputs = [p.communicate(timeout=paced(120))[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     c = client(tmp_path)
     for i in range(8):

@@ -164,8 +164,8 @@ def sft_row(args) -> list[str]:
     return sft(args, args.sft_size, "cpu", command)
 
 
-def main() -> int:
-    args = _parser().parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     # Run folders of this benchmark's own: two benchmarks at once do not meet on one folder's lock.
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as args.run_dir:
         # --loggers, --startup, --defaults, --pretrained, --sft, --saves, --pipeline, --ft, --moe, --dpo: those rows alone, in this order (several
