@@ -155,7 +155,8 @@ def test_pairs_over_max_len_are_truncated_or_dropped_and_counted(bpe, tmp_path):
     ({"prompt": "Hi", "chosen": "", "rejected": "No"}, "column 'chosen' holds str ''; an answer is a non-empty"),
     ({"prompt": PROMPT, "chosen": [{"role": "assistant", "content": ""}], "rejected": REJECTED},
      "column 'chosen': message 1 is the assistant's with nothing in it"),
-    ({"prompt": PROMPT, "chosen": CHOSEN, "rejected": [{"role": "assistant", "content": [{"type": "text", "text": " "}]}]},
+    ({"prompt": PROMPT, "chosen": CHOSEN,
+      "rejected": [{"role": "assistant", "content": [{"type": "text", "text": " "}]}]},
      "column 'rejected': message 1 is the assistant's with nothing in it"),
 ])
 def test_a_bad_row_is_one_line_naming_its_file_and_row_or_skipped_and_counted(bpe, tmp_path, row, said):

@@ -26,10 +26,10 @@ prompt + chosen and prompt + rejected whole, each tokenized without special toke
 prompt's tokens to the end, its end of turn and what the template writes after it (ChatML's newline) included,
 which the launcher's preference data scores too (launcher/data/text/pairs.py).
 
-For strings, the row writes pairs on which tokenizing the whole text and tokenizing its parts agree: a prompt ending in a
-character no answer's first token joins ("?"), answers beginning with a space and a word, no EOS in the text,
-and a max_len above every pair: the launcher's preference data (prompt then answer, as prompt_completion: BOS,
-the text tokenized whole, labels on the answer's characters, EOS after it) sees the same tokens.
+For strings, the row writes pairs on which tokenizing the whole text and tokenizing its parts agree: a prompt ending
+in a character no answer's first token joins ("?"), answers beginning with a space and a word, no EOS in the text,
+and a max_len above every pair: the launcher's preference data (prompt then answer, as prompt_completion: BOS, the
+text tokenized whole, labels on the answer's characters, EOS after it) sees the same tokens.
 
     python -m launcher.bench.peer_dpo FOLDER PAIRS STEPS BATCH MAX_LEN BETA LR
 """

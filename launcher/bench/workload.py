@@ -34,7 +34,7 @@ class StepClock:
 
     def __init__(self):
         self.ends: list[float] = []
-        self.cpu: list[float] = []  # the process's CPU seconds at each end: a busy machine's load leaves them be
+        self.cpu: list[float] = []  # the process's CPU seconds at each end: what a busy machine's load moves less
         self.first_wall = None
 
     def tick(self) -> None:
