@@ -102,6 +102,31 @@ def test_damaged_files_are_computed_again_in_one_line_never_read(damage, folder,
     assert any("read from" in line for line in said), said
 
 
+def bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("other", ["weights", "precision"])
+def test_another_runs_reference_copied_here_is_computed_again_never_read(other, folder, model, tmp_path):
+    """Another run's folder (its parts and done.json, whole and of the same pairs' lengths) copied over this run's:
+    its name proves nothing, done.json says what the values were computed from, and they are not read."""
+    import copy
+    import shutil
+
+    ours, _ = attached(folder, model, tmp_path / "ours")
+    theirs, autocast = copy.deepcopy(model), bf16 if other == "precision" else contextlib.nullcontext
+    if other == "weights":
+        with torch.no_grad():
+            theirs.lm_head.weight.mul_(1.5)
+    attached(folder, theirs, tmp_path / "theirs", autocast)
+    shutil.copytree(kept(tmp_path / "theirs"), kept(tmp_path / "ours"), dirs_exist_ok=True)
+    again, said = attached(folder, model, tmp_path / "ours")
+    assert any(f"are not this run's (ValueError: computed from other {other} than this run's, says done.json): "
+               f"computed again" in line for line in said), said
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(ours, again))
+    assert json.loads((kept(tmp_path / "ours") / "done.json").read_text())["computed_from"]["precision"] == "None"
+
+
 def test_a_part_left_by_an_earlier_pass_is_not_read(folder, model, tmp_path):
     """An earlier pass under more ranks left part-5, of other values; this pass's mark names its own parts alone."""
     first, _ = attached(folder, model, tmp_path)
@@ -163,9 +188,6 @@ def test_a_folder_that_cannot_be_written_is_one_line(folder, model, tmp_path, mo
 
 def test_a_run_resumed_under_another_precision_computes_the_reference_again(folder, model, tmp_path):
     """The values depend on the dtype the forward computes in: kept apart by it, each read back by its own."""
-    def bf16():
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-
     fp32, said = attached(folder, model, tmp_path)
     assert "computed once" in said[0], said
     in_bf16, said = attached(folder, model, tmp_path, bf16)

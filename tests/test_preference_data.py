@@ -24,6 +24,9 @@ PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content"
           {"role": "assistant", "content": "3 plus 4 is 7."}, {"role": "user", "content": "And 2 times 5?"}]
 CHOSEN = [{"role": "assistant", "content": "2 times 5 is 10."}]
 REJECTED = [{"role": "assistant", "content": "2 times 5 is 12. Thank you!"}]
+# what an answer is scored to: its end of turn and what the template writes after it (ChatML's newline), as TRL's
+# DPOTrainer scores what follows the prompt
+TURN_END = {layout: END_OF_TURN[layout] + {"bpe": "\n", "byte_level": ""}[layout] for layout in LAYOUTS}
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +67,30 @@ def test_a_conversation_pair_is_trained_on_its_answer_alone_not_the_prompts_own_
         rendered = tokenizer.apply_chat_template(PROMPT + answer, tokenize=False)
         assert item[f"{side}_input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
         assert targets(tokenizer, item[f"{side}_input_ids"], item[f"{side}_labels"]) == \
-            [answer[0]["content"] + END_OF_TURN[layout]]
+            [answer[0]["content"] + TURN_END[layout]]
         assert item[f"{side}_labels"].dtype == torch.long
     pair = data.pair_item(0)
     assert all(torch.equal(pair[key], item[key]) for key in item)
+
+
+@pytest.mark.parametrize("marked", (False, True), ids=("prefixes", "markers"))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_conversation_pair_scores_the_tokens_trl_s_dpo_trainer_scores(folders, tmp_path, layout, marked):
+    """The same tokens, and the loss on the same ones: what follows the prompt to the text's end (ChatML's newline
+    after <|im_end|> too), so that logps/chosen and the loss are TRL's."""
+    pytest.importorskip("trl", reason="the trl extra is not installed")
+    from launcher.bench.peer_dpo import tokenized
+
+    folder = str(folders[layout, marked])
+    files = jsonl(tmp_path / "p.jsonl", [{"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED},
+                                         {"prompt": PROMPT[-1:], "chosen": REJECTED, "rejected": CHOSEN}])
+    ours = preference(folder, files)
+    for k, pair in enumerate(tokenized(folder, files, 128)):
+        item = ours.pair_item(k)
+        for side in ("chosen", "rejected"):
+            answer = pair[f"{side}_ids"]
+            assert item[f"{side}_input_ids"].tolist() == pair["prompt_ids"] + answer
+            assert item[f"{side}_labels"].tolist() == [-100] * len(pair["prompt_ids"]) + answer
 
 
 def test_a_pair_of_strings_is_the_prompts_completion_twice(bpe, tmp_path):
@@ -130,6 +153,11 @@ def test_pairs_over_max_len_are_truncated_or_dropped_and_counted(bpe, tmp_path):
     ({"prompt": [{"role": "bot", "content": "?"}], "chosen": CHOSEN, "rejected": REJECTED},
      "'prompt' then 'chosen' (messages 1 to 1 the prompt's): message 1 has the role 'bot'"),
     ({"prompt": "Hi", "chosen": "", "rejected": "No"}, "column 'chosen' holds str ''; an answer is a non-empty"),
+    ({"prompt": PROMPT, "chosen": [{"role": "assistant", "content": ""}], "rejected": REJECTED},
+     "column 'chosen': message 1 is the assistant's with nothing in it"),
+    ({"prompt": PROMPT, "chosen": CHOSEN,
+      "rejected": [{"role": "assistant", "content": [{"type": "text", "text": " "}]}]},
+     "column 'rejected': message 1 is the assistant's with nothing in it"),
 ])
 def test_a_bad_row_is_one_line_naming_its_file_and_row_or_skipped_and_counted(bpe, tmp_path, row, said):
     good = {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}
@@ -236,7 +264,7 @@ def test_the_shipped_pairs_train_their_answers_and_a_stream_gives_the_datasets_i
     for k in multi:
         for side in ("chosen", "rejected"):
             said = targets(data.tokenizer, data[k][f"{side}_input_ids"], data[k][f"{side}_labels"])
-            assert said == [json.loads(PAIRS.read_text().splitlines()[k])[side][0]["content"] + "<|im_end|>"]
+            assert said == [json.loads(PAIRS.read_text().splitlines()[k])[side][0]["content"] + TURN_END["bpe"]]
     stream = list(TextStream(bpe, str(PAIRS), format="preference", max_len=128))
     assert len(stream) == 40 and all(torch.equal(stream[k][key], data[k][key]) for k in range(40) for key in data[k])
     packed = preference(bpe, str(PAIRS), packing=True, seed=5)

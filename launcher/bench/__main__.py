@@ -5,7 +5,7 @@
                           [--layouts all|two] [--sft [--sft-steps 60 --sft-size small|tiny]]
                           [--saves [--saves-width 2048 --saves-every 40 --saves-count 3]]
                           [--ft [--ft-steps 150 --ft-every 40 --ft-widths 128,1024]] [--moe [--moe-steps 100]]
-                          [--dpo [--dpo-steps 800]]
+                          [--dpo [--dpo-steps 300] [--dpo-pairs strings]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
 per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
@@ -68,9 +68,9 @@ The MoE row (launcher/bench/moe.py): a Qwen3-MoE built from its config under ep 
 the step ratio and the bytes a rank holds, read from the runs' metrics.jsonl and lines; only `--moe` runs it.
 
 The DPO row (launcher/bench/dpo.py): preference tuning by recipes/hf_dpo.yaml against TRL's DPOTrainer
-(launcher/bench/peer_dpo.py) on the same folder and pairs, the reference precomputed, SGD, fp32: the loss after N
-steps (issue 53: within 1%) and the step as the slope of whole processes (runs of N/4 and N steps); only `--dpo`
-runs it.
+(launcher/bench/peer_dpo.py) on the same folder and conversational pairs, the reference precomputed, SGD, fp32:
+the loss after N steps (issue 53: within 1%) and the step as each run's median step, wall and CPU, over rounds of
+one run a side; only `--dpo` runs it.
 
 Of --loggers, --startup, --defaults, --pretrained, --sft, --saves, --ft, --moe and --dpo, several given run each of
 those rows, in one invocation (the start-up row's first, page-cache-warming run is left out where an earlier row's

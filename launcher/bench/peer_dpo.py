@@ -21,10 +21,15 @@ How TRL 1.16 makes a pair of plain strings into tokens (`DPOTrainer._prepare_dat
   tiny BPE has none: EOS), chosen rows first then rejected; the log-probability of an answer is the sum over
   its tokens.
 
-So the row writes pairs on which tokenizing the whole text and tokenizing its parts agree: a prompt ending in a
-character no answer's first token joins ("?"), answers beginning with a space and a word, no EOS in the text,
-and a max_len above every pair: the launcher's preference data (prompt then answer, as prompt_completion: BOS,
-the text tokenized whole, labels on the answer's characters, EOS after it) sees the same tokens.
+A conversational pair (lists of messages) is rendered by the chat template: the prompt with the generation prompt,
+prompt + chosen and prompt + rejected whole, each tokenized without special tokens; the answer is what follows the
+prompt's tokens to the end, its end of turn and what the template writes after it (ChatML's newline) included,
+which the launcher's preference data scores too (launcher/data/text/pairs.py).
+
+For strings, the row writes pairs on which tokenizing the whole text and tokenizing its parts agree: a prompt ending
+in a character no answer's first token joins ("?"), answers beginning with a space and a word, no EOS in the text,
+and a max_len above every pair: the launcher's preference data (prompt then answer, as prompt_completion: BOS, the
+text tokenized whole, labels on the answer's characters, EOS after it) sees the same tokens.
 
     python -m launcher.bench.peer_dpo FOLDER PAIRS STEPS BATCH MAX_LEN BETA LR
 """

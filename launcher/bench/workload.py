@@ -34,16 +34,19 @@ class StepClock:
 
     def __init__(self):
         self.ends: list[float] = []
+        self.cpu: list[float] = []  # the process's CPU seconds at each end: what a busy machine's load moves less
         self.first_wall = None
 
     def tick(self) -> None:
         self.ends.append(time.perf_counter())
+        self.cpu.append(time.process_time())
         if self.first_wall is None:
             self.first_wall = time.time()
 
     def report(self, **extra) -> None:
         durations = [b - a for a, b in zip(self.ends, self.ends[1:])]
-        durations = durations[min(50, len(durations) // 2):]  # after a warm-up of 50 steps (or half)
+        warm = min(50, len(durations) // 2)  # after a warm-up of 50 steps (or half)
+        durations, cpu = durations[warm:], [b - a for a, b in zip(self.cpu, self.cpu[1:])][warm:]
         t0 = float(os.environ.get("BENCH_T0", "0")) or None
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # a run on the GPU: its peak allocated
             extra = {"max_memory_gib": torch.cuda.max_memory_allocated() / 2**30, **extra}
@@ -51,6 +54,7 @@ class StepClock:
             # (a one-step run, the start-up row's, has no step between two ends to time)
             "median_step_us": statistics.median(durations) * 1e6 if durations else None,
             "mean_step_us": statistics.fmean(durations) * 1e6 if durations else None,  # log steps' cost spread over all
+            "median_step_cpu_us": statistics.median(cpu) * 1e6 if cpu else None,
             "first_step_s": self.first_wall - t0 if t0 else None,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "steps": len(self.ends), **extra}), flush=True)

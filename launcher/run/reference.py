@@ -16,8 +16,10 @@ resumed run, under this layout or another, reads the same values, and a run whos
 precision changed computes them again.
 
 The folder holds a part per rank and `done.json`, written last by rank 0, naming each part with a digest of its
-bytes: a folder without it (a run killed during the pass), or whose parts are not the bytes it names or not the
-tokens' lengths (files damaged or truncated), is computed again and said so, never read. Every rank agrees
+bytes and saying what they were computed from (`computed_from`: the data's digest, the weights', the precision):
+a folder without it (a run killed during the pass), whose parts are not the bytes it names or not the tokens'
+lengths (files damaged or truncated), or whose mark says another source (another run's folder copied here: its
+name proves nothing) is computed again and said so, never read. Every rank agrees
 on what it found before any rank writes, so that none computes while another has read."""
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from launcher.preference import logps
 from launcher.strategies import Strategy
 
 FOLDER = "reference"
-MARK = "done.json"  # written last: names the parts, each with a digest of its bytes
+MARK = "done.json"  # written last: names the parts, each with a digest of its bytes, and what they were computed from
+OTHER = "computed from other"  # why kept values are not read, where they are another source's
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
 
 
@@ -69,23 +72,26 @@ def attach(step: Any, datasets: Dict[str, Any], model: nn.Module, strategy: Stra
                             f"{type(dataset).__name__} holds none (a stream is read as it comes); use TextDataset with "
                             f"format: preference, or a reference-free step.loss_type: simpo")
         weights = weights or _digest(model)  # once for data.train and data.val: a pass over every weight
-        digest = hashlib.sha256(f"{dataset.reference_key()}\n{weights}\n{_computed_in(autocast)}".encode()).hexdigest()[:24]
+        source = {"data": hashlib.sha256(dataset.reference_key().encode()).hexdigest(), "weights": weights,
+                  "precision": _computed_in(autocast)}
+        made = f"{dataset.reference_key()}\n{weights}\n{source['precision']}"
+        digest = hashlib.sha256(made.encode()).hexdigest()[:24]
         folder = run_dir / FOLDER / digest
         kept = elsewhere / FOLDER / digest if elsewhere is not None else None
-        found = _attached(dataset, folder)
+        found = _attached(dataset, folder, source)
         if _everywhere(strategy, found):
             say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {folder}")
-        elif kept is not None and kept != folder and _everywhere(strategy, _attached(dataset, kept)):
+        elif kept is not None and kept != folder and _everywhere(strategy, _attached(dataset, kept, source)):
             strategy.agree(lambda: _written(folder, lambda: shutil.copytree(kept, folder, dirs_exist_ok=True))
                            if strategy.placement.is_main else None)
             say(f"{key}: the reference's log-probabilities of {dataset.pairs()} pairs read from {kept} (the resumed "
                 f"run's), kept in {folder}")
         else:
             if found:  # said by rank 0 alone, as every line: what it found there
-                say(f"{key}: the reference's log-probabilities kept in {folder} are not whole ({found}): computed "
-                    f"again")
-            _compute(step, dataset, model, strategy, folder, per_rank, collate, autocast)
-            found = _attached(dataset, folder)
+                what = "are not this run's" if OTHER in found else "are not whole"
+                say(f"{key}: the reference's log-probabilities kept in {folder} {what} ({found}): computed again")
+            _compute(step, dataset, model, strategy, folder, per_rank, collate, autocast, source)
+            found = _attached(dataset, folder, source)
             if found is not None:  # every rank wrote its part and rank 0 the mark: a part unread is a bug
                 raise RuntimeError(f"{folder}: the reference's log-probabilities just written do not read back: "
                                    f"{found or 'no done.json'}")
@@ -108,7 +114,7 @@ def kept_beside(resume: Any) -> Optional[Path]:
 
 
 def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, folder: Path, per_rank: int,
-             collate: Callable, autocast: Callable) -> None:
+             collate: Callable, autocast: Callable, source: Dict[str, str]) -> None:
     strategy.agree(lambda: _written(folder, lambda: _unmarked(folder)) if strategy.placement.is_main else None)
     shares, share = strategy.data_share()
     pairs = dataset.pairs()
@@ -137,7 +143,7 @@ def _compute(step: Any, dataset: Any, model: nn.Module, strategy: Strategy, fold
     # agreed: a rank that cannot write (a full disk) stops every rank with its line, none waits for it
     digest = strategy.agree(lambda: _written(folder, lambda: _write_part(folder, name, found)))
     digests = strategy.all_gather_object((name, digest))  # after rank 0 removed the mark
-    strategy.agree(lambda: _written(folder, lambda: _mark(folder, pairs, dict(digests)))
+    strategy.agree(lambda: _written(folder, lambda: _mark(folder, pairs, dict(digests), source))
                    if strategy.placement.is_main else None)
 
 
@@ -147,9 +153,9 @@ def _unmarked(folder: Path) -> None:
     (folder / MARK).unlink(missing_ok=True)
 
 
-def _mark(folder: Path, pairs: int, parts: Dict[str, str]) -> None:
+def _mark(folder: Path, pairs: int, parts: Dict[str, str], source: Dict[str, str]) -> None:
     temporary = folder / f"{MARK}.tmp"
-    temporary.write_text(json.dumps({"pairs": pairs, "parts": parts}) + "\n")
+    temporary.write_text(json.dumps({"pairs": pairs, "parts": parts, "computed_from": source}) + "\n")
     temporary.replace(folder / MARK)
 
 
@@ -202,25 +208,31 @@ def _write_part(folder: Path, name: str, found: Dict[int, Tuple[torch.Tensor, to
     return _bytes_digest(data)
 
 
-def _attached(dataset: Any, folder: Path) -> Optional[str]:
+def _attached(dataset: Any, folder: Path, source: Dict[str, str]) -> Optional[str]:
     """None where the values kept in `folder` were read whole and attached to `dataset`; else why not: '' where
-    nothing was kept there, or what is wrong with what was."""
+    nothing was kept there, or what is wrong with what was (OTHER in it where they were computed from another
+    source than `source`)."""
     if not (folder / MARK).is_file():
         return ""
     try:
-        values = _read(folder, dataset.pairs())
+        values = _read(folder, dataset.pairs(), source)
         dataset.attach_reference(values)  # ValueError where a pair's values are not its tokens' lengths
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def _read(folder: Path, pairs: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Every pair's values from the parts that `folder`'s mark names, each checked against its digest; or
-    OSError, ValueError, KeyError, TypeError, SafetensorError where they are not whole."""
+def _read(folder: Path, pairs: int, source: Dict[str, str]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Every pair's values from the parts that `folder`'s mark names, each checked against its digest, the mark's
+    source against `source`; or OSError, ValueError, KeyError, TypeError, SafetensorError where they are not
+    whole, or not of that source."""
     mark = json.loads((folder / MARK).read_text())
     if not isinstance(mark, dict) or mark.get("pairs") != pairs or not isinstance(mark.get("parts"), dict):
         raise ValueError(f"{MARK} is not that of {pairs} pairs' parts")
+    kept = mark.get("computed_from")
+    if kept != source:  # another run's folder copied here (its name is no proof: the mark says what it was of)
+        other = [name for name in source if not isinstance(kept, dict) or kept.get(name) != source[name]]
+        raise ValueError(f"{OTHER} {', '.join(other)} than this run's, says {MARK}")
     values: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * pairs
     for name, expected in mark["parts"].items():
         if Path(name).name != name or not name.startswith("part-"):

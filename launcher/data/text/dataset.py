@@ -80,6 +80,8 @@ class TextDataset(Dataset):
         settings = {"format": format, "columns": columns, "template": template, "chat_template": used,
                     "max_len": max_len, "loss_on": loss_on, "overlong": overlong, "bad_rows": bad_rows,
                     "split": split, "text_rows": text_rows}
+        if format == "preference":  # a conversation's answer scored to its text's end (pairs.py) since this mark
+            settings["answers"] = "to the end"
         self.format, self.pairwise = format, format == "preference"  # pairwise: samples two by two, a pair each
         self.samples, counts, cached, self.key = _cached_or_tokenized(files, tokenizer, make, settings, cache,
                                                                       num_proc)

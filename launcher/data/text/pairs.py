@@ -93,6 +93,10 @@ class Preference:
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in answer):
             raise BadRow(f"column {column!r} holds no assistant message ({short(answer)}); an answer is the "
                          f"assistant's message(s) after the prompt, [{{\"role\": \"assistant\", \"content\": ...}}]")
+        for i, m in enumerate(answer, 1):  # as an empty string is refused: it would train the end of turn alone
+            if isinstance(m, dict) and m.get("role") == "assistant" and not _said(m):
+                raise BadRow(f"column {column!r}: message {i} is the assistant's with nothing in it ({short(m)}); an "
+                             f"answer's message holds a non-empty content, or tool_calls")
         given = prompt + answer
         size = sized(conversation.characters([given, tools]), self.max_len)
         try:
@@ -105,7 +109,17 @@ class Preference:
         if not any(weights):
             return None
         text, spans = self.chat.answers(messages, tools, weights, size)
+        if weights[-1] and messages[-1]["role"] == "assistant":
+            # scored to the text's end, as TRL's DPOTrainer scores what follows the prompt: the end of turn and
+            # what the template writes after it (ChatML's newline), which chat.py leaves out of SFT's answers
+            spans = [*spans[:-1], (spans[-1][0], len(text))]
         return labelled(self.tokenizer, text, spans, "answers")
+
+
+def _said(message: Dict[str, Any]) -> bool:
+    """Whether an assistant message holds anything: text that is not blank, tool calls, or reasoning."""
+    return bool(conversation.text_of(message).strip() or message.get("tool_calls")
+                or any(message.get(key) for key in conversation.REASONING))
 
 
 def _answer(row: Dict[str, Any], name: str) -> Any:
