@@ -53,6 +53,7 @@ class Meter:
         self.spans: Optional[List[tuple]] = None  # {% generation %} blocks' characters, where asked for
         self._sizes: Dict[int, int] = {}  # containers' deep sizes (immutable in the sandbox), by id
         self._held: List[Any] = []  # ... kept alive while their ids are keys
+        self.undefined: Any = None  # the last value the template looked up and the row lacks (sandbox.Undefined)
 
     @classmethod
     def for_input(cls, characters: int) -> "Meter":

@@ -160,10 +160,18 @@ class Chat:
                               f"here)") from None
         except jinja2.TemplateSyntaxError:
             raise  # the template itself, found when the format is made (_compiles)
+        except jinja2.exceptions.SecurityError as e:  # what the sandbox keeps from any template, whatever the row
+            raise BadTemplate(f"{self.origin}: the chat template does what the sandbox forbids: "
+                              f"{first_line(e)[:200]}") from None
         except jinja2.TemplateError as e:
             raise BadRow(f"the chat template refuses it: {first_line(e)[:200]}") from None
         except FAILURES as e:
-            raise BadRow(f"the chat template fails on it: {type(e).__name__}: {first_line(e)[:200]}") from None
+            missing = bounded.undefined if "Undefined" in str(e) else None  # a key the row lacks, as the cause
+            lacks = f" ({missing._undefined_message}: the row lacks what the template reads)" if missing is not None else ""
+            raise BadRow(f"the chat template fails on it: {type(e).__name__}: {first_line(e)[:200]}{lacks}") from None
+        except RuntimeError as e:  # jinja's own helpers misused (cycler() of nothing): the template's mistake
+            raise BadTemplate(f"{self.origin}: the chat template fails whatever the row: {type(e).__name__}: "
+                              f"{first_line(e)[:200]}") from None
 
     def _compiles(self) -> None:
         """The template compiles and renders a short conversation within its bounds (on every rank, at start),

@@ -86,6 +86,19 @@ class Generation(Extension):
         return text
 
 
+class Undefined(jinja2.Undefined):
+    """Jinja's Undefined (transformers renders with it), kept by the meter as the last one made: where a
+    rendering fails on one (`tojson` of it), the line names what the row lacks rather than the template."""
+
+    __slots__ = ()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        meter = bounds._CURRENT.get()
+        if meter is not None:
+            meter.undefined = self
+
+
 class Metered(ImmutableSandboxedEnvironment):
     code_generator_class = Code
     intercepted_binops = frozenset({"+", "*", "**", "%"})
@@ -145,7 +158,7 @@ def environment() -> Metered:
     theirs = _compile_jinja_template("").environment
     extensions = [type(e) for e in theirs.extensions.values() if "generation" not in getattr(e, "tags", ())]
     ours = Metered(trim_blocks=theirs.trim_blocks, lstrip_blocks=theirs.lstrip_blocks, optimized=False,
-                   extensions=[*extensions, Generation], finalize=_finalize)
+                   extensions=[*extensions, Generation], finalize=_finalize, undefined=Undefined)
     ours.globals.update(theirs.globals)
     ours.globals["lipsum"] = filters.lipsum
     ours.filters.update(filters.metered(theirs.filters))
