@@ -190,20 +190,32 @@ def reads(template: str) -> Tuple[frozenset, frozenset]:
     return frozenset(meta.find_undeclared_variables(tree)), frozenset(names)
 
 
-def render(template: str, messages: List[Dict[str, Any]], tools: Optional[list], variables: Dict[str, Any],
-           meter: Meter, prompt: bool = False, marked: bool = False) -> Tuple[str, List[tuple]]:
-    """The text of the conversation (and, `marked`, its generation blocks' spans), as transformers renders
-    it, within `meter`'s bounds: TemplateBound past them."""
+def plain(messages: List[Dict[str, Any]], tools: Optional[list] = None) -> Tuple[list, Optional[list]]:
+    """The conversation and tools as transformers hands them to a template (plain JSON types, reasoning fields
+    aliased): message by message, so that the first k of it are the first k messages made plain."""
     from transformers.utils import chat_template_utils as theirs
 
-    plain = getattr(theirs, "_plain_template_data", lambda value: value)
     alias = getattr(theirs, "_alias_reasoning_fields", lambda chat: chat)
-    chat = alias(plain(messages))
+    return alias(_plain(messages)), _plain(tools)
+
+
+def _plain(value: Any) -> Any:
+    from transformers.utils import chat_template_utils as theirs
+
+    return getattr(theirs, "_plain_template_data", lambda given: given)(value)
+
+
+def render(template: str, messages: List[Dict[str, Any]], tools: Optional[list], variables: Dict[str, Any],
+           meter: Meter, prompt: bool = False, marked: bool = False, made_plain: bool = False) -> Tuple[str, List[tuple]]:
+    """The text of the conversation (and, `marked`, its generation blocks' spans), as transformers renders
+    it, within `meter`'s bounds: TemplateBound past them. `made_plain`: the messages and tools are `plain`'s."""
+    chat, tools = (messages, tools) if made_plain else plain(messages, tools)
+    variables = _plain(variables)
     meter.spans = [] if marked else None
     token = bounds.metering(meter)
     try:
-        pieces = compiled(template).generate(messages=chat, tools=plain(tools), documents=None,
-                                             add_generation_prompt=prompt, **plain(variables))
+        pieces = compiled(template).generate(messages=chat, tools=tools, documents=None,
+                                             add_generation_prompt=prompt, **variables)
         if not marked:  # every piece was spent of the budget as it was written: the output is joined after
             text = "".join(pieces)
             meter.fits(len(text), "an output")
