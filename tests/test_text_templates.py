@@ -147,3 +147,28 @@ def test_a_hostile_template_is_the_same_line_on_every_rank(good, tmp_path):
     assert errors[0] == errors[1] and errors[0].startswith(
         f"UserError: {folder / 'chat_template.jinja'}: rendering a conversation of two messages at start, the chat "
         f"template ran more than 1,000,032 steps"), errors
+
+
+def branches(count: int) -> str:
+    """A loop of `count` branches each setting a name of its own: Jinja's code generation for it grows with the
+    square of `count` (1 MiB of it compiled for more than 18 minutes)."""
+    return ("{% for message in messages %}" + "".join(f"{{% if a{i} %}}{{% set b{i} = 1 %}}{{% endif %}}"
+                                                      for i in range(count)) + "{% endfor %}" + CHATML)
+
+
+@pytest.mark.parametrize("count", [25_000, 4_000])  # 1.1 MB: refused before it is parsed; 170 KB, 20,000 nodes:
+def test_a_template_too_large_to_compile_in_bounded_time_is_one_line(tmp_path, count):  # before its code is made
+    folder = tokenizer_folder(tmp_path)
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    template = branches(count)
+    with pytest.raises(UserError) as e:
+        TextDataset(str(folder), str(path), chat_template=template, cache=None)
+    says = (f"is {len(template):,} characters, more than the 262,144" if count > 5_000 else
+            "is 20,022 expressions and statements, more than the 10,000")
+    assert str(e.value) == (f"the recipe's chat_template: the chat template cannot be compiled within bounds: it "
+                            f"{says} a chat template may have")
+
+
+def test_the_largest_templates_within_bounds_compile():
+    sandbox.compiled(branches(1_900) + QWEN25)  # ~9,700 nodes: about 2 s of CPU

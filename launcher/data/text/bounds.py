@@ -35,6 +35,11 @@ SECONDS = 60.0
 STRIDE = 4096  # steps between two looks at the clock
 MAX_BITS = 8192  # an integer the template makes (10**2466); chat templates count messages
 MAX_DEPTH = 100  # levels of nested lists and dicts
+# What a template may be, so that compiling it is bounded too (a 1 MiB one compiled for more than 18 minutes: Jinja's
+# code generation grows with the square of the names a loop's branches set). Chat templates shipped with models are
+# a few hundred to two thousand nodes (Qwen2.5's tool calling: 188); 10,000 compile in about 2 s of CPU at worst.
+TEMPLATE_CHARACTERS = 1 << 18
+TEMPLATE_NODES = 10_000
 PERCENT = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?([a-zA-Z%])")
 NUMBER = re.compile(r"\d+")
 

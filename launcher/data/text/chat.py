@@ -192,7 +192,9 @@ class Chat:
             sandbox.compiled(self.template)
         except jinja2.TemplateSyntaxError as e:
             raise UserError(f"chat_template: not a Jinja template: {first_line(e)} (line {e.lineno})") from None
-        except (TemplateBound, RecursionError, MemoryError, SyntaxError) as e:
+        except TemplateBound as e:
+            raise UserError(f"{self.origin}: the chat template cannot be compiled within bounds: it {e}") from None
+        except (RecursionError, MemoryError, SyntaxError) as e:
             raise UserError(f"{self.origin}: the chat template cannot be compiled within bounds: "
                             f"{type(e).__name__}: {first_line(e)[:200]}") from None
         probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]

@@ -30,7 +30,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from launcher.data.text import bounds, filters
-from launcher.data.text.bounds import Meter
+from launcher.data.text.bounds import Meter, TemplateBound
 
 class Code(CodeGenerator):
     """Jinja's Python code for a template, with the hooks Metered counts by (the optimizer is off: no folding)."""
@@ -170,7 +170,14 @@ def compiled(template: str) -> jinja2.Template:
     """The template compiled (jinja2.TemplateSyntaxError where it is not Jinja; TemplateBound past bounds)."""
     token = bounds.metering(Meter(bounds.FLOOR, bounds.BUDGET * bounds.FLOOR, bounds.STEPS))
     try:
+        if len(template) > bounds.TEMPLATE_CHARACTERS:
+            raise TemplateBound(f"is {len(template):,} characters, more than the {bounds.TEMPLATE_CHARACTERS:,} a chat "
+                                f"template may have")
         tree = environment().parse(template)
+        parts = sum(1 for _ in tree.find_all(nodes.Node))
+        if parts > bounds.TEMPLATE_NODES:  # Jinja's code generation is quadratic in some shapes: its time bounded
+            raise TemplateBound(f"is {parts:,} expressions and statements, more than the {bounds.TEMPLATE_NODES:,} a "
+                                f"chat template may have")
         for loop in list(tree.find_all(nodes.For)):  # each iteration a step
             loop.iter = nodes.Call(nodes.EnvironmentAttribute("counted"), [loop.iter], [], None, None,
                                    lineno=loop.lineno)
