@@ -168,7 +168,26 @@ def test_a_row_on_which_the_tokenizers_library_panics_is_one_line_naming_the_row
     with pytest.raises(UserError) as e:
         TextDataset(str(folder), str(path), format="text", cache=None)
     assert str(e.value) == (
-        f"{path}, line 2: tokenizer: {folder / 'tokenizer.json'}: the tokenizers library failed on this row (Onig: "
-        f"Regex search error: retry-limit-in-match over): a regex of its normalizer or pre-tokenizer backtracks past "
-        f"the library's limit on it; give the tokenizer regexes that repeat characters and classes, as models' "
-        f"tokenizers do")
+        f"{path}, line 2: tokenizer: {folder / 'tokenizer.json'}: the tokenizers library panicked on it: Onig: Regex "
+        f"search error: retry-limit-in-match over: a regex of its normalizer or pre-tokenizer backtracks on this row; "
+        f"give the tokenizer regexes that repeat characters and classes, as models' tokenizers do")
+
+
+def test_a_row_whose_tokenizing_passes_its_backstop_is_one_line(good, tmp_path, monkeypatch):
+    """Just below Oniguruma's limit, each word of 22 spaces takes 0.2 s of CPU or more (a row of thousands: hours).
+    The library's call cannot be metered: a backstop of wall-clock time (60 s, and more for a long text; here 0.05 s,
+    which the row's 8 words pass whatever the machine) makes it one line, where the library gave its samples after
+    hours."""
+    from launcher.data.text import TextDataset, formats
+
+    folder = with_split(good, tmp_path, r"\s*\s*\s*\s*\s*\s*\s*\s*\d")
+    path = tmp_path / "text.jsonl"
+    path.write_text(json.dumps({"text": (" " * 22 + "!") * 8}) + "\n")
+    monkeypatch.setattr(formats, "SECONDS", 0.05)
+    monkeypatch.setattr(formats, "CHARACTERS_A_SECOND", 1e12)
+    with pytest.raises(UserError) as e:
+        TextDataset(str(folder), str(path), format="text", cache=None)
+    assert str(e.value) == (
+        f"{path}, line 1: tokenizer: {folder / 'tokenizer.json'}: the tokenizers library took more than 0 s on it (a "
+        f"backstop of wall-clock time): a regex of its normalizer or pre-tokenizer backtracks on this row; give the "
+        f"tokenizer regexes that repeat characters and classes, as models' tokenizers do")

@@ -21,9 +21,9 @@ import torch
 
 from launcher.data.text import sources, tokenizer as tokenizers
 from launcher.data.text.chat import BadTemplate, Chat
-from launcher.data.text.formats import IGNORE, LOSS_ON, BadRow, PromptCompletion, Sample, Text
+from launcher.data.text.formats import IGNORE, LOSS_ON, BadRow, PromptCompletion, Sample, Text, TokenizerFailed
 from launcher.data.text.pairs import Preference
-from launcher.errors import UserError, first_line
+from launcher.errors import UserError
 
 FORMATS = {"chat": Chat, "prompt_completion": PromptCompletion, "text": Text, "preference": Preference}
 OVERLONG = ("truncate", "drop")
@@ -168,11 +168,11 @@ def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip
             counts.skipped, counts.first = counts.skipped + 1, counts.first or f"{row.where}: {outcome}"
         elif isinstance(outcome, BadTemplate):
             raise UserError(f"{row.where}: {outcome}")
-        elif isinstance(outcome, Panicked):
+        elif isinstance(outcome, TokenizerFailed):
             file = Path(getattr(maker.tokenizer, "name_or_path", "")) / "tokenizer.json"
-            raise UserError(f"{row.where}: tokenizer: {file}: the tokenizers library failed on this row ({outcome}): "
-                            f"a regex of its normalizer or pre-tokenizer backtracks past the library's limit on it; "
-                            f"give the tokenizer regexes that repeat characters and classes, as models' tokenizers do")
+            raise UserError(f"{row.where}: tokenizer: {file}: the tokenizers library {outcome}: a regex of its "
+                            f"normalizer or pre-tokenizer backtracks on this row; give the tokenizer regexes that "
+                            f"repeat characters and classes, as models' tokenizers do")
         elif outcome is None:
             counts.empty += 1
         else:
@@ -184,23 +184,15 @@ def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip
             yield read, outcome
 
 
-class Panicked(Exception):
-    """The tokenizers library panicked on a row (pyo3's PanicException, a BaseException): what it said."""
-
-
 def _outcome(maker, value: Any, problem: Optional[str]) -> Any:
-    """A row's sample, None (nothing to learn), or what is wrong with it (BadRow, BadTemplate, Panicked),
+    """A row's sample, None (nothing to learn), or what is wrong with it (BadRow, BadTemplate, TokenizerFailed),
     returned."""
     try:
         if problem is not None:
             raise BadRow(problem)
         return maker(value)
-    except (BadRow, BadTemplate) as e:
+    except (BadRow, BadTemplate, TokenizerFailed) as e:
         return e
-    except BaseException as e:  # (Oniguruma's backtracking limit passed: the library unwraps its error)
-        if type(e).__name__ != "PanicException":
-            raise
-        return Panicked(first_line(e)[:200])
 
 
 CHUNK = 256  # rows a process makes at a time
