@@ -208,6 +208,20 @@ def wrong_dtype(path):
     return "unreadable (input_ids is F64 of shape"
 
 
+def negative_token(path):
+    """A forged entry, whole by its own CRC-32 and counts: a token id of -5 (and its label) where the model's
+    embedding would read it (before, it was read as a sample, and the model's failure blamed the recipe)."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(str(path), framework="np") as f:
+        meta, arrays = f.metadata(), {name: f.get_tensor(name).copy() for name in f.keys()}
+    arrays["input_ids"][1] = arrays["labels"][1] = -5
+    meta["crc32"] = str(cache._crc(arrays))
+    save_file(arrays, str(path), metadata=meta)
+    return "unreadable (it holds the token id -5; a token id is 0 or more)"
+
+
 def another_datasets_key(path):
     header = header_of(path)
     key = json.loads(header["__metadata__"]["key"])
@@ -218,7 +232,7 @@ def another_datasets_key(path):
     return "unreadable: its key is not this dataset's"
 
 
-@pytest.mark.parametrize("craft", [huge_shape, wrong_dtype, another_datasets_key])
+@pytest.mark.parametrize("craft", [huge_shape, wrong_dtype, negative_token, another_datasets_key])
 def test_a_hostile_entry_is_refused_before_anything_is_allocated_and_rebuilt(made, craft):
     folder, data, where = made
     first = build(folder, data, where)

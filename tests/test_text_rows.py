@@ -128,3 +128,26 @@ def test_a_stream_says_the_row_of_a_token_beyond_the_embedding_as_it_meets_it(gr
         next(items)
     assert str(e.value).startswith(f"{path}, line 10: token 256 ('<tool_7>') of the tokenizer (257 tokens) is in the "
                                    f"samples, and the model's input embedding has 256 rows")
+
+
+def test_a_row_of_many_messages_is_refused_where_its_answers_are_found_by_prefixes(folder, tmp_path):
+    """Prefixes render each answer's beginning: time that grows with the square of the messages. A row of 4,000
+    short messages (within max_len 2048's characters) took minutes a row before; it is one line now, and a
+    template with {% generation %} markers renders it once."""
+    from launcher.data.text.chat import MAX_PREFIXED
+    from launcher.data.text.conversation import characters
+    from tests.text_folders import MARKED
+
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(4000)]
+    assert characters([many, None]) < ROW_CHARACTERS * 2048  # not the row's characters: its messages
+    path = jsonl(tmp_path / "many.jsonl", [{"messages": [QUESTION, ANSWER]}, {"messages": many},
+                                           {"messages": many[:MAX_PREFIXED]}])
+    assert refused(folder, path) == (
+        f"{path}, line 2: 4,000 messages, more than the {MAX_PREFIXED} a row may have where the answers are found by "
+        f"rendering each conversation's beginning (a rendering for each answer: time that grows with the square of "
+        f"the messages); split the conversation, or give the chat template {{% generation %}} markers (one "
+        f"rendering a row) (bad_rows: skip would skip such rows and count them)")
+    assert len(TextDataset(folder, path, bad_rows="skip", cache=None)) == 2  # 256 messages are taken
+    marked = tokenizer_folder(tmp_path, template=MARKED["bpe"])
+    samples = TextDataset(str(marked), path, max_len=2048, cache=None).samples
+    assert len(samples) == 3 and len(samples[1]["input_ids"]) == 2048  # truncated at max_len, as rows are

@@ -148,3 +148,59 @@ def test_a_hostile_template_is_the_same_line_on_every_rank(good, tmp_path):
     assert errors[0] == errors[1] and errors[0].startswith(
         f"UserError: {folder / 'chat_template.jinja'}: rendering a conversation of two messages at start, the chat "
         f"template ran more than 1,000,032 steps"), errors
+
+
+def branches(count: int) -> str:
+    """A loop of `count` branches each setting a name of its own: Jinja's code generation for it grows with the
+    square of `count` (1 MiB of it compiled for more than 18 minutes)."""
+    return ("{% for message in messages %}" + "".join(f"{{% if a{i} %}}{{% set b{i} = 1 %}}{{% endif %}}"
+                                                      for i in range(count)) + "{% endfor %}" + CHATML)
+
+
+@pytest.mark.parametrize("count", [25_000, 4_000])  # 1.1 MB: refused before it is parsed; 170 KB, 20,000 nodes:
+def test_a_template_too_large_to_compile_in_bounded_time_is_one_line(tmp_path, count):  # before its code is made
+    folder = tokenizer_folder(tmp_path)
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    template = branches(count)
+    with pytest.raises(UserError) as e:
+        TextDataset(str(folder), str(path), chat_template=template, cache=None)
+    says = (f"is {len(template):,} characters, more than the 262,144" if count > 5_000 else
+            "is 20,022 expressions and statements, more than the 10,000")
+    assert str(e.value) == (f"the recipe's chat_template: the chat template cannot be compiled within bounds: it "
+                            f"{says} a chat template may have")
+
+
+def test_the_largest_templates_within_bounds_compile():
+    sandbox.compiled(branches(1_900) + QWEN25)  # ~9,700 nodes: about 2 s of CPU
+
+
+@pytest.mark.parametrize("template, says", [
+    # textwrap cuts a long word a line at a time, copying the rest each time
+    ("{{ ('a' * 500000) | wordwrap(1) }}", "read more than 16,790,016 characters in all"),
+    # urlize searches a word ending in ')' from each of its characters: minutes
+    ("{{ (')' * 100000 ~ 'a)') | urlize }}", "read more than 16,790,016 characters in all"),
+    # each call linear, 100,000 of them on a value of a million characters: hours
+    ("{% set x = 'a<b>' * 250000 %}{% for i in range(100000) %}{{ x | striptags | length }}{% endfor %}",
+     "read more than 16,790,016 characters in all"),
+    ("{% set x = 'a' * 1000000 %}{% for i in range(100000) %}{{ x.count('b') }}{% endfor %}",
+     "read more than 16,790,016 characters in all"),
+    # a table of 98 references to one string: 600 MB made before its size was measured
+    ("{% set t = ['b' * 10000] * 98 %}{{ ('a' * 60000).translate(t) }}",
+     "would make a translated string of 600,000,000 characters"),
+    # punycode's encoder is Python's, quadratic: minutes
+    ("{{ ('\u00e4' * 100000).encode('punycode') }}", "would encode with 'punycode', a codec whose time may grow"),
+])
+def test_each_filter_and_method_is_metered_by_its_inputs_size(template, says):
+    """Bounds of a row of 100 characters (a value of 1,049,376 characters, 16,790,016 made and read in all): each
+    of these took minutes or more in one call or one loop, each now refused before it runs long."""
+    with pytest.raises(bounds.TemplateBound) as e:
+        sandbox.render(template, CONVERSATION, None, {}, bounds.Meter.for_input(100))
+    assert str(e.value).startswith(says), str(e.value)
+
+
+def test_filters_on_ordinary_text_read_within_their_bounds():
+    text = "See https://example.com/docs (and www.example.org). " * 40 + "a-long-hyphenated-word " * 40
+    rendered = sandbox.render("{{ x | urlize }}|{{ x | wordwrap(30) }}|{{ ('<b>' ~ x ~ '</b>') | striptags }}",
+                              CONVERSATION, None, {"x": text}, bounds.Meter.for_input(len(text)))[0]
+    assert rendered.count('<a href="https://example.com/docs"') == 40 and rendered.endswith(text.strip())

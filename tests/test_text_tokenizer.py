@@ -119,3 +119,75 @@ def test_a_hostile_tokenizer_in_a_recipe_is_one_line_and_exit_2(tmp_path, capsys
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"launcher: {tmp_path / 'model' / 'tokenizer_config.json'}: nested deeper than Python's JSON "
                           f"parser goes")
+
+
+def with_split(good, tmp_path, regex, name="split"):
+    """A copy of the folder whose pre-tokenizer splits on `regex` first (a Split in a Sequence)."""
+    folder = copy(good, tmp_path, name)
+    whole = json.loads((folder / "tokenizer.json").read_text())
+    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+    whole["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, *filter(None, [whole["pre_tokenizer"]])]}
+    (folder / "tokenizer.json").write_text(json.dumps(whole))
+    return folder
+
+
+def test_a_pre_tokenizer_regex_that_backtracks_exponentially_is_one_line_at_load(good, tmp_path):
+    """(a|a)+b: a row of 23 a's made the tokenizers library panic (a Rust backtrace, a Python traceback); one of 22
+    took 0.2 s, so that a row of a thousand such words took minutes. Refused before the library reads the file."""
+    folder = with_split(good, tmp_path, "(a|a)+b")
+    assert refused(folder) == (
+        f"tokenizer: {folder / 'tokenizer.json'}: its pre-tokenizer regex '(a|a)+b' repeats '(a|a)+', a group that "
+        f"can match in more than one way: the tokenizers library backtracks through it exponentially (past its limit "
+        f"it panics, below it a row takes hours); repeat a character or a class instead, as the regexes of models' "
+        f"tokenizers do")
+
+
+@pytest.mark.parametrize("regex", [
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",  # GPT-2
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|"
+    r"\s+",  # Llama 3 (Qwen2's: \p{N} alone)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",  # o200k (Mistral's Tekken alike)
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+",  # DeepSeek-V3
+    r" ?[^(\s|[.,!?…。，、।۔،])]+",  # BLOOM: a nested class
+])
+def test_the_regexes_of_models_tokenizers_are_taken(good, tmp_path, regex):
+    folder = with_split(good, tmp_path, regex)
+    assert tokenizers.load(str(folder))("What is 3 plus 4?")["input_ids"]
+
+
+def test_a_row_on_which_the_tokenizers_library_panics_is_one_line_naming_the_row_and_the_file(good, tmp_path):
+    """A regex with no repeated group can still pass Oniguruma's backtracking limit (eight \\s* in a row on 60
+    spaces): the library's PanicException (a BaseException, which no `except Exception` took) is one line."""
+    from launcher.data.text import TextDataset
+
+    folder = with_split(good, tmp_path, r"\s*\s*\s*\s*\s*\s*\s*\s*\d")
+    path = tmp_path / "text.jsonl"
+    path.write_text(json.dumps({"text": "What is 3 plus 4?"}) + "\n" + json.dumps({"text": " " * 60 + "!"}) + "\n")
+    with pytest.raises(UserError) as e:
+        TextDataset(str(folder), str(path), format="text", cache=None)
+    assert str(e.value) == (
+        f"{path}, line 2: tokenizer: {folder / 'tokenizer.json'}: the tokenizers library panicked on it: Onig: Regex "
+        f"search error: retry-limit-in-match over: a regex of its normalizer or pre-tokenizer backtracks on this row; "
+        f"give the tokenizer regexes that repeat characters and classes, as models' tokenizers do")
+
+
+def test_a_row_whose_tokenizing_passes_its_backstop_is_one_line(good, tmp_path, monkeypatch):
+    """Just below Oniguruma's limit, each word of 22 spaces takes 0.2 s of CPU or more (a row of thousands: hours).
+    The library's call cannot be metered: a backstop of wall-clock time (60 s, and more for a long text; here 0.05 s,
+    which the row's 8 words pass whatever the machine) makes it one line, where the library gave its samples after
+    hours."""
+    from launcher.data.text import TextDataset, formats
+
+    folder = with_split(good, tmp_path, r"\s*\s*\s*\s*\s*\s*\s*\s*\d")
+    path = tmp_path / "text.jsonl"
+    path.write_text(json.dumps({"text": (" " * 22 + "!") * 8}) + "\n")
+    monkeypatch.setattr(formats, "SECONDS", 0.05)
+    monkeypatch.setattr(formats, "CHARACTERS_A_SECOND", 1e12)
+    with pytest.raises(UserError) as e:
+        TextDataset(str(folder), str(path), format="text", cache=None)
+    assert str(e.value) == (
+        f"{path}, line 1: tokenizer: {folder / 'tokenizer.json'}: the tokenizers library took more than 0 s on it (a "
+        f"backstop of wall-clock time): a regex of its normalizer or pre-tokenizer backtracks on this row; give the "
+        f"tokenizer regexes that repeat characters and classes, as models' tokenizers do")

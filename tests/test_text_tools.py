@@ -155,3 +155,42 @@ def test_what_rows_hold_that_the_template_never_reads_is_one_line_at_start(folde
     again = TextDataset(str(folders["qwen"]), jsonl(tmp_path / "rows.jsonl", rows), cache=str(tmp_path / "cache"))
     again = TextDataset(str(folders["qwen"]), jsonl(tmp_path / "rows.jsonl", rows), cache=str(tmp_path / "cache"))
     assert again.notes[-1].startswith("cache: hit") and again.notes[:-1] == qwen.notes[:-1]
+
+
+def test_tool_calls_that_are_not_a_list_are_the_checks_line_even_without_content(folders, tmp_path):
+    """Before, `content: null` let the row by before tool_calls were checked: the template's TypeError instead."""
+    path = jsonl(tmp_path / "calls.jsonl", [{"messages": [PLAIN[0], {"role": "assistant", "content": None,
+                                                                     "tool_calls": "get_weather(Paris)"}]}])
+    assert refused(folders["qwen"], path) == (
+        f"{path}, line 1: message 2 (assistant) has tool_calls 'get_weather(Paris)'; they are a list of calls, "
+        f"{{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": ...}}}} (bad_rows: skip would skip "
+        f"such rows and count them)")
+
+
+def test_a_nested_key_the_row_lacks_and_the_template_reads_is_named_as_the_rows(folders, tmp_path):
+    """Qwen2.5's template writes a call's arguments with tojson: a call without them failed with 'Object of type
+    Undefined is not JSON serializable', a line that named no key of the row."""
+    lacking = [PLAIN[0], {"role": "assistant", "content": None,
+                          "tool_calls": [{"type": "function", "function": {"name": "get_weather"}}]}]
+    path = jsonl(tmp_path / "lacking.jsonl", [{"messages": lacking}])
+    assert refused(folders["qwen"], path) == (
+        f"{path}, line 1: the chat template fails on it: TypeError: Object of type Undefined is not JSON serializable "
+        f"('dict object' has no attribute 'arguments': the row lacks what the template reads) (bad_rows: skip would "
+        f"skip such rows and count them)")
+
+
+@pytest.mark.parametrize("when", ["at start", "on a row"])
+def test_a_template_that_fails_whatever_the_row_is_the_templates_line_whatever_bad_rows_says(tmp_path, when):
+    """cycler() of nothing raises RuntimeError, which was said under the dataset's key (data.train) as if the
+    data were wrong; a row that meets it is not skipped as malformed either."""
+    from recipes.components.tiny_tokenizer import CHATML
+
+    guard = "{% if messages | length > 2 %}" if when == "on a row" else "{% if true %}"
+    folder = tokenizer_folder(tmp_path, template=guard + "{{ cycler().next() }}{% endif %}" + CHATML)
+    path = jsonl(tmp_path / "chat.jsonl", [{"messages": PLAIN[:2]}, {"messages": PLAIN}])
+    template = folder / "chat_template.jinja"
+    said = refused(folder, path, bad_rows="skip")
+    assert said == (f"{template}: the chat template fails whatever the row: RuntimeError: at least one item has to "
+                    f"be provided" if when == "at start" else
+                    f"{path}, line 2: {template}: the chat template fails whatever the row: RuntimeError: at least one "
+                    f"item has to be provided"), said

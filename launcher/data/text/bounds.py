@@ -11,7 +11,9 @@ loops run 10**10 times. A `Meter` holds, for one rendering, bounds that grow wit
   inputs and refused before anything is built; other results are measured after (they are at most a few
   times their inputs, which were measured themselves).
 - `budget`: the characters all the values made may add up to (so that a loop cannot hold many values of
-  the limit's size at once).
+  the limit's size at once); and, apart, the characters every filter and method reads (its input, times the
+  passes it makes over it where its time grows faster: `wordwrap`, `urlize`), so that each call's time is
+  bounded by its input's size, deterministically.
 - `steps`: loop iterations, calls and writes; deterministic, so every rank stops at the same place.
 - `seconds`: a backstop of wall-clock time, checked every STRIDE steps, for an operation slow on its own.
 
@@ -35,6 +37,11 @@ SECONDS = 60.0
 STRIDE = 4096  # steps between two looks at the clock
 MAX_BITS = 8192  # an integer the template makes (10**2466); chat templates count messages
 MAX_DEPTH = 100  # levels of nested lists and dicts
+# What a template may be, so that compiling it is bounded too (a 1 MiB one compiled for more than 18 minutes: Jinja's
+# code generation grows with the square of the names a loop's branches set). Chat templates shipped with models are
+# a few hundred to two thousand nodes (Qwen2.5's tool calling: 188); 10,000 compile in about 2 s of CPU at worst.
+TEMPLATE_CHARACTERS = 1 << 18
+TEMPLATE_NODES = 10_000
 PERCENT = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?([a-zA-Z%])")
 NUMBER = re.compile(r"\d+")
 
@@ -49,10 +56,11 @@ class Meter:
     def __init__(self, limit: int, budget: int, steps: int, seconds: float = SECONDS):
         self.limit, self.budget, self.most_steps = limit, budget, steps
         self.deadline, self.seconds = time.monotonic() + seconds, seconds
-        self.steps = self.spent = self.written = 0
+        self.steps = self.spent = self.written = self.read_characters = 0
         self.spans: Optional[List[tuple]] = None  # {% generation %} blocks' characters, where asked for
         self._sizes: Dict[int, int] = {}  # containers' deep sizes (immutable in the sandbox), by id
         self._held: List[Any] = []  # ... kept alive while their ids are keys
+        self.undefined: Any = None  # the last value the template looked up and the row lacks (sandbox.Undefined)
 
     @classmethod
     def for_input(cls, characters: int) -> "Meter":
@@ -92,6 +100,14 @@ class Meter:
         self.spent += characters
         if self.spent > self.budget:
             raise TemplateBound(f"made more than {self.budget:,} characters of values in all")
+
+    def read(self, characters: int) -> None:
+        """What a filter or a method reads (its input), and works through more than once where its time grows
+        faster than its input: within the budget too, so that no call takes a time its values do not bound."""
+        self.read_characters += characters
+        if self.read_characters > self.budget:
+            raise TemplateBound(f"read more than {self.budget:,} characters in all (each filter and method reads its "
+                                f"input; some, several times over)")
 
     def size(self, value: Any, depth: int = 0) -> int:
         """The deep size of `value` (characters of its strings, one more for each element), or TemplateBound
@@ -203,6 +219,8 @@ def method(meter: Meter, bound: Any, args: tuple, kwargs: dict) -> None:
     if isinstance(owner, int) and not isinstance(owner, bool) and name == "to_bytes":
         meter.fits(_int(args[0] if args else kwargs.get("length", 1)), "bytes")
     if not isinstance(owner, (str, bytes)):
+        if isinstance(owner, (list, tuple)):  # index, count: a pass over it
+            meter.read(len(owner))
         return
     n = len(owner)
     if name in ("center", "ljust", "rjust", "zfill") and args:
@@ -212,8 +230,31 @@ def method(meter: Meter, bound: Any, args: tuple, kwargs: dict) -> None:
                    * _int(args[0] if args else kwargs.get("tabsize", 8)), "a string")
     elif name == "replace" and len(args) >= 2:
         replaced(meter, owner, args[0], args[1], args[2] if len(args) > 2 else -1)
-    elif name == "translate" and args and isinstance(args[0], Mapping):
-        meter.fits(n * max([meter.size(v) for v in args[0].values()] or [1]), "a translated string")
+    elif name == "translate" and args:  # a table is any value with items (str.translate looks each up)
+        table = args[0]
+        values = table.values() if isinstance(table, Mapping) else table if isinstance(table, (list, tuple)) else None
+        widest = max([meter.size(v) for v in values] or [1]) if values is not None else \
+            1 if isinstance(table, (str, bytes, range)) else meter.limit + 1
+        meter.fits(n * widest, "a translated string")
+    elif name in ("encode", "decode"):
+        codec = args[0] if args else kwargs.get("encoding", "utf-8")
+        if not isinstance(codec, str) or _codec(codec) not in LINEAR_CODECS:
+            raise TemplateBound(f"would {name} with {str(codec)[:40]!r}, a codec whose time may grow faster than its "
+                                f"input; a chat template may use {', '.join(LINEAR_CODECS)}")
+    meter.read(n + sum(len(a) for a in args if isinstance(a, (str, bytes))))
+
+
+LINEAR_CODECS = ("utf-8", "ascii", "latin-1", "utf-16", "utf-32")  # in C, one pass (punycode, idna: Python, quadratic)
+
+
+def _codec(name: str) -> str:
+    import codecs
+
+    try:
+        found = codecs.lookup(name).name
+    except LookupError:
+        return name  # str.encode says so itself
+    return {"iso8859-1": "latin-1"}.get(found, found)
 
 
 def replaced(meter: Meter, text: Any, old: Any, new: Any, count: Any) -> None:

@@ -43,6 +43,7 @@ from launcher.errors import first_line
 # passed to the chat template, weights, text parts, rows over max_len's characters refused; counts of rows with
 # nothing to learn, what the template never reads, the largest token)
 VERSION = 2
+IGNORE = -100  # a label where no loss is taken (formats.IGNORE: the cache knows nothing of the formats)
 ARRAYS = {"input_ids": "I32", "labels": "I32", "lengths": "I64"}
 LIBRARIES = ("tokenizers", "transformers", "jinja2")  # whose versions may change a token or a rendered text
 CHANGED = {"files": "the files changed", "tokenizer": "the tokenizer changed",
@@ -195,6 +196,12 @@ def _whole(arrays: Dict[str, Any], counts: Any, crc: Optional[str]) -> None:
         raise ValueError("its lengths do not add up to its tokens")
     if crc != str(_crc(arrays)):
         raise ValueError("its arrays do not match their CRC-32")
+    # (a forged entry's CRC is its forger's: ids the tokenizer never gives would reach the model's embedding)
+    if int(arrays["input_ids"].min()) < 0:
+        raise ValueError(f"it holds the token id {int(arrays['input_ids'].min())}; a token id is 0 or more")
+    labels = arrays["labels"]
+    if bool(((labels != IGNORE) & (labels != arrays["input_ids"])).any()):
+        raise ValueError(f"it holds labels that are neither their token nor {IGNORE}")
     if int(arrays["input_ids"].max()) != counts["largest"]:
         raise ValueError(f"its counts say its largest token is {counts['largest']}; it holds "
                          f"{int(arrays['input_ids'].max())}")

@@ -38,6 +38,10 @@ from launcher.errors import UserError, first_line, short
 
 MARKERS = re.compile(r"\{%-?\s*generation\s*-?%\}")
 SPANS = ("auto", "markers", "prefixes")
+# Messages a row may have where its answers are found by prefixes: a rendering of its beginning for each answer,
+# time that grows with the square of its messages (256 short messages: 0.1 s of CPU with ChatML, 0.5 s with
+# Qwen2.5's template; 512: 0.3 s and 2 s; the row bound would let a row of max_len 2048 have ~5,000: minutes)
+MAX_PREFIXED = 256
 FAILURES = (ArithmeticError, LookupError, TypeError, ValueError, RecursionError)  # a template failing on a row
 
 
@@ -102,7 +106,13 @@ class Chat:
     def answers(self, messages: List[Dict[str, Any]], tools: Optional[list], weights: List[bool],
                 size: int) -> Tuple[str, List[Span]]:
         """The conversation rendered, and its trained answers' spans in it (those of weight 1)."""
-        text, marked = self.render(messages, tools, size, marked=self.markers)
+        if not self.markers and len(messages) > MAX_PREFIXED:
+            raise BadRow(f"{len(messages):,} messages, more than the {MAX_PREFIXED} a row may have where the answers "
+                         f"are found by rendering each conversation's beginning (a rendering for each answer: time "
+                         f"that grows with the square of the messages); split the conversation, or give the chat "
+                         f"template {{% generation %}} markers (one rendering a row)")
+        messages, tools = sandbox.plain(messages, tools)  # once: each beginning renders a slice of them
+        text, marked = self.render(messages, tools, size, marked=self.markers, made_plain=True)
         if self.markers:
             if all(weights):
                 return text, [tuple(span) for span in marked]
@@ -115,7 +125,7 @@ class Chat:
 
         def prefix(k: int, prompt: bool) -> str:  # the first k messages, rendered as the beginning of `text`
             if (k, prompt) not in prefixes:
-                rendered = self.render(messages[:k], tools, size, prompt=prompt)[0]
+                rendered = self.render(messages[:k], tools, size, prompt=prompt, made_plain=True)[0]
                 if not text.startswith(rendered):
                     what = f"its first {k} messages" + (" with a generation prompt" if prompt else "")
                     raise BadTemplate(f"the chat template renders {what} as a text that is not how it renders the "
@@ -146,24 +156,32 @@ class Chat:
         return text, spans
 
     def render(self, messages: List[Dict[str, Any]], tools: Optional[list], size: int, prompt: bool = False,
-               marked: bool = False) -> Tuple[str, list]:
+               marked: bool = False, made_plain: bool = False) -> Tuple[str, list]:
         """The template's text of `messages` (as apply_chat_template renders it, within the bounds of a row of
         `size` characters), and with `marked` its {% generation %} spans."""
         import jinja2
 
         bounded = Meter.for_input(size)
         try:
-            return sandbox.render(self.template, messages, tools, self.variables, bounded, prompt, marked)
+            return sandbox.render(self.template, messages, tools, self.variables, bounded, prompt, marked, made_plain)
         except TemplateBound as e:
             raise BadTemplate(f"{self.origin}: rendering this row, the chat template {e}: a template is untrusted "
                               f"code, and renders within bounds that grow with its row ({bounded.said()} "
                               f"here)") from None
         except jinja2.TemplateSyntaxError:
             raise  # the template itself, found when the format is made (_compiles)
+        except jinja2.exceptions.SecurityError as e:  # what the sandbox keeps from any template, whatever the row
+            raise BadTemplate(f"{self.origin}: the chat template does what the sandbox forbids: "
+                              f"{first_line(e)[:200]}") from None
         except jinja2.TemplateError as e:
             raise BadRow(f"the chat template refuses it: {first_line(e)[:200]}") from None
         except FAILURES as e:
-            raise BadRow(f"the chat template fails on it: {type(e).__name__}: {first_line(e)[:200]}") from None
+            missing = bounded.undefined if "Undefined" in str(e) else None  # a key the row lacks, as the cause
+            lacks = f" ({missing._undefined_message}: the row lacks what the template reads)" if missing is not None else ""
+            raise BadRow(f"the chat template fails on it: {type(e).__name__}: {first_line(e)[:200]}{lacks}") from None
+        except RuntimeError as e:  # jinja's own helpers misused (cycler() of nothing): the template's mistake
+            raise BadTemplate(f"{self.origin}: the chat template fails whatever the row: {type(e).__name__}: "
+                              f"{first_line(e)[:200]}") from None
 
     def _compiles(self) -> None:
         """The template compiles and renders a short conversation within its bounds (on every rank, at start),
@@ -174,7 +192,9 @@ class Chat:
             sandbox.compiled(self.template)
         except jinja2.TemplateSyntaxError as e:
             raise UserError(f"chat_template: not a Jinja template: {first_line(e)} (line {e.lineno})") from None
-        except (TemplateBound, RecursionError, MemoryError, SyntaxError) as e:
+        except TemplateBound as e:
+            raise UserError(f"{self.origin}: the chat template cannot be compiled within bounds: it {e}") from None
+        except (RecursionError, MemoryError, SyntaxError) as e:
             raise UserError(f"{self.origin}: the chat template cannot be compiled within bounds: "
                             f"{type(e).__name__}: {first_line(e)[:200]}") from None
         probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]

@@ -53,6 +53,9 @@ def messages(given: List[Any], loss_on: str, lists: bool) -> Tuple[List[Dict[str
 
 def _content(message: Dict[str, Any], i: int, lists: bool) -> None:
     role, content = message["role"], message.get("content")
+    if "tool_calls" in message and not isinstance(message["tool_calls"], list):  # before a content of none is let by
+        raise BadRow(f"message {i} ({role}) has tool_calls {short(message['tool_calls'])}; they are a list of "
+                     f"calls, {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": ...}}}}")
     if content is None:
         if role == "assistant" and message.get("tool_calls"):
             return  # a call of tools, nothing said
@@ -72,9 +75,6 @@ def _content(message: Dict[str, Any], i: int, lists: bool) -> None:
     elif not isinstance(content, str):
         raise BadRow(f"message {i} ({role}) has the content {short(content)}; a content is a string, or a list "
                      f"of text parts")
-    if "tool_calls" in message and not isinstance(message["tool_calls"], list):
-        raise BadRow(f"message {i} ({role}) has tool_calls {short(message['tool_calls'])}; they are a list of "
-                     f"calls, {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": ...}}}}")
 
 
 def _weight(message: Dict[str, Any], i: int, loss_on: str) -> bool:

@@ -18,20 +18,26 @@ from launcher.data.text import bounds
 
 def metered(given: Dict[str, Callable]) -> Dict[str, Callable]:
     """The filters `given` (an environment's), each metered."""
-    return {name: _checked(FILTERS.get(name), f) for name, f in {**given, "sum": _sum}.items()}
+    return {name: _checked(name, FILTERS.get(name), f) for name, f in {**given, "sum": _sum}.items()}
 
 
-def _checked(check, filter):
-    """The filter, its result measured, and checked before where `check` (its arguments by name) says."""
+def _checked(name: str, check, filter):
+    """The filter, its input read (Meter.read), its result measured, and checked before where `check` (its
+    arguments by name) says."""
     passes = _PassArg.from_obj(filter) is not None
     signature = inspect.signature(filter) if check else None
     # Jinja's async variants take the context their sync function's signature does not show
     skip = int(passes and check is not None and next(iter(signature.parameters)) not in CONTEXTS)
 
+    reads = name not in CONSTANT
+    at = 1 if passes else 0  # the filter's input: its first argument after the context Jinja passes
+
     @functools.wraps(filter)
     def checked(*args, **kwargs):
         meter = bounds.current()
         meter.step()
+        if reads and len(args) > at:
+            meter.read(meter.size(args[at]))
         if check:
             named = signature.bind(*args[skip:], **kwargs)
             named.apply_defaults()
@@ -84,7 +90,22 @@ def _wrapped(meter, named, args, kwargs, passes):
     text, width, wrap = str(named["s"]) if meter.size(named["s"]) else "", named["width"], named["wrapstring"]
     breaks = len(text) // max(bounds._int(width), 1) + text.count("\n") + 1
     meter.fits(len(text) + breaks * (meter.size(wrap) if wrap is not None else 1), "a wrapped string")
+    if named["break_long_words"]:  # textwrap cuts a long word a line at a time, copying the rest of it each time
+        width = max(bounds._int(width), 1)
+        meter.read(sum(len(word) * len(word) // (2 * width) for word in text.split() if len(word) > width))
     return args, kwargs
+
+
+def _linked(meter, named, args, kwargs, passes):
+    """urlize: its patterns search each word from each of its characters (a word of ')' is quadratic)."""
+    text = str(_value(named)) if meter.size(_value(named)) else ""
+    meter.read(sum(len(word) * len(word) for word in text.split()))
+    return _printed(meter, named, args, kwargs, passes)
+
+
+def _pretty(meter, named, args, kwargs, passes):
+    meter.read(bounds.MAX_DEPTH * meter.size(_value(named)))  # pprint writes each level's items again at each level
+    return _printed(meter, named, args, kwargs, passes)
 
 
 def _grouped(meter, named, args, kwargs, passes):
@@ -131,8 +152,11 @@ def _sum(environment, iterable, attribute=None, start=0):
 
 FILTERS = {"center": _padded, "indent": _indented, "format": _formatted, "join": _joined, "replace": _replaced,
            "wordwrap": _wrapped, "batch": _grouped, "slice": _grouped, "tojson": _json, "string": _printed,
-           "pprint": _printed, "urlencode": _printed, "xmlattr": _printed, "e": _printed, "escape": _printed,
-           "forceescape": _printed, "urlize": _printed}
+           "pprint": _pretty, "urlencode": _printed, "xmlattr": _printed, "e": _printed, "escape": _printed,
+           "forceescape": _printed, "urlize": _linked}
+# Filters whose time does not grow with their input (a container's length, its first item): nothing read.
+CONSTANT = frozenset({"length", "count", "first", "last", "default", "d", "random", "attr", "abs", "round", "safe",
+                      "items", "batch", "slice", "int", "float"})
 
 
 def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002 (Jinja's names)

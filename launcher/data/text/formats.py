@@ -9,9 +9,12 @@ the ones the whole text gives, which tokenizing the prompt and the answer apart 
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from launcher.errors import short
+from launcher.errors import first_line, short
 
 IGNORE = -100  # what torch's cross-entropy and HF's models leave out of the loss
 # The characters a token of max_len may stand for in a row that is rendered and truncated (chat,
@@ -49,11 +52,53 @@ def sized(characters: int, max_len: Optional[int]) -> int:
     return characters
 
 
+class TokenizerFailed(Exception):
+    """The tokenizers library failed on a row: it panicked, or took longer than its backstop (`encode`)."""
+
+
+# A backstop of wall-clock time for one tokenizing: the library's regexes (Oniguruma's) cannot be metered, and one
+# that backtracks polynomially takes up to its retry limit at each character of a row (hours for a long row); a
+# row of max_len 2048's characters takes a tenth of a second. Not a bound ranks agree on: a user's mistake past it.
+SECONDS = 60.0
+CHARACTERS_A_SECOND = 10_000  # and this much more time for a long text
+_thread: Optional[Tuple[int, "queue.SimpleQueue", "queue.SimpleQueue"]] = None  # this process's: (pid, jobs, done)
+
+
+def encode(tokenizer: Any, text: str, **kwargs) -> Any:
+    """tokenizer(text, **kwargs), in a thread of its own (the library lets go of Python's lock as it works), waited
+    for within the backstop; TokenizerFailed past it, or where the library panicked."""
+    global _thread
+    if _thread is None or _thread[0] != os.getpid():  # (a forked process has no thread of its parent's)
+        _thread = (os.getpid(), queue.SimpleQueue(), queue.SimpleQueue())
+        threading.Thread(target=_tokenizing, args=_thread[1:], name="tokenizing", daemon=True).start()
+    _thread[1].put((tokenizer, text, kwargs))
+    limit = SECONDS + len(text) / CHARACTERS_A_SECOND
+    try:
+        ok, value = _thread[2].get(timeout=limit)
+    except queue.Empty:  # the call cannot be stopped: the process ends with the line about it (and a call after
+        _thread = None  # this one, if any, gets a thread of its own)
+        raise TokenizerFailed(f"took more than {limit:.0f} s on it (a backstop of wall-clock time)") from None
+    if ok:
+        return value
+    if type(value).__name__ == "PanicException":  # pyo3's: a BaseException (Oniguruma's retry limit passed)
+        raise TokenizerFailed(f"panicked on it: {first_line(value)[:120]}")
+    raise value
+
+
+def _tokenizing(jobs: "queue.SimpleQueue", done: "queue.SimpleQueue") -> None:
+    while True:
+        tokenizer, text, kwargs = jobs.get()
+        try:
+            done.put((True, tokenizer(text, **kwargs)))
+        except BaseException as e:  # handed to the caller, which says what it is
+            done.put((False, e))
+
+
 def labelled(tokenizer: Any, text: str, spans: Sequence[Span], loss_on: str, special: bool = False) -> Sample:
     """`text` tokenized once, labelled where its tokens overlap `spans` (or everywhere, loss_on all).
     `special`: with the tokens the tokenizer adds itself (BOS), which have no characters."""
     # verbose=False: no warning for a text longer than the model's context; max_len is the dataset's to apply
-    encoded = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True, verbose=False)
+    encoded = encode(tokenizer, text, add_special_tokens=special, return_offsets_mapping=True, verbose=False)
     ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
     if loss_on == "all":
         return {"input_ids": ids, "labels": list(ids)}
@@ -91,7 +136,7 @@ class Text:
         text = column(row, self.name, str, "the document")
         if not text.strip():
             return None  # nothing to learn; not a mistake
-        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+        ids = list(encode(self.tokenizer, text, add_special_tokens=True, verbose=False)["input_ids"])
         return ended({"input_ids": ids, "labels": list(ids)}, self.tokenizer.eos_token_id)
 
 

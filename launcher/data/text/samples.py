@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import islice
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
@@ -20,7 +21,7 @@ import torch
 
 from launcher.data.text import sources, tokenizer as tokenizers
 from launcher.data.text.chat import BadTemplate, Chat
-from launcher.data.text.formats import IGNORE, LOSS_ON, BadRow, PromptCompletion, Sample, Text
+from launcher.data.text.formats import IGNORE, LOSS_ON, BadRow, PromptCompletion, Sample, Text, TokenizerFailed
 from launcher.data.text.pairs import Preference
 from launcher.errors import UserError
 
@@ -167,6 +168,11 @@ def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip
             counts.skipped, counts.first = counts.skipped + 1, counts.first or f"{row.where}: {outcome}"
         elif isinstance(outcome, BadTemplate):
             raise UserError(f"{row.where}: {outcome}")
+        elif isinstance(outcome, TokenizerFailed):
+            file = Path(getattr(maker.tokenizer, "name_or_path", "")) / "tokenizer.json"
+            raise UserError(f"{row.where}: tokenizer: {file}: the tokenizers library {outcome}: a regex of its "
+                            f"normalizer or pre-tokenizer backtracks on this row; give the tokenizer regexes that "
+                            f"repeat characters and classes, as models' tokenizers do")
         elif outcome is None:
             counts.empty += 1
         else:
@@ -179,12 +185,13 @@ def made(rows: Iterable[sources.Row], maker, bad_rows: str, counts: Counts, skip
 
 
 def _outcome(maker, value: Any, problem: Optional[str]) -> Any:
-    """A row's sample, None (nothing to learn), or what is wrong with it (BadRow, BadTemplate), returned."""
+    """A row's sample, None (nothing to learn), or what is wrong with it (BadRow, BadTemplate, TokenizerFailed),
+    returned."""
     try:
         if problem is not None:
             raise BadRow(problem)
         return maker(value)
-    except (BadRow, BadTemplate) as e:
+    except (BadRow, BadTemplate, TokenizerFailed) as e:
         return e
 
 

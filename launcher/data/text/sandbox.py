@@ -30,7 +30,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from launcher.data.text import bounds, filters
-from launcher.data.text.bounds import Meter
+from launcher.data.text.bounds import Meter, TemplateBound
 
 class Code(CodeGenerator):
     """Jinja's Python code for a template, with the hooks Metered counts by (the optimizer is off: no folding)."""
@@ -84,6 +84,19 @@ class Generation(Extension):
         if meter.spans is not None:
             meter.spans.append((meter.written, meter.written + len(text)))
         return text
+
+
+class Undefined(jinja2.Undefined):
+    """Jinja's Undefined (transformers renders with it), kept by the meter as the last one made: where a
+    rendering fails on one (`tojson` of it), the line names what the row lacks rather than the template."""
+
+    __slots__ = ()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        meter = bounds._CURRENT.get()
+        if meter is not None:
+            meter.undefined = self
 
 
 class Metered(ImmutableSandboxedEnvironment):
@@ -145,7 +158,7 @@ def environment() -> Metered:
     theirs = _compile_jinja_template("").environment
     extensions = [type(e) for e in theirs.extensions.values() if "generation" not in getattr(e, "tags", ())]
     ours = Metered(trim_blocks=theirs.trim_blocks, lstrip_blocks=theirs.lstrip_blocks, optimized=False,
-                   extensions=[*extensions, Generation], finalize=_finalize)
+                   extensions=[*extensions, Generation], finalize=_finalize, undefined=Undefined)
     ours.globals.update(theirs.globals)
     ours.globals["lipsum"] = filters.lipsum
     ours.filters.update(filters.metered(theirs.filters))
@@ -157,7 +170,14 @@ def compiled(template: str) -> jinja2.Template:
     """The template compiled (jinja2.TemplateSyntaxError where it is not Jinja; TemplateBound past bounds)."""
     token = bounds.metering(Meter(bounds.FLOOR, bounds.BUDGET * bounds.FLOOR, bounds.STEPS))
     try:
+        if len(template) > bounds.TEMPLATE_CHARACTERS:
+            raise TemplateBound(f"is {len(template):,} characters, more than the {bounds.TEMPLATE_CHARACTERS:,} a chat "
+                                f"template may have")
         tree = environment().parse(template)
+        parts = sum(1 for _ in tree.find_all(nodes.Node))
+        if parts > bounds.TEMPLATE_NODES:  # Jinja's code generation is quadratic in some shapes: its time bounded
+            raise TemplateBound(f"is {parts:,} expressions and statements, more than the {bounds.TEMPLATE_NODES:,} a "
+                                f"chat template may have")
         for loop in list(tree.find_all(nodes.For)):  # each iteration a step
             loop.iter = nodes.Call(nodes.EnvironmentAttribute("counted"), [loop.iter], [], None, None,
                                    lineno=loop.lineno)
@@ -177,20 +197,32 @@ def reads(template: str) -> Tuple[frozenset, frozenset]:
     return frozenset(meta.find_undeclared_variables(tree)), frozenset(names)
 
 
-def render(template: str, messages: List[Dict[str, Any]], tools: Optional[list], variables: Dict[str, Any],
-           meter: Meter, prompt: bool = False, marked: bool = False) -> Tuple[str, List[tuple]]:
-    """The text of the conversation (and, `marked`, its generation blocks' spans), as transformers renders
-    it, within `meter`'s bounds: TemplateBound past them."""
+def plain(messages: List[Dict[str, Any]], tools: Optional[list] = None) -> Tuple[list, Optional[list]]:
+    """The conversation and tools as transformers hands them to a template (plain JSON types, reasoning fields
+    aliased): message by message, so that the first k of it are the first k messages made plain."""
     from transformers.utils import chat_template_utils as theirs
 
-    plain = getattr(theirs, "_plain_template_data", lambda value: value)
     alias = getattr(theirs, "_alias_reasoning_fields", lambda chat: chat)
-    chat = alias(plain(messages))
+    return alias(_plain(messages)), _plain(tools)
+
+
+def _plain(value: Any) -> Any:
+    from transformers.utils import chat_template_utils as theirs
+
+    return getattr(theirs, "_plain_template_data", lambda given: given)(value)
+
+
+def render(template: str, messages: List[Dict[str, Any]], tools: Optional[list], variables: Dict[str, Any],
+           meter: Meter, prompt: bool = False, marked: bool = False, made_plain: bool = False) -> Tuple[str, List[tuple]]:
+    """The text of the conversation (and, `marked`, its generation blocks' spans), as transformers renders
+    it, within `meter`'s bounds: TemplateBound past them. `made_plain`: the messages and tools are `plain`'s."""
+    chat, tools = (messages, tools) if made_plain else plain(messages, tools)
+    variables = _plain(variables)
     meter.spans = [] if marked else None
     token = bounds.metering(meter)
     try:
-        pieces = compiled(template).generate(messages=chat, tools=plain(tools), documents=None,
-                                             add_generation_prompt=prompt, **plain(variables))
+        pieces = compiled(template).generate(messages=chat, tools=tools, documents=None,
+                                             add_generation_prompt=prompt, **variables)
         if not marked:  # every piece was spent of the budget as it was written: the output is joined after
             text = "".join(pieces)
             meter.fits(len(text), "an output")

@@ -13,9 +13,10 @@ transformers' sandboxed Jinja (ImmutableSandboxedEnvironment)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, List, Optional
+import re
+from typing import Any, Iterator, List, Optional, Tuple
 
-from launcher.errors import UserError, first_line
+from launcher.errors import UserError, first_line, short
 from launcher.jsonfile import json_file
 
 # What transformers' fast tokenizer reads from a folder as JSON (the model's config.json it does not), and what
@@ -39,7 +40,9 @@ def load(folder: str) -> Any:
                         f"tokenizer's save_pretrained(folder) writes it (the launcher reads no other layout)")
     for name, what in JSON_FILES.items():
         if (path / name).is_file():
-            json_file(path / name, what, max_depth=MAX_DEPTH)
+            read = json_file(path / name, what, max_depth=MAX_DEPTH)
+            if name == "tokenizer.json":
+                _check_regexes(read, path / name)
     for template in [path / "chat_template.jinja", *sorted(path.glob("additional_chat_templates/*.jinja"))]:
         if template.is_file() and template.stat().st_size > MAX_TEMPLATE:
             raise UserError(f"{template}: more than {MAX_TEMPLATE >> 20} MiB; a chat template is a few KB of Jinja")
@@ -59,6 +62,111 @@ def load(folder: str) -> Any:
         raise UserError(f"tokenizer: {path}: the tokenizer defines no EOS token (eos_token in tokenizer_config.json); "
                         f"samples end with it and text documents are joined by it")
     return tokenizer
+
+
+def _check_regexes(whole: dict, file: Path) -> None:
+    """Each regex the tokenizers library runs on text (a normalizer's, a pre-tokenizer's, a decoder's) repeats no
+    group that can match in more than one way: Oniguruma backtracks through such a group exponentially, and the
+    library panics past its limit (a Rust backtrace) or takes hours on a row just below it. The regexes shipped
+    with models (GPT-2's, Llama 3's, Qwen's, Mistral's, DeepSeek's, o200k's) repeat single characters and
+    classes only; a group they repeat, if any, is optional (`(?i:'s|'t)?`)."""
+    for section in ("normalizer", "pre_tokenizer", "decoder"):
+        for pattern in _regexes(whole.get(section)):
+            group = repeated_choice(pattern)
+            if group is not None:
+                raise UserError(f"tokenizer: {file}: its {section.replace('_', '-')} regex {short(pattern)} "
+                                f"repeats {short(group)}, a group that can match in more than one way: the "
+                                f"tokenizers library backtracks through it exponentially (past its limit it panics, "
+                                f"below it a row takes hours); repeat a character or a class instead, as the "
+                                f"regexes of models' tokenizers do")
+
+
+def _regexes(value: Any) -> Iterator[str]:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += [v for k, v in item.items() if not (k == "Regex" and isinstance(v, str))]
+            if isinstance(item.get("Regex"), str):
+                yield item["Regex"]
+        elif isinstance(item, list):
+            stack += item
+
+
+def repeated_choice(pattern: str) -> Optional[str]:
+    """The first group of an Oniguruma `pattern` that is repeated (`*`, `+`, `{n}` of n > 1, `{n,}`, `{n,m}` of
+    m > 1) and whose body can match in more than one way (it holds a quantifier or a `|`); None where none is."""
+    frames = [[0, False]]  # each open group: where it starts, whether its body varies
+    i = 0
+    while i < len(pattern):
+        c, closed = pattern[i], None
+        if c == "\\":
+            i += 2
+            if pattern[i - 1:i] in ("p", "P", "x", "u", "k", "g") and pattern[i:i + 1] in ("{", "<"):
+                i = _after(pattern, i, "}" if pattern[i] == "{" else ">")
+        elif c == "[":
+            i = _class_end(pattern, i)
+        elif c == "(":
+            frames.append([i, False])
+            i += 1
+            if pattern[i:i + 1] == "?":  # (?:  (?i:  (?=  (?<!  (?<name>: the group's kind, not an atom
+                i = _after(pattern, i, ">") if pattern[i + 1:i + 2] == "<" and pattern[i + 2:i + 3] not in "=!" \
+                    else i + 1 + len(pattern[i + 1:]) - len(pattern[i + 1:].lstrip("imxsWDSPya-:=!<>"))
+            continue
+        elif c == ")":
+            closed = frames.pop() if len(frames) > 1 else [0, False]
+            i += 1
+        elif c == "|":
+            frames[-1][1] = True
+            i += 1
+            continue
+        else:
+            i += 1
+        repeats, i = _quantifier(pattern, i)
+        if closed is not None and closed[1] and repeats == "many":
+            return pattern[closed[0]:i]
+        if repeats != "none" or (closed is not None and closed[1]):
+            frames[-1][1] = True
+    return None
+
+
+def _quantifier(pattern: str, i: int) -> Tuple[str, int]:
+    """What follows an atom at i: none, optional (?) or many, and where the pattern goes on after it."""
+    c = pattern[i:i + 1]
+    if c in ("*", "+", "?"):
+        kind, i = ("optional" if c == "?" else "many"), i + 1
+    elif c == "{" and re.match(r"\{(\d*),?(\d*)\}", pattern[i:]):
+        found = re.match(r"\{(\d*)(,?)(\d*)\}", pattern[i:])
+        low, comma, high = found.groups()
+        most = int(high) if high else (None if comma else int(low or 0))
+        kind, i = ("many" if most is None or most > 1 else "optional" if most == 1 else "none"), i + found.end()
+    else:
+        return "none", i
+    return kind, i + (pattern[i:i + 1] in ("?", "+"))  # lazy or possessive
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """Where the character class opening at i ends (Oniguruma's nest: [a-z&&[^aeiou]], [[:alpha:]])."""
+    depth, start = 0, i
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            start = i
+        elif c == "]" and i > start + 1 + (pattern[start + 1:start + 2] == "^"):
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return i
+
+
+def _after(pattern: str, i: int, end: str) -> int:
+    found = pattern.find(end, i)
+    return len(pattern) if found < 0 else found + 1
 
 
 def files(folder: str) -> List[Path]:
