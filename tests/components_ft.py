@@ -3,10 +3,11 @@ act between (start a group again while another trains), whatever the machine's s
 process with SIGKILL at a chosen point of a chosen step, where the environment asks: a failure known in advance,
 so that runs can be compared step for step.
 
-    FT_TEST_DIE=<group>:<n>[:<point>][,<group>:<n>[:<point>] ...]
+    FT_TEST_DIE=<group>:<n>[:<point>[:<rank>]][,<group>:<n>[:<point>[:<rank>]] ...]
 
 read with REPLICA_GROUP_ID (which python -m launcher.ft and the Slurm jobs give each group), by a process's
-first start only (a Slurm task requeued, SLURM_RESTART_COUNT > 0, trains on). `n` counts this process's training
+first start only (a Slurm task requeued, SLURM_RESTART_COUNT > 0, trains on). Every process of the group dies,
+or the one of that rank inside its group alone (RANK, torchrun's). `n` counts this process's training
 forwards (a dropped step's forward counts again), so it is the step's number while no step was dropped before
 it; for `save` it is the step whose checkpoint is being written. The points of a step, in their order:
 
@@ -33,7 +34,8 @@ def _asked() -> tuple:
         return 0, ""
     for one in filter(None, os.environ.get("FT_TEST_DIE", "").split(",")):
         group, n, *point = one.split(":")
-        if group == os.environ.get("REPLICA_GROUP_ID"):
+        rank = point[1] if len(point) > 1 else os.environ.get("RANK", "0")
+        if group == os.environ.get("REPLICA_GROUP_ID") and rank == os.environ.get("RANK", "0"):
             assert not point or point[0] in POINTS, f"FT_TEST_DIE: {one}: the points are {POINTS}"
             return int(n), (point[0] if point else "forward")
     return 0, ""
