@@ -162,6 +162,9 @@ def test_fewer_live_groups_than_min_groups_make_the_step_wait_then_stop_in_one_l
     assert run.finish() == 6, run.text()[-3000:]  # group 0's code: group 1 was killed, group 0 stopped
     lived, address = run.of(0), run.wait_for(r"lighthouse at (\S+)").group(1)
     assert steps(lived) == list(range(1, KILLED_AT))  # the step group 1 died in was never trained alone
+    # its state at the step boundary is whole: saved, and the same command goes on from it
+    saved = tmp_path / "group_0" / "checkpoints" / f"step_{KILLED_AT - 1}"
+    assert (saved / "manifest.json").exists() and f"the same command resumes from step {KILLED_AT - 1}" in "".join(lived)
     assert [line for line in lived if "launcher:" in line] == [
         f"launcher: fault_tolerance: no quorum for step {KILLED_AT} within timeouts.quorum=6 s (timed out): fewer "
         f"than min_groups=2 groups are live, or the lighthouse at {address} is gone; this group stops (each group "
@@ -187,6 +190,8 @@ def test_the_lighthouse_lost_stops_every_group_in_one_line(tmp_path):
         lighthouse.wait()
     assert run.finish() == 6, run.text()[-3000:]
     for group in (0, 1):
+        last = steps(run.of(group))[-1]  # each group saved its last step, whole, into its own folder
+        assert (tmp_path / f"group_{group}" / "checkpoints" / f"step_{last}" / "manifest.json").exists(), group
         said = [line for line in run.of(group) if "launcher:" in line]
         assert len(said) == 1 and re.fullmatch(
             rf"launcher: fault_tolerance: no quorum for step \d+ within timeouts.quorum=6 s \(.*\): fewer than "
