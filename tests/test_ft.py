@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO, assert_same_weights, state_dict, trained_here
-from tests.ft_runs import GROUPS, KILLED_AT, PACED, RECIPE, Run, assert_logged_as, ddp, join, steps, unprefixed
+from tests.ft_runs import (GROUPS, KILLED_AT, PACED, RECIPE, Run, assert_logged_as, ddp, join, steps, unprefixed,
+                           without_die)
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
@@ -73,6 +74,26 @@ def test_a_signal_stops_every_group_saved_and_the_same_command_resumes_them(tmp_
         # later, which it trains alone: then the run is another function of which groups were live)
         ddp(*RECIPE, "trainer.max_steps=60", f"run_dir={tmp_path / 'ddp'}")  # the paced step computes the same loss
         assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
+
+
+def test_a_closed_terminal_stops_every_group_saved_and_their_lines_stay_in_their_run_folders(tmp_path):
+    # The terminal goes first (its pipe closed: what launcher.ft writes then fails), then its SIGHUP comes, which is
+    # passed on to each group as SIGTERM: each saves at its next step boundary, and says so in its own folder.
+    ft = subprocess.Popen([sys.executable, "-m", "launcher.ft", *RECIPE, *GROUPS, *PACED, f"run_dir={tmp_path}"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=without_die())
+    seen = b""
+    while b"[group 1] step 5/" not in seen and b"[group 0] step 5/" not in seen:  # the groups train
+        got = os.read(ft.stdout.fileno(), 65536)
+        assert got, seen.decode()[-3000:]
+        seen += got
+    ft.stdout.close()
+    ft.send_signal(signal.SIGHUP)
+    assert ft.wait(timeout=300) == 128 + signal.SIGHUP
+    for g in (0, 1):
+        said = (tmp_path / f"group_{g}" / "stdout.log").read_text()
+        stopped = re.search(r"stopped by SIGTERM after step (\d+): saved (\S+)\n", said)
+        assert stopped and (tmp_path / f"group_{g}" / "checkpoints" / f"step_{stopped.group(1)}" / "manifest.json").exists()
+        assert steps(said.splitlines())[-1] == int(stopped.group(1)) >= 5
 
 
 def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alike(tmp_path):
