@@ -8,14 +8,14 @@ import re
 
 import pytest
 
-from tests.ft_runs import KILLED_AT, PACED, RECIPE, Run, steps
+from tests.ft_runs import KILLED_AT, PACED, PG, RECIPE, Run, steps
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
 
 # quorum < torchrun's 30 s between its SIGTERM and its SIGKILL of a worker, and < join, which bounds torchft's wait
 # for the dead rank's vote: without the group leaving at once, the live group's quorum gives up first (exit 6)
-TIMEOUTS = ["fault_tolerance.groups=2", "fault_tolerance.timeouts.pg=2", "fault_tolerance.timeouts.quorum=20",
+TIMEOUTS = ["fault_tolerance.groups=2", f"fault_tolerance.timeouts.pg={min(PG, 5)}", "fault_tolerance.timeouts.quorum=20",
             "fault_tolerance.timeouts.join=25"]
 STEPS = KILLED_AT + 4
 COUNTED = [*PACED[:2], "step.seconds=0"]  # the step that counts its forwards and kills its process at the one asked
