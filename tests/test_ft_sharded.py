@@ -83,7 +83,7 @@ def test_a_killed_group_of_fsdp_processes_rejoins_live_rank_by_rank_bitwise_equa
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert run.finish() == 0, run.text()[-3000:]
     lived = run.of(0)
-    assert steps(lived) == list(range(1, STEPS + 1))  # its steps in order, none twice, none back
+    assert steps(lived) == list(range(1, STEPS + 1)), [x for x in lived if "fault tolerance" in x]  # in order, none back
     assert f"fault tolerance: step {KILLED_AT} dropped" in "".join(lived)
     # Group 1 started again read no checkpoint: each of its ranks took the same rank's shards of a live group
     joined = again.stdout
