@@ -57,12 +57,21 @@ class Run:
     """python -m launcher.ft in the background, its lines collected as they come."""
 
     def __init__(self, *args: str, env: dict = None):
+        # stdout and stderr read apart, line by line: the lighthouse (Rust, in launcher.ft) writes its warnings to
+        # stderr itself, and one merged pipe could splice them into a group's line
         self.process = subprocess.Popen([sys.executable, "-m", "launcher.ft", *args], cwd=REPO, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         env={**without_die(), **(env or {})})
         self.lines: List[str] = []
-        self.reading = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
-        self.reading.start()
+        self.readers = [threading.Thread(target=self.lines.extend, args=(stream,), daemon=True)
+                        for stream in (self.process.stdout, self.process.stderr)]
+        for reader in self.readers:
+            reader.start()
+
+    @property
+    def reading(self):
+        """Whether a line may still come."""
+        return any(reader.is_alive() for reader in self.readers)
 
     def wait_for(self, pattern: str) -> re.Match:
         """The first line matching `pattern`, waited for while the run lives and says something new."""
@@ -74,14 +83,15 @@ class Run:
                 if found:
                     return found
             checked = len(lines)
-            if self.process.poll() is not None and not self.reading.is_alive():
+            if self.process.poll() is not None and not self.reading:
                 raise AssertionError(f"the run ended without a line matching {pattern!r}:\n{self.text()[-3000:]}")
 
     def finish(self) -> int:
         """Its exit code, once it ends (as long as it says something new)."""
         for _ in self._progress():
             if self.process.poll() is not None:
-                self.reading.join(timeout=STALL)
+                for reader in self.readers:
+                    reader.join(timeout=STALL)
                 return self.process.returncode
 
     def _progress(self):

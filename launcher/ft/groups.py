@@ -30,6 +30,9 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 AS = {signal.SIGHUP: signal.SIGTERM}  # what a group is sent for a signal it does not stop on itself
 OUTPUTS = ("stdout.log", "stderr.log")  # in each group's run folder
 POLL = 0.05  # seconds between two reads of a group's output files at their end
+# One writer at a time on this process's console: a TextIOWrapper written by several threads at once loses text
+# (a group's line gone from the console while its file has it)
+CONSOLE = threading.Lock()
 
 
 def folder(run_dir: str, group: int) -> str:
@@ -56,7 +59,7 @@ class Groups:
     """Started processes, one per group, with the threads that copy their lines here."""
 
     def __init__(self, say: Callable[[str], None]):
-        self.say = say
+        self.say = lambda line: _locked(say, line)
         self.processes: Dict[int, subprocess.Popen] = {}
         self.copying: List[threading.Thread] = []
         self.signum = 0
@@ -158,11 +161,17 @@ def _write(sink: Optional[TextIO], text: str) -> Optional[TextIO]:
     if sink is None:
         return None
     try:
-        sink.write(text)
-        sink.flush()
+        with CONSOLE:
+            sink.write(text)
+            sink.flush()
         return sink
     except (OSError, ValueError):
         return None
+
+
+def _locked(say: Callable[[str], None], line: str) -> None:
+    with CONSOLE:
+        say(line)
 
 
 def _signal_name(code: int) -> str:
