@@ -28,8 +28,10 @@ def test_one_process_of_a_group_killed_makes_its_group_leave_at_once_and_the_oth
     assert run.finish() == 0, run.text()[-3000:]
     lived, left = run.of(0), "".join(run.of(1))
     assert steps(lived) == list(range(1, STEPS + 1)), steps(lived)  # in order, none twice, none back
-    assert f"fault tolerance: step {KILLED_AT} dropped" in "".join(lived)
-    assert f"fault tolerance: step {KILLED_AT}: 1 of 2 groups live\n" in lived
+    # the step it died in: dropped and trained again alone, or committed already (its all-reduce had ended)
+    alone = int(re.search(r"fault tolerance: step (\d+): 1 of 2 groups live\n", "".join(lived)).group(1))
+    assert alone in (KILLED_AT, KILLED_AT + 1)
+    assert (f"fault tolerance: step {KILLED_AT} dropped" in "".join(lived)) == (alone == KILLED_AT)
     assert "no quorum" not in run.text()
     # its rank 0 said why it left, once, and trained nothing after the step it was in
     said = re.findall(r"launcher: fault tolerance: rank 0 of group 1: rank 1 \(process \d+\) of this group is gone; "
