@@ -91,6 +91,12 @@ class Hung(Exception):
     is this rank's one line (exit code 6)."""
 
 
+class NoQuorum(Hung):
+    """Fault tolerance: no quorum came for the next step (too few groups live, or the lighthouse lost). Every rank
+    of the group meets it at the same step boundary, with the state of the last committed step, whole: saved before
+    the group stops (exit code 6)."""
+
+
 class CheckpointsFailed(Exception):
     """Saves failed one after another (an object store gone, a disk refusing writes): the run stops with what
     is sealed; the message is the one line every rank gives (exit code 7)."""

@@ -3,10 +3,11 @@ act between (start a group again while another trains), whatever the machine's s
 process with SIGKILL at a chosen point of a chosen step, where the environment asks: a failure known in advance,
 so that runs can be compared step for step.
 
-    FT_TEST_DIE=<group>:<n>[:<point>][,<group>:<n>[:<point>] ...]
+    FT_TEST_DIE=<group>:<n>[:<point>[:<rank>]][,<group>:<n>[:<point>[:<rank>]] ...]
 
 read with REPLICA_GROUP_ID (which python -m launcher.ft and the Slurm jobs give each group), by a process's
-first start only (a Slurm task requeued, SLURM_RESTART_COUNT > 0, trains on). `n` counts this process's training
+first start only (a Slurm task requeued, SLURM_RESTART_COUNT > 0, trains on). Every process of the group dies,
+or the one of that rank inside its group alone (RANK, torchrun's). `n` counts this process's training
 forwards (a dropped step's forward counts again), so it is the step's number while no step was dropped before
 it; for `save` it is the step whose checkpoint is being written. The points of a step, in their order:
 
@@ -15,6 +16,17 @@ it; for `save` it is the step whose checkpoint is being written. The points of a
     allreduce   once the gradients' all-reduce across groups has started (torchft's Manager.allreduce)
     optimizer   after the groups committed the step, before this group's optimizer steps
     save        writing the step's periodic checkpoint: model.pt written, state.pt not yet, no manifest
+
+A group that lost a peer group trains on alone; a test then starts the lost group again, which takes as long as
+the machine makes it (seconds, or a minute when it is busy). So that the live groups neither finish nor outrun it
+meanwhile, whatever that takes:
+
+    FT_TEST_HOLD=<k>[:<file>]
+
+makes a group that has trained k steps with fewer groups live than it had hold before its next step, asking the
+lighthouse for a quorum again and again (as a fresh run's first step does), until a quorum has more groups (the
+lost one is back) or `file` exists (the test releases it: a group that comes back only to be refused). Holding
+changes nothing a step trains: the run is the same function of the seed, the steps and the groups live at each.
 """
 
 from __future__ import annotations
@@ -33,7 +45,8 @@ def _asked() -> tuple:
         return 0, ""
     for one in filter(None, os.environ.get("FT_TEST_DIE", "").split(",")):
         group, n, *point = one.split(":")
-        if group == os.environ.get("REPLICA_GROUP_ID"):
+        rank = point[1] if len(point) > 1 else os.environ.get("RANK", "0")
+        if group == os.environ.get("REPLICA_GROUP_ID") and rank == os.environ.get("RANK", "0"):
             assert not point or point[0] in POINTS, f"FT_TEST_DIE: {one}: the points are {POINTS}"
             return int(n), (point[0] if point else "forward")
     return 0, ""
@@ -82,7 +95,38 @@ def _install() -> None:
         files.save = save
 
 
+def _hold() -> None:
+    """FT_TEST_HOLD's quorums again, in front of torchft's Manager.start_quorum."""
+    asked = os.environ.get("FT_TEST_HOLD")
+    if not asked:
+        return
+    k, _, release = asked.partition(":")
+    from torchft import Manager
+
+    quorum = Manager.start_quorum
+    seen = {"most": 0, "short_since": None}
+
+    def start_quorum(self, *args, **kwargs):
+        quorum(self, *args, **kwargs)
+        now = self.num_participants()
+        if now >= seen["most"]:
+            seen["most"], seen["short_since"] = now, None
+            return
+        if seen["short_since"] is None:
+            seen["short_since"] = self.current_step()
+        # (the processes of a group get the same quorums, so they hold alike, for as many rounds)
+        for _ in range(6000):  # at most about 10 minutes: a test that fails ends rather than hangs
+            if self.current_step() - seen["short_since"] < int(k) or self.num_participants() > now or \
+                    (release and os.path.exists(release)):
+                return
+            time.sleep(0.1)
+            quorum(self, *args, **kwargs)
+
+    Manager.start_quorum = start_quorum
+
+
 _install()
+_hold()
 
 
 def paced_step(model, batch, loss, seconds: float = 0.02):

@@ -1,6 +1,12 @@
 """What the fault tolerance tests share: python -m launcher.ft in the background with its lines as they come, the
-recipe of a short run (its timeouts short: a dead group is noticed in about 2 s), a group started again by hand,
-and the reference runs under torchrun."""
+recipe of a short run (its timeouts short: a dead group is noticed in about 2 s on a quiet machine), a group
+started again by hand,
+and the reference runs under torchrun.
+
+Nothing here waits a fixed time for a run: a run is waited for as long as it says something new (STALL seconds of
+silence are a hang), and a group that trains alone holds, after HELD steps, until the lost group is back
+(tests/components_ft.py's FT_TEST_HOLD): however long a busy machine takes to start it again, the live groups
+neither finish nor outrun it, so the runs are short."""
 
 from __future__ import annotations
 
@@ -18,41 +24,86 @@ from tests.conftest import QUICKSTART, REPO
 
 RECIPE = [str(QUICKSTART), "data.train.n=1024", "data.val=null", "data.batch_size=32", "trainer.log_every=1",
           "logging.tensorboard=false", "logging.memory_plan=false", "logging.progress_bar=false"]
-TIMEOUTS = ["fault_tolerance.timeouts.pg=2", "fault_tolerance.timeouts.quorum=10", "fault_tolerance.timeouts.join=20"]
+
+
+def _pg() -> int:
+    """timeouts.pg of the test runs: 2 s on a quiet machine, and as much longer as this machine is loaded when the
+    tests start (its runnable processes per core: a healthy group's next quorum, or its all-reduce, comes that
+    much later), up to 20 s. A shorter pg than the machine's pace drops healthy groups' steps."""
+    per_core = os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
+    return int(min(20, max(2, 2 * per_core)))
+
+
+PG = _pg()
+QUORUM, JOIN = 5 * PG, 10 * PG
+TIMEOUTS = [f"fault_tolerance.timeouts.pg={PG}", f"fault_tolerance.timeouts.quorum={QUORUM}",
+            f"fault_tolerance.timeouts.join={JOIN}"]
 GROUPS = ["fault_tolerance.groups=2", *TIMEOUTS]  # pg < quorum < join, short
-# 40 ms a step: the surviving groups train alone for as long as the killed one takes to start again (a few
-# seconds on a busy machine) and still have steps left to train with it
-PACED = ["step._target_=tests.components_ft.paced_step", "step._partial_=true", "step.seconds=0.04",
-         "trainer.max_steps=400"]
 KILLED_AT = random.Random(51).randint(10, 30)  # the step at whose seeded point a group kills itself
+STEPS = KILLED_AT + 25  # a killed group's run: HELD steps alone, then the rest with the group back
+# 40 ms a step: a test acts between two steps (kills, freezes, signals a group)
+PACED = ["step._target_=tests.components_ft.paced_step", "step._partial_=true", "step.seconds=0.04",
+         f"trainer.max_steps={STEPS}"]
+HELD = 6  # steps a group trains with a group missing before it holds for it
+STALL = 600  # seconds without a new line from a run: it hangs
+
+
+def hold(release=None) -> dict:
+    """The environment that makes a group hold for a lost one after HELD steps (until `release` exists, if given)."""
+    return {"FT_TEST_HOLD": f"{HELD}" + (f":{release}" if release else "")}
 
 
 class Run:
     """python -m launcher.ft in the background, its lines collected as they come."""
 
     def __init__(self, *args: str, env: dict = None):
+        # stdout and stderr read apart, line by line: the lighthouse (Rust, in launcher.ft) writes its warnings to
+        # stderr itself, and one merged pipe could splice them into a group's line
         self.process = subprocess.Popen([sys.executable, "-m", "launcher.ft", *args], cwd=REPO, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         env={**without_die(), **(env or {})})
         self.lines: List[str] = []
-        self.reading = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
-        self.reading.start()
+        self.readers = [threading.Thread(target=self.lines.extend, args=(stream,), daemon=True)
+                        for stream in (self.process.stdout, self.process.stderr)]
+        for reader in self.readers:
+            reader.start()
 
-    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
+    @property
+    def reading(self):
+        """Whether a line may still come."""
+        return any(reader.is_alive() for reader in self.readers)
+
+    def wait_for(self, pattern: str) -> re.Match:
+        """The first line matching `pattern`, waited for while the run lives and says something new."""
+        checked = 0
+        for _ in self._progress():
+            lines = list(self.lines)
+            for line in lines[checked:]:
                 found = re.search(pattern, line)
                 if found:
                     return found
-            assert self.process.poll() is None or self.reading.is_alive(), self.text()[-3000:]
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r} in {timeout} s:\n{self.text()[-3000:]}")
+            checked = len(lines)
+            if self.process.poll() is not None and not self.reading:
+                raise AssertionError(f"the run ended without a line matching {pattern!r}:\n{self.text()[-3000:]}")
 
-    def finish(self, timeout: float = 180) -> int:
-        code = self.process.wait(timeout=timeout)
-        self.reading.join(timeout=10)
-        return code
+    def finish(self) -> int:
+        """Its exit code, once it ends (as long as it says something new)."""
+        for _ in self._progress():
+            if self.process.poll() is not None:
+                for reader in self.readers:
+                    reader.join(timeout=STALL)
+                return self.process.returncode
+
+    def _progress(self):
+        """Every 0.05 s, until STALL seconds pass without a new line."""
+        count, since = -1, time.monotonic()
+        while True:
+            if len(self.lines) != count:
+                count, since = len(self.lines), time.monotonic()
+            elif time.monotonic() - since > STALL:
+                raise AssertionError(f"no new line in {STALL} s:\n{self.text()[-3000:]}")
+            yield
+            time.sleep(0.05)
 
     def text(self) -> str:
         return "".join(self.lines)
@@ -66,7 +117,7 @@ def steps(lines: list) -> list:
 
 
 def without_die() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "FT_TEST_DIE"}
+    return {k: v for k, v in os.environ.items() if k not in ("FT_TEST_DIE", "FT_TEST_HOLD")}
 
 
 def ddp(*args: str, processes: int = 2) -> None:
@@ -79,7 +130,7 @@ def torchrun(*args: str, processes: int) -> None:
     python -m launcher would refuse that)."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc_per_node={processes}", "-m", "launcher", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=180, env=without_die())
+                          cwd=REPO, capture_output=True, text=True, timeout=STALL, env=without_die())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -88,7 +139,7 @@ def join(lighthouse: str, run_dir, *overrides: str, group: int = 1, groups: tupl
     """Group `group` started again by hand, joining the run at its lighthouse."""
     return subprocess.run([sys.executable, "-m", "launcher.ft", *RECIPE, *groups, *PACED, f"run_dir={run_dir}",
                            f"fault_tolerance.group={group}", f"fault_tolerance.lighthouse={lighthouse}", *overrides],
-                          cwd=REPO, capture_output=True, text=True, timeout=180, env=without_die())
+                          cwd=REPO, capture_output=True, text=True, timeout=STALL, env=without_die())
 
 
 def unprefixed(out: str, group: int) -> list:

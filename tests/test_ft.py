@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO, assert_same_weights, state_dict, trained_here
-from tests.ft_runs import GROUPS, KILLED_AT, PACED, RECIPE, Run, assert_logged_as, ddp, join, steps, unprefixed
+from tests.ft_runs import (GROUPS, JOIN, KILLED_AT, PACED, PG, RECIPE, STEPS, Run, assert_logged_as, ddp, hold, join, steps,
+                           unprefixed, without_die)
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
@@ -75,6 +76,27 @@ def test_a_signal_stops_every_group_saved_and_the_same_command_resumes_them(tmp_
         assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
 
 
+def test_a_closed_terminal_stops_every_group_saved_and_their_lines_stay_in_their_run_folders(tmp_path):
+    # The terminal goes first (its pipe closed: what launcher.ft writes then fails), then its SIGHUP comes, which is
+    # passed on to each group as SIGTERM: each saves at its next step boundary, and says so in its own folder.
+    ft = subprocess.Popen([sys.executable, "-m", "launcher.ft", *RECIPE, *GROUPS, *PACED, "trainer.max_steps=5000",
+                           f"run_dir={tmp_path}"],  # (it stops long before)
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=without_die())
+    seen = b""
+    while b"[group 1] step 5/" not in seen and b"[group 0] step 5/" not in seen:  # the groups train
+        got = os.read(ft.stdout.fileno(), 65536)
+        assert got, seen.decode()[-3000:]
+        seen += got
+    ft.stdout.close()
+    ft.send_signal(signal.SIGHUP)
+    assert ft.wait(timeout=300) == 128 + signal.SIGHUP
+    for g in (0, 1):
+        said = (tmp_path / f"group_{g}" / "stdout.log").read_text()
+        stopped = re.search(r"stopped by SIGTERM after step (\d+): saved (\S+)\n", said)
+        assert stopped and (tmp_path / f"group_{g}" / "checkpoints" / f"step_{stopped.group(1)}" / "manifest.json").exists()
+        assert steps(said.splitlines())[-1] == int(stopped.group(1)) >= 5
+
+
 def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alike(tmp_path):
     # Each group's item count differs from step to step; the step's gradient is that of the summed losses over
     # the items of every live group, as under ddp (the counts are summed across groups too): bitwise, as above.
@@ -87,7 +109,8 @@ def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alik
 
 
 def test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise_equal(tmp_path):
-    run = Run(*RECIPE, *GROUPS, *PACED, "checkpoint.every=50", f"run_dir={tmp_path}", env={"FT_TEST_DIE": f"1:{KILLED_AT}"})
+    run = Run(*RECIPE, *GROUPS, *PACED, "checkpoint.every=50", f"run_dir={tmp_path}",
+              env={"FT_TEST_DIE": f"1:{KILLED_AT}", **hold()})
     lighthouse = run.wait_for(r"lighthouse at (\S+)").group(1)
     pid = int(run.wait_for(r"group 0: started \(process (\d+)\)").group(1))
     run.wait_for(r"group 1: killed by SIGKILL; 1 group trains on")
@@ -102,27 +125,29 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise_equal
     assert [line for line in lived if "fault tolerance: group 0 of 2" in line] == [
         next(line for line in lived if f"(process {pid})" in line)]
     done = steps(lived)
-    assert done == list(range(1, 401)), done
+    assert done == list(range(1, STEPS + 1)), [line for line in lived if "fault tolerance" in line]
     assert f"fault tolerance: step {KILLED_AT} dropped" in "".join(lived)  # the step group 1 died in
     # The group started again: it read no checkpoint, took the live state and trained the rest with group 0
     joined = again.stdout
     recovered = int(re.search(r"recovered live from a live group at step (\d+) \(.*no checkpoint read\)", joined).group(1))
-    assert "resumed from" not in joined and KILLED_AT < recovered < 400
-    assert steps(unprefixed(joined, 1)) == list(range(recovered + 1, 401))
+    assert "resumed from" not in joined and KILLED_AT < recovered < STEPS
+    assert steps(unprefixed(joined, 1)) == list(range(recovered + 1, STEPS + 1))
     assert f"fault tolerance: step {recovered + 1}: 2 of 2 groups live" in "".join(lived)
     assert_same_weights(tmp_path / "group_0" / "model.pt", tmp_path / "group_1" / "model.pt")
-    assert sorted(p.name for p in (tmp_path / "group_1" / "checkpoints").glob("step_*")) == ["step_400"]
+    assert sorted(p.name for p in (tmp_path / "group_1" / "checkpoints").glob("step_*")) == [f"step_{STEPS}"]
 
 
 def test_a_group_with_another_recipe_is_refused_in_one_line_and_never_averaged_in(tmp_path):
     # The same run twice, side by side: group 1 dies at the same step in both; in one, a group with another seed
     # and model then tries to join. Group 0 must end with the same weights in both.
-    die = {"FT_TEST_DIE": f"1:{KILLED_AT}"}
-    alone = Run(*RECIPE, *GROUPS, *PACED, "trainer.max_steps=250", f"run_dir={tmp_path / 'alone'}", env=die)
-    run = Run(*RECIPE, *GROUPS, *PACED, "trainer.max_steps=250", f"run_dir={tmp_path / 'run'}", env=die)
+    # (both hold for group 1 until the wrong one has been refused: the live group is still training when it comes)
+    die = {"FT_TEST_DIE": f"1:{KILLED_AT}", **hold(release=tmp_path / "refused")}
+    alone = Run(*RECIPE, *GROUPS, *PACED, f"run_dir={tmp_path / 'alone'}", env=die)
+    run = Run(*RECIPE, *GROUPS, *PACED, f"run_dir={tmp_path / 'run'}", env=die)
     lighthouse = run.wait_for(r"lighthouse at (\S+)").group(1)
     run.wait_for(r"group 1: killed by SIGKILL")
-    wrong = join(lighthouse, tmp_path / "run", "trainer.max_steps=250", "seed=1", "model.hidden=64")
+    wrong = join(lighthouse, tmp_path / "run", "seed=1", "model.hidden=64")
+    (tmp_path / "refused").touch()
     assert wrong.returncode == 2
     assert wrong.stderr.splitlines() == [
         "[group 1] launcher: fault_tolerance: this group's recipe differs from the live groups' in model.hidden (64 "
@@ -130,12 +155,12 @@ def test_a_group_with_another_recipe_is_refused_in_one_line_and_never_averaged_i
         "recipe, and this one was not averaged in"], wrong.stderr
     assert not steps(unprefixed(wrong.stdout, 1))  # it trained no step
     assert run.finish() == 0 and alone.finish() == 0, run.text()[-3000:] + alone.text()[-3000:]
-    assert steps(run.of(0)) == list(range(1, 251))
+    assert steps(run.of(0)) == list(range(1, STEPS + 1))
     assert_same_weights(tmp_path / "alone" / "group_0" / "model.pt", tmp_path / "run" / "group_0" / "model.pt")
 
 
 def test_a_frozen_group_is_dropped_and_after_sigcont_rejoins_live_in_the_same_process(tmp_path):
-    run = Run(*RECIPE, *GROUPS, *PACED, f"run_dir={tmp_path}")
+    run = Run(*RECIPE, *GROUPS, *PACED, f"run_dir={tmp_path}", env=hold())
     pid = int(run.wait_for(r"group 1: started \(process (\d+)\)").group(1))
     run.wait_for(rf"\[group 1\] step {KILLED_AT}/")
     os.kill(pid, signal.SIGSTOP)
@@ -145,25 +170,28 @@ def test_a_frozen_group_is_dropped_and_after_sigcont_rejoins_live_in_the_same_pr
     finally:
         os.kill(pid, signal.SIGCONT)
     assert run.finish() == 0, run.text()[-3000:]
-    assert steps(run.of(0)) == list(range(1, 401))
+    assert steps(run.of(0)) == list(range(1, STEPS + 1))
     back = run.of(1)
     recovered = int(re.search(r"recovered live from a live group at step (\d+)", "".join(back)).group(1))
-    assert stopped_at + 5 <= recovered < 400
+    assert stopped_at + 5 <= recovered < STEPS
     # the same process all along: its steps before the freeze, then those after the copy, each once
-    assert steps(back) == [*range(1, stopped_at), *range(recovered + 1, 401)]
+    assert steps(back) == [*range(1, stopped_at), *range(recovered + 1, STEPS + 1)]
     assert [line for line in back if "fault tolerance: group 1 of 2" in line] == [
         next(line for line in back if f"(process {pid})" in line)]
     assert_same_weights(tmp_path / "group_0" / "model.pt", tmp_path / "group_1" / "model.pt")
 
 
 def test_fewer_live_groups_than_min_groups_make_the_step_wait_then_stop_in_one_line(tmp_path):
-    run = Run(*RECIPE, *GROUPS, *PACED, "fault_tolerance.min_groups=2", "fault_tolerance.timeouts.quorum=6",
+    run = Run(*RECIPE, *GROUPS, *PACED, "fault_tolerance.min_groups=2", f"fault_tolerance.timeouts.quorum={3 * PG}",
               f"run_dir={tmp_path}", env={"FT_TEST_DIE": f"1:{KILLED_AT}"})
     assert run.finish() == 6, run.text()[-3000:]  # group 0's code: group 1 was killed, group 0 stopped
     lived, address = run.of(0), run.wait_for(r"lighthouse at (\S+)").group(1)
     assert steps(lived) == list(range(1, KILLED_AT))  # the step group 1 died in was never trained alone
+    # its state at the step boundary is whole: saved, and the same command goes on from it
+    saved = tmp_path / "group_0" / "checkpoints" / f"step_{KILLED_AT - 1}"
+    assert (saved / "manifest.json").exists() and f"the same command resumes from step {KILLED_AT - 1}" in "".join(lived)
     assert [line for line in lived if "launcher:" in line] == [
-        f"launcher: fault_tolerance: no quorum for step {KILLED_AT} within timeouts.quorum=6 s (timed out): fewer "
+        f"launcher: fault_tolerance: no quorum for step {KILLED_AT} within timeouts.quorum={3 * PG} s (timed out): fewer "
         f"than min_groups=2 groups are live, or the lighthouse at {address} is gone; this group stops (each group "
         f"resumes its newest checkpoint when started again)\n"]
 
@@ -173,13 +201,13 @@ def test_the_lighthouse_lost_stops_every_group_in_one_line(tmp_path):
         [sys.executable, "-c", "import time; from launcher.ft import lighthouse\n"
                                "from launcher.recipe.fault_tolerance import FaultToleranceConfig as C, "
                                "FaultToleranceTimeouts as T\n"
-                               "server = lighthouse.start(C(timeouts=T(pg=2, quorum=6, join=20)))\n"
+                               f"server = lighthouse.start(C(timeouts=T(pg={PG}, quorum={3 * PG}, join={JOIN})))\n"
                                "print(server.address(), flush=True); time.sleep(600)"],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         address = lighthouse.stdout.readline().strip()
-        run = Run(*RECIPE, *GROUPS, *PACED, "fault_tolerance.timeouts.quorum=6", f"fault_tolerance.lighthouse={address}",
-                  f"run_dir={tmp_path}")
+        run = Run(*RECIPE, *GROUPS, *PACED, "trainer.max_steps=5000", f"fault_tolerance.timeouts.quorum={3 * PG}",
+                  f"fault_tolerance.lighthouse={address}", f"run_dir={tmp_path}")  # (it stops long before)
         run.wait_for(r"\[group 0\] step 20/")
         run.wait_for(r"\[group 1\] step 20/")
     finally:
@@ -187,8 +215,10 @@ def test_the_lighthouse_lost_stops_every_group_in_one_line(tmp_path):
         lighthouse.wait()
     assert run.finish() == 6, run.text()[-3000:]
     for group in (0, 1):
+        last = steps(run.of(group))[-1]  # each group saved its last step, whole, into its own folder
+        assert (tmp_path / f"group_{group}" / "checkpoints" / f"step_{last}" / "manifest.json").exists(), group
         said = [line for line in run.of(group) if "launcher:" in line]
         assert len(said) == 1 and re.fullmatch(
-            rf"launcher: fault_tolerance: no quorum for step \d+ within timeouts.quorum=6 s \(.*\): fewer than "
+            rf"launcher: fault_tolerance: no quorum for step \d+ within timeouts.quorum={3 * PG} s \(.*\): fewer than "
             rf"min_groups=1 groups are live, or the lighthouse at {re.escape(address)} is gone; this group stops .*\n",
             said[0]), said

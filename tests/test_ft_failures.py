@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tests.conftest import assert_same_weights
-from tests.ft_runs import KILLED_AT, PACED, RECIPE, TIMEOUTS, Run, ddp, join, steps, unprefixed
+from tests.ft_runs import KILLED_AT, PACED, RECIPE, STEPS, TIMEOUTS, Run, ddp, hold, join, steps, unprefixed
 from tests.float64 import overrides as float64
 from tests.rounding import assert_within_rounding
 
@@ -16,8 +16,9 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
 
 THREE = ["fault_tolerance.groups=3", *TIMEOUTS, "data.batch_size=48"]  # 16 items a group
-EVERY = 10  # checkpoint.every: the save killed is that of the first checkpoint step after KILLED_AT
-SAVED_AT = (KILLED_AT // EVERY + 1) * EVERY
+EVERY = 10  # checkpoint.every of the run whose groups are all lost
+SAVES = 5  # checkpoint.every of the kill points: the save killed is that of the first checkpoint step after
+SAVED_AT = (KILLED_AT // SAVES + 1) * SAVES  # KILLED_AT, and one more comes while its group is away
 
 # (the point, the group killed there, the forward it dies in, whether the live groups drop that step): a step
 # whose all-reduce a group never finished is dropped; one the groups committed is kept by the live ones.
@@ -28,8 +29,8 @@ POINTS = [("forward", 2, KILLED_AT, True), ("backward", 1, KILLED_AT, True), ("a
 @pytest.mark.parametrize("point, killed, at, dropped", POINTS, ids=[p[0] for p in POINTS])
 def test_a_group_killed_at_each_point_of_a_step_leaves_the_others_training_and_rejoins_live(tmp_path, point, killed,
                                                                                              at, dropped):
-    run = Run(*RECIPE, *THREE, *PACED, f"checkpoint.every={EVERY}", f"run_dir={tmp_path}",
-              env={"FT_TEST_DIE": f"{killed}:{at}:{point}"})
+    run = Run(*RECIPE, *THREE, *PACED, f"checkpoint.every={SAVES}", f"run_dir={tmp_path}",
+              env={"FT_TEST_DIE": f"{killed}:{at}:{point}", **hold()})
     lighthouse = run.wait_for(r"lighthouse at (\S+)").group(1)
     live = [g for g in range(3) if g != killed]
     pids = {g: int(run.wait_for(rf"group {g}: started \(process (\d+)\)").group(1)) for g in live}
@@ -41,7 +42,7 @@ def test_a_group_killed_at_each_point_of_a_step_leaves_the_others_training_and_r
         partial = tmp_path / "group_0" / "checkpoints" / f".step_{at}.partial"
         assert sorted(p.name for p in partial.iterdir()) == ["model.pt"]
         assert not (partial.parent / f"step_{at}").exists()
-    again = join(lighthouse, tmp_path, "checkpoint.resume=never", f"checkpoint.every={EVERY}", group=killed,
+    again = join(lighthouse, tmp_path, "checkpoint.resume=never", f"checkpoint.every={SAVES}", group=killed,
                  groups=tuple(THREE))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert run.finish() == 0, run.text()[-3000:]
@@ -49,20 +50,20 @@ def test_a_group_killed_at_each_point_of_a_step_leaves_the_others_training_and_r
         lived = run.of(g)
         assert [line for line in lived if "fault tolerance: group" in line] == [
             next(line for line in lived if f"(process {pids[g]})" in line)]
-        assert steps(lived) == list(range(1, 401)), steps(lived)
+        assert steps(lived) == list(range(1, STEPS + 1)), [line for line in lived if "fault tolerance" in line]
         assert (f"fault tolerance: step {at} dropped" in "".join(lived)) == dropped
         assert "dropped" not in "".join(lived).replace(f"step {at} dropped", "")
     # The group started again read no checkpoint, took the live state and trained the rest with the others
     recovered = int(re.search(r"recovered live from a live group at step (\d+) \(.*no checkpoint read\)",
                               again.stdout).group(1))
-    assert "resumed from" not in again.stdout and alone + 5 <= recovered < 400
-    assert steps(unprefixed(again.stdout, killed)) == list(range(recovered + 1, 401))
+    assert "resumed from" not in again.stdout and alone + 5 <= recovered < STEPS
+    assert steps(unprefixed(again.stdout, killed)) == list(range(recovered + 1, STEPS + 1))
     for g in live:
         assert f"fault tolerance: step {recovered + 1}: 3 of 3 groups live" in "".join(run.of(g))
         assert_same_weights(tmp_path / f"group_{killed}" / "model.pt", tmp_path / f"group_{g}" / "model.pt")
     if point == "save":  # while it was away, the lowest live group wrote the periodic saves (the last `keep` kept)
         written = sorted(int(p.name[5:]) for p in (tmp_path / "group_1" / "checkpoints").glob("step_*"))
-        assert written[-1] == 400 and len(written) > 1 and all(at < k <= recovered for k in written[:-1]), written
+        assert written[-1] == STEPS and len(written) > 1 and all(at < k <= recovered for k in written[:-1]), written
 
 def test_every_group_lost_resumes_from_the_newest_checkpoint_of_any_group(tmp_path):
     # Group 0 writes the periodic saves until it dies at step 25; group 1, the lowest live one from then on,

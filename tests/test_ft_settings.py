@@ -35,7 +35,14 @@ def test_the_section_is_null_by_default_and_set_by_one_key():
                                                                    "fault_tolerance.groups (2), got 3"),
     (["fault_tolerance.groups=0"], "fault_tolerance.groups: must be 1 or more, got 0"),
     (["fault_tolerance.lighthouse=localhost:29510"], "fault_tolerance.lighthouse: must be the lighthouse's "
-                                                     "http://host:port, got 'localhost:29510'"),
+                                                     "http://host:port (an IPv6 host in brackets, "
+                                                     "http://[::1]:29510), got 'localhost:29510'"),
+    (["fault_tolerance.lighthouse=http://localhost:99999"], "fault_tolerance.lighthouse: the port of "
+                                                            "'http://localhost:99999' must be 1 to 65535, got 99999"),
+    (["fault_tolerance.lighthouse=http://[::1]:0"], "fault_tolerance.lighthouse: the port of 'http://[::1]:0' must be "
+                                                    "1 to 65535, got 0"),
+    (["fault_tolerance.lighthouse=http://::1:29510"], "fault_tolerance.lighthouse: must be the lighthouse's "
+                                                      "http://host:port (an IPv6 host in brackets"),
     (["fault_tolerance.groups=2", "strategy=dp"], "strategy: fault_tolerance runs strategy single, ddp or fsdp inside "
                                                   "a group (auto picks single or ddp), got 'dp'"),
     (["fault_tolerance.groups=2", "strategy=fsdp", "parallel.pp=2"], "parallel.pp: fault_tolerance runs no pipeline "
@@ -118,8 +125,14 @@ def test_the_lighthouse_from_the_key_else_the_environment():
     assert settings.lighthouse_address(FaultToleranceConfig(lighthouse="http://b:2"), {"TORCHFT_LIGHTHOUSE": "http://a:1"}) == "http://b:2"
     with pytest.raises(UserError, match="fault_tolerance.lighthouse: not set, and TORCHFT_LIGHTHOUSE is not in"):
         settings.lighthouse_address(section, {})
-    with pytest.raises(UserError, match="TORCHFT_LIGHTHOUSE='a:1' is not the lighthouse's http://host:port"):
+    with pytest.raises(UserError, match="TORCHFT_LIGHTHOUSE='a:1': must be the lighthouse's http://host:port"):
         settings.lighthouse_address(section, {"TORCHFT_LIGHTHOUSE": "a:1"})
+    with pytest.raises(UserError, match="TORCHFT_LIGHTHOUSE='http://a:65536': the port of 'http://a:65536' must be 1 "
+                                        "to 65535, got 65536"):
+        settings.lighthouse_address(section, {"TORCHFT_LIGHTHOUSE": "http://a:65536"})
+    for address in ("http://[::1]:29510", "https://[fe80::1]:1", "http://host.example:65535/", "http://10.0.0.1"):
+        assert settings.lighthouse_address(section, {"TORCHFT_LIGHTHOUSE": address}) == address
+        assert settings.lighthouse_address(FaultToleranceConfig(lighthouse=address), {}) == address
 
 
 def test_each_group_reads_its_own_share_whatever_is_live():
@@ -271,6 +284,12 @@ def test_a_run_without_the_section_never_imports_torchft(tmp_path):
     (["fault_tolerance.groups=2", "fault_tolerance.lighthouse=http://127.0.0.1:9"], {"REPLICA_GROUP_ID": "1"},
      "launcher: fault_tolerance.lighthouse: nothing answers at http://127.0.0.1:9 (Connection refused); start the "
      "lighthouse first (python -m launcher.ft starts one and gives its address), or fix the address"),
+    (["fault_tolerance.groups=2", "fault_tolerance.lighthouse=http://[::1]:9"], {"REPLICA_GROUP_ID": "1"},
+     "launcher: fault_tolerance.lighthouse: nothing answers at http://[::1]:9 (Connection refused); start the "
+     "lighthouse first (python -m launcher.ft starts one and gives its address), or fix the address"),
+    (["fault_tolerance.groups=2", "fault_tolerance.lighthouse=http://localhost:99999"], {"REPLICA_GROUP_ID": "1"},
+     "launcher: override 'fault_tolerance.lighthouse=http://localhost:99999': fault_tolerance.lighthouse: the port of "
+     "'http://localhost:99999' must be 1 to 65535, got 99999"),
 ])
 def test_a_group_without_its_index_or_its_lighthouse_stops_in_one_line(tmp_path, overrides, env, said):
     done = launch(str(QUICKSTART), *SMALL, f"run_dir={tmp_path}", *overrides,

@@ -4,6 +4,7 @@
     recovery.py     the state a live group hands to one that joins, and how it is taken (no checkpoint read)
     replicas.py     torchft's Manager, step by step: the quorum, the gradients' average, the commit
     lighthouse.py   torchft's lighthouse, in this process
+    leaving.py      a group that loses one of its processes leaves the run at once
     groups.py       every group of a run started on this machine, their output prefixed, one exit code
     __main__.py     python -m launcher.ft RECIPE [key=value ...]
 

@@ -134,11 +134,17 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def _say(line: str) -> None:
-    print(f"launcher.ft: {line}", flush=True)
+    try:
+        print(f"launcher.ft: {line}", flush=True)
+    except (OSError, ValueError):  # the console is gone (a terminal closed): the groups' lines are in their folders
+        pass
 
 
 if __name__ == "__main__":
     code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a console gone
+            pass
     os._exit(code)  # the lighthouse's threads are torchft's (Rust): the process ends without waiting on them

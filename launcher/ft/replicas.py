@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from launcher import seeding
-from launcher.errors import Hung, UserError, first_line
+from launcher.errors import Hung, NoQuorum, UserError, first_line
 from launcher.ft import recovery
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
 
@@ -155,7 +155,7 @@ class Replicas:
             if type(e).__module__.startswith("launcher"):
                 raise  # a recipe that does not match the live groups' (recovery.take)
             why = "timed out" if "Timeout expired" in str(e) else first_line(e)[:200]
-            raise Hung(f"fault_tolerance: no quorum for step {step + 1} within timeouts.quorum="
+            raise NoQuorum(f"fault_tolerance: no quorum for step {step + 1} within timeouts.quorum="
                        f"{self.section.timeouts.quorum:g} s ({why}): fewer than min_groups="
                        f"{self.section.min_groups} groups are live, or the lighthouse at {self.lighthouse} is gone; "
                        f"this group stops (each group resumes its newest checkpoint when started again)") from None

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 from launcher.errors import UserError, short
 from launcher.ft import kubernetes
-from launcher.recipe.fault_tolerance import LIGHTHOUSE, FaultToleranceConfig
+from launcher.recipe.fault_tolerance import FaultToleranceConfig, lighthouse_problem
 from launcher.recipe.flat import flatten
 
 GROUP_VARIABLE = "REPLICA_GROUP_ID"
@@ -62,9 +62,9 @@ def lighthouse_address(section: FaultToleranceConfig, env: Mapping[str, str]) ->
         raise UserError(f"fault_tolerance.lighthouse: not set, and {LIGHTHOUSE_VARIABLE} is not in the environment; "
                         f"set fault_tolerance.lighthouse=http://host:port (the lighthouse's), or start the groups with "
                         f"python -m launcher.ft, which starts a lighthouse and gives its address")
-    if not LIGHTHOUSE.fullmatch(raw):
-        raise UserError(f"environment variable {LIGHTHOUSE_VARIABLE}={short(raw)} is not the lighthouse's "
-                        f"http://host:port")
+    wrong = lighthouse_problem(raw)
+    if wrong:
+        raise UserError(f"environment variable {LIGHTHOUSE_VARIABLE}={short(raw)}: {wrong}")
     return raw
 
 

@@ -24,7 +24,20 @@ from launcher.recipe.checks import at_least, positive
 # The strategies a group runs inside itself (fsdp with its tp and dp_replicate too); pipeline stages inside a
 # group are later work (docs/fault-tolerance.md says what is built).
 INSIDE_A_GROUP = ("auto", "single", "ddp", "fsdp")
-LIGHTHOUSE = re.compile(r"https?://[^\s/:]+(:\d+)?/?")  # torchft's form: http://host:port
+# torchft's form: http://host:port, an IPv6 host in brackets (http://[::1]:29510), as in any URL
+LIGHTHOUSE = re.compile(r"https?://(?:[^\s/:\[\]@?#]+|\[[0-9A-Fa-f:.]+\])(?::(\d+))?/?")
+
+
+def lighthouse_problem(address: str) -> Optional[str]:
+    """What is wrong with a lighthouse's address, or None: the form, then the port's range."""
+    found = LIGHTHOUSE.fullmatch(address)
+    if not found:
+        return (f"must be the lighthouse's http://host:port (an IPv6 host in brackets, http://[::1]:29510), got "
+                f"{short(address)}")
+    port = found.group(1)
+    if port is not None and not 1 <= int(port) <= 65535:
+        return f"the port of {short(address)} must be 1 to 65535, got {int(port)}"
+    return None
 
 
 @dataclass
@@ -55,9 +68,9 @@ class FaultToleranceConfig:
         if self.min_groups > self.groups >= 1:
             out.append(("fault_tolerance.min_groups", f"must be at most fault_tolerance.groups ({self.groups}), "
                                                       f"got {self.min_groups}"))
-        if self.lighthouse is not None and not LIGHTHOUSE.fullmatch(self.lighthouse):
-            out.append(("fault_tolerance.lighthouse", f"must be the lighthouse's http://host:port, got "
-                                                      f"{short(self.lighthouse)}"))
+        wrong = lighthouse_problem(str(self.lighthouse)) if self.lighthouse is not None else None
+        if wrong:
+            out.append(("fault_tolerance.lighthouse", wrong))
         if strategy not in INSIDE_A_GROUP:
             out.append(("strategy", f"fault_tolerance runs strategy single, ddp or fsdp inside a group (auto picks "
                                     f"single or ddp), got {short(strategy)}; use one of them, or remove "

@@ -23,7 +23,7 @@ from launcher.observe import hang
 from launcher.observe import throughput
 from launcher.observe import watch
 from launcher.checkpoint import Checkpoints, RunState
-from launcher.errors import CheckpointsFailed, Hung, OutOfMemory, TrainingDiverged, UserError
+from launcher.errors import CheckpointsFailed, Hung, NoQuorum, OutOfMemory, TrainingDiverged, UserError
 from launcher.run.loop import Parts, fit, total_steps
 from launcher.run.metrics import TrainMeter
 from launcher.model import moe
@@ -245,6 +245,9 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
             finally:
                 parts.stop.restore()
                 parts.watch.close(position.step)
+        except NoQuorum:  # fault tolerance: at a step boundary, on every rank of the group; its state is whole
+            _save_before_failing(checkpoints, parts, started, run_dir, console, whole=True)
+            raise
         except (Stopped, TrainingDiverged, OutOfMemory, Hung, CheckpointsFailed):
             raise  # nothing is saved after a NaN, out of memory, a lost rank or saves failing; a signal saved already
         except Exception:  # a mistake met mid-run, a full disk, a bug in a component
@@ -264,13 +267,15 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
     return results
 
 
-def _save_before_failing(checkpoints: Checkpoints, parts: Parts, started: int, run_dir: Path, console) -> None:
+def _save_before_failing(checkpoints: Checkpoints, parts: Parts, started: int, run_dir: Path, console,
+                         whole: bool = False) -> None:
     """Before an error ends the run after its first step: a checkpoint of the last whole step, where one
-    process trains (several cannot agree on one once a rank has failed: there, the newest checkpoint),
-    and a line saying which step the same command resumes from. The error stays the last line."""
+    process trains or where every rank met the error at the same step boundary (`whole`; elsewhere several
+    cannot agree on one once a rank has failed: there, the newest checkpoint), and a line saying which step
+    the same command resumes from. The error stays the last line."""
     step = checkpoints.run.position.step
     if (step > started and parts.between_steps and checkpoints.saved_step != step
-            and checkpoints.strategy.placement.world_size == 1):
+            and (whole or checkpoints.strategy.placement.world_size == 1)):
         try:
             checkpoints.save(final=False)
         except Exception:  # noqa: BLE001 - the disk may be what failed: the error that stops the run says so

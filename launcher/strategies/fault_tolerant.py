@@ -13,6 +13,7 @@ torchft, is imported only when a recipe has a fault_tolerance section.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -29,6 +30,7 @@ class FaultTolerant:
     section: FaultToleranceConfig
     recipe: Any  # the resolved recipe: its training keys are the fingerprint a joining group is checked against
     replicas: Any = None  # launcher.ft.replicas.Replicas, once set up
+    leaving: Any = None  # launcher.ft.leaving.Watch, in a group of several processes
     group = 0
 
     def setup(self) -> None:
@@ -40,6 +42,11 @@ class FaultTolerant:
         fingerprint = settings.fingerprint(self.recipe, self.placement.world_size, self.layout())
         self.replicas = Replicas(self.section, self.group, self.placement.rank, self.placement.world_size,
                                  lighthouse, fingerprint, self.all_gather_object, self._log())
+        if self.placement.world_size > 1:  # a process of the group lost: the group leaves at once (ft/leaving.py)
+            from launcher.ft import leaving
+
+            peers = self.all_gather_object((socket.gethostname(), os.getpid()))
+            self.leaving = leaving.watch(peers, self.placement.rank, self.group)
 
     def _log(self) -> Optional[str]:
         """<run_dir>/torchft_rank<R>.log: torchft's own warnings and errors (a peer's failure, with its traceback)."""
@@ -84,6 +91,8 @@ class FaultTolerant:
         return self.replicas.lowest_live()
 
     def teardown(self) -> None:
+        if self.leaving is not None:
+            self.leaving.close()
         if self.replicas is not None:
             self.replicas.close()
         super().teardown()
