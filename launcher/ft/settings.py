@@ -8,6 +8,9 @@
   always reads its own share, so a step's items are a function of (seed, step) and of which groups were live
   at that step: a down group's share is not trained that step, and the gradient is the mean over the live
   groups' items (exactly the ddp x N gradient when every group is live).
+- Its checkpoints: `<checkpoint.dir>/group_<g>` where checkpoint.dir names a place outside its run folder (an
+  object store's prefix, another folder): the groups share one recipe, and so one checkpoint.dir, whose lock would
+  refuse all but one of them.
 - Its fingerprint: the recipe's keys that shape what a step trains, which a group hands to one that joins;
   the one that joins refuses a run whose fingerprint differs from its own, before anything of it is averaged.
 """
@@ -15,7 +18,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Mapping, Tuple
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from launcher.errors import UserError, short
 from launcher.ft import kubernetes
@@ -66,6 +70,16 @@ def lighthouse_address(section: FaultToleranceConfig, env: Mapping[str, str]) ->
         raise UserError(f"environment variable {LIGHTHOUSE_VARIABLE}={short(raw)} is not the lighthouse's "
                         f"http://host:port")
     return raw
+
+
+def checkpoints_of(configured: Optional[str], group: int, run_dir: str) -> Optional[str]:
+    """Where group `group` keeps its checkpoints, from the recipe's checkpoint.dir: a place of its own below it,
+    unless it is inside the group's run folder (its own already) or not set (<run_dir>/checkpoints)."""
+    if not configured:
+        return configured
+    if "://" not in configured and Path(configured).resolve().is_relative_to(Path(run_dir).resolve()):
+        return configured
+    return f"{configured.rstrip('/')}/group_{group}"
 
 
 def share(group: int, groups: int, inside: Tuple[int, int]) -> Tuple[int, int]:

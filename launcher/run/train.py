@@ -65,6 +65,7 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
                                  loaded.recipe.dist_timeout, loaded.recipe.run_dir, loaded.recipe.parallel,
                                  loaded.recipe.fault_tolerance, loaded.config)
     strategy.setup()
+    _own_checkpoints(loaded, strategy)
     folder = RunFolder(Path(loaded.recipe.run_dir), loaded.recipe.checkpoint.dir)
     try:
         with strategy.mistakes_shared():
@@ -80,6 +81,21 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     finally:
         folder.close()
         strategy.teardown()
+
+
+def _own_checkpoints(loaded: Loaded, strategy: strategies.Strategy) -> None:
+    """A replica group's checkpoints in a place of its own below checkpoint.dir (fault tolerance's groups share a
+    recipe), in the recipe.yaml it writes too (python -m launcher.export finds them there)."""
+    configured = loaded.recipe.checkpoint.dir
+    if loaded.recipe.fault_tolerance is None or not configured:
+        return
+    from launcher.ft.settings import checkpoints_of
+
+    own = checkpoints_of(configured, strategy.group, loaded.recipe.run_dir)
+    if own != configured:
+        loaded.recipe.checkpoint.dir = loaded.config.checkpoint.dir = own
+        loaded.notes.append(f"checkpoint.dir: group {strategy.group} keeps its checkpoints in {own}, a place of its own "
+                            f"(each replica group's below {configured})")
 
 
 def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, notes: list) -> Dict[str, float]:
