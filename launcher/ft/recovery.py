@@ -46,12 +46,9 @@ def given(live: Any, fingerprint: Mapping[str, Any]) -> Dict[str, Any]:
 
 def take(state: Mapping[str, Any], live: Any, fingerprint: Mapping[str, Any]) -> None:
     """Put a live group's state in place of this process's, once its fingerprint is this recipe's."""
-    theirs = state.get("fingerprint", {})
-    if dict(theirs) != dict(fingerprint):
-        changed = settings.differences(fingerprint, theirs)
-        raise UserError(f"fault_tolerance: this group's recipe differs from the live groups' in "
-                        f"{'; '.join(changed[:4])}{' and more' if len(changed) > 4 else ''}; a group joins only a "
-                        f"run of the same recipe, and this one was not averaged in")
+    refused = settings.refused(fingerprint, state.get("fingerprint", {}))
+    if refused:
+        raise UserError(refused)
     model = unwrap(live.model)
     own = model.state_dict()
     with torch.no_grad():

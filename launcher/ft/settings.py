@@ -97,7 +97,17 @@ def fingerprint(recipe: Any, processes: int, layout: str = "whole") -> Dict[str,
     return {**kept, PROCESSES: processes, LAYOUT: layout}
 
 
-def differences(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> List[str]:
+def differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], there: str = "in the live groups") -> List[str]:
     """`key (here -> there)` for each training key the two recipes do not share."""
-    return [f"{k} ({short(mine.get(k))} here, {short(theirs.get(k))} in the live groups)"
+    return [f"{k} ({short(mine.get(k))} here, {short(theirs.get(k))} {there})"
             for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+
+
+def refused(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> Optional[str]:
+    """The line a group whose fingerprint is `mine` stops with where the live groups' is `theirs`, or None."""
+    if dict(mine) == dict(theirs):
+        return None
+    changed = differences(mine, theirs)
+    return (f"fault_tolerance: this group's recipe differs from the live groups' in {'; '.join(changed[:4])}"
+            f"{' and more' if len(changed) > 4 else ''}; a group joins only a run of the same recipe, and this one was "
+            f"not averaged in")
