@@ -2,15 +2,19 @@
 loopback, groups of one process): a checkpoint.dir outside the run folder, and the recipe every group is checked
 against before it averages anything, however it starts. Few steps each: what is checked is decided before the first."""
 
+import json
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 import yaml
 
-from tests.conftest import REPO, assert_same_weights, trained_here
+from tests.conftest import REPO, assert_same_weights, state_dict, trained_here
 from launcher.ft import same_recipe
+from launcher.observe.throughput import Throughput
+from launcher.run.metrics import TrainMeter
 from tests.ft_runs import GROUPS, RECIPE, Run, steps, unprefixed, without_die
 
 pytestmark = pytest.mark.slow
@@ -79,3 +83,38 @@ def test_a_group_whose_recipe_differs_from_groups_that_trained_is_refused_and_th
         "in the live groups); a group joins only a run of the same recipe, and this one was not averaged in")
     fresh = [(False, 0, same_recipe.normal(run)), (False, 1, same_recipe.normal(other))]
     assert same_recipe.refusal(fresh, run) is None and same_recipe.refusal(fresh, other) is not None
+
+
+def test_samples_per_s_counts_what_the_live_groups_trained_and_mfu_what_one_group_computed():
+    # Two steps of a run of two replica groups, the second trained by one group alone: 1.5 global batches of 32,
+    # in the 10 s the interval took (its clock set back); each group computes 16 items a step on its own devices.
+    meter = TrainMeter({}, torch.device("cpu"), Throughput(32, flops_per_sample=1.0, peak_flops_all_devices=2.0,
+                                                           groups=2))
+    meter.start(0)
+    for trained in (1.0, 0.5):
+        meter.add(torch.tensor(1.0), None, None)
+        meter.step_done(None, trained)
+    meter.clock = time.perf_counter() - 10
+    read = meter.read(lambda t: t, lr=0.1)
+    assert read["train/samples_per_s"] == pytest.approx(1.5 * 32 / 10, rel=1e-3)
+    assert read["train/mfu"] == pytest.approx(2 * 16 / 10 / 2.0, rel=1e-3)
+
+
+def test_every_group_evaluates_the_whole_val_set_so_their_val_loss_is_the_runs(tmp_path):
+    val = ["data.val._target_=recipes.components.synthetic.Blobs", "data.val.n=96", "data.val.spread=3.0",
+           "data.val.split=1", "trainer.max_steps=2", "trainer.eval_every=2", "logging.jsonl=true"]
+    run = Run(*RECIPE, *GROUPS, *val, f"run_dir={tmp_path / 'ft'}")
+    assert run.finish() == 0, run.text()[-3000:]
+    logged = [[json.loads(line) for line in (tmp_path / "ft" / f"group_{g}" / "metrics.jsonl").read_text().splitlines()
+               if "val/loss" in line] for g in (0, 1)]
+    assert len(logged[0]) == len(logged[1]) == 1
+    assert logged[0][0]["val/loss"] == logged[1][0]["val/loss"]  # the same weights on the same 96 items, in the same batches
+    # and it is the loss of the whole val set, all 96 items, under the weights they ended with
+    from recipes.components.mlp import MLP
+    from recipes.components.synthetic import Blobs
+
+    model, items = MLP(in_dim=32, hidden=128, classes=10), Blobs(n=96, spread=3.0, split=1)
+    model.load_state_dict(state_dict(tmp_path / "ft" / "group_0" / "model.pt"))
+    with torch.no_grad():
+        whole = torch.nn.functional.cross_entropy(model(items.x), items.y).item()
+    assert logged[0][0]["val/loss"] == pytest.approx(whole, rel=1e-5)

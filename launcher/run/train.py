@@ -167,7 +167,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
         console.info(said)
     cfg = recipe.data
     train_data, val, notes = build.data_for(cfg, recipe.trainer.grad_accum_steps, strategy.data_share(), recipe.seed,
-                                             device, placement.world_size, model)
+                                             device, placement.world_size, model, strategy.val_share())
     for note in notes:
         console.info(note)
     precision = Precision(recipe.precision, device)
@@ -199,8 +199,9 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     checkpoints = Checkpoints(strategy, wrapped, optimizer, run, run_dir, recipe.checkpoint, console.info)
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
     peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
+    groups = recipe.fault_tolerance.groups if recipe.fault_tolerance is not None else 1
     rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample, flops,
-                                  peak * placement.world_size if peak else None, device)
+                                  peak * placement.world_size if peak else None, device, groups)
     if recipe.trainer.compile:  # after the eager check. The wrapper is compiled, so DDP's buckets still
         wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys
     parts = Parts(wrapped, optimizer, schedule, step=step, metrics=metrics,

@@ -62,6 +62,14 @@ class FaultTolerant:
     def gradient_share(self) -> int:
         return super().data_share()[0] * self.replicas.live_groups()
 
+    def trained_share(self) -> float:
+        return self.replicas.live_groups() / self.section.groups
+
+    def val_share(self) -> Tuple[int, int]:
+        # Each group evaluates the whole of data.val among its own processes: its val/loss is the run's (the groups'
+        # weights are alike), whichever groups are live, and no collective across groups runs outside a step
+        return super().data_share()
+
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         # Over this group's ranks alone (each group logs its own share): the inner strategy's mean would divide
         # its ranks' sum by data_share's count, every group's ranks.
