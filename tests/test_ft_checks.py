@@ -15,7 +15,7 @@ from tests.conftest import REPO, assert_same_weights, state_dict, trained_here
 from launcher.ft import same_recipe
 from launcher.observe.throughput import Throughput
 from launcher.run.metrics import TrainMeter
-from tests.ft_runs import GROUPS, RECIPE, Run, steps, unprefixed, without_die
+from tests.ft_runs import GROUPS, RECIPE, Run, ddp, steps, unprefixed, without_die
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
@@ -118,3 +118,27 @@ def test_every_group_evaluates_the_whole_val_set_so_their_val_loss_is_the_runs(t
     with torch.no_grad():
         whole = torch.nn.functional.cross_entropy(model(items.x), items.y).item()
     assert logged[0][0]["val/loss"] == pytest.approx(whole, rel=1e-5)
+
+
+def test_a_group_that_joins_a_stream_takes_the_live_groups_place_in_it(tmp_path):
+    # A stream (BlobStream: no state of its own, read again and skipped to a place). Group 1 dies in step 4; group 0
+    # may not train alone (min_groups=2): it drops step 4 and waits, its stream rewound to the step's start. Group 1
+    # started again copies group 0's state and its place in the stream. Every step was then trained by both groups
+    # on the items ddp x2 reads: bitwise ddp's weights, unless a group read from another place than the other.
+    stream = [*RECIPE, "data.train._target_=recipes.components.synthetic.BlobStream", "trainer.max_steps=8",
+              "step._target_=tests.components_ft.paced_step", "step._partial_=true", "step.seconds=0"]
+    waiting = ["fault_tolerance.groups=2", "fault_tolerance.min_groups=2", "fault_tolerance.timeouts.pg=2",
+               "fault_tolerance.timeouts.quorum=300", "fault_tolerance.timeouts.join=400"]
+    run = Run(*stream, *waiting, f"run_dir={tmp_path / 'ft'}", env={"FT_TEST_DIE": "1:4"})
+    lighthouse = run.wait_for(r"lighthouse at (\S+)").group(1)
+    run.wait_for(r"group 1: killed by SIGKILL")
+    again = subprocess.run([sys.executable, "-m", "launcher.ft", *stream, *waiting, f"run_dir={tmp_path / 'ft'}",
+                            "fault_tolerance.group=1", f"fault_tolerance.lighthouse={lighthouse}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=600, env=without_die())
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert run.finish() == 0, run.text()[-3000:]
+    assert "recovered live from a live group at step 3" in again.stdout, again.stdout[-3000:]
+    assert steps(unprefixed(again.stdout, 1)) == [4, 5, 6, 7, 8] and steps(run.of(0)) == list(range(1, 9))
+    ddp(*stream, f"run_dir={tmp_path / 'ddp'}")
+    for g in (0, 1):
+        assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / f"group_{g}" / "model.pt")
