@@ -199,6 +199,15 @@ class Share:
                             f"{f' over {self.replicas} processes' if self.replicas > 1 else ''})")
         return [item for i, item in read if self._mine(i)]
 
+    def joined_place(self, theirs: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's place where another rank of the same world stands at `theirs` (the same global batches
+        done). An interleaved share's place is every rank's: each reads the whole stream. A stream split by its own
+        hook is each rank's own part: read again from the epoch's start, the rank's items of the batches done
+        skipped."""
+        if not self.own_split:
+            return theirs
+        return {**theirs, "index": theirs["batch"] * self.per_rank, "dataset": None}
+
     def resume_place(self, saved: List[Dict[str, Any]], saved_world: int) -> tuple:
         """(this rank's start place, a line for the console or None) from a checkpoint's places."""
         mine = saved[self.rank] if saved_world == self.replicas and self.rank < len(saved) else None

@@ -106,6 +106,14 @@ class StreamData:
         """Where the stream stands after the last batch handed out (what a checkpoint keeps of this rank)."""
         return self.last if self.last is not None else self.start
 
+    def restart_at(self, place: Dict[str, Any]) -> None:
+        """Read on from `place`, a place of this rank's (a step dropped and trained again from its start)."""
+        self.start, self.last = place, None
+
+    def take(self, place: Dict[str, Any]) -> None:
+        """Read on from where another rank of the same world stands (fault tolerance: a live group's)."""
+        self.restart_at(self.share.joined_place(place))
+
     def resume(self, saved: List[Dict[str, Any]], world: int) -> Optional[str]:
         self.start, note = self.share.resume_place(saved, world)
         self.last = None

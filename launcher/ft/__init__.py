@@ -2,6 +2,7 @@
 
     settings.py     which group this is, the lighthouse, each group's share of a batch, the recipe's fingerprint
     recovery.py     the state a live group hands to one that joins, and how it is taken (no checkpoint read)
+    same_recipe.py  every member of a new quorum checked against the live groups' recipe, before anything is averaged
     replicas.py     torchft's Manager, step by step: the quorum, the gradients' average, the commit
     lighthouse.py   torchft's lighthouse, in this process
     leaving.py      a group that loses one of its processes leaves the run at once

@@ -1,7 +1,8 @@
 """Live recovery: the state a live group hands to a group that joins, and how that group takes it.
 
 The state is what a step trains from, taken between two steps: the model's weights, the optimizer's and the
-LR schedule's state, the grad scaler's, this process's RNG states and the position (step, epoch, batch). Every
+LR schedule's state, the grad scaler's, this process's RNG states and the position (step, epoch, batch; and where
+data.train is a stream, the place in it: launcher/data/share.py's joined_place makes it the taker's own). Every
 process of a run seeds its RNGs alike, so the giver's RNG states are the taker's too. The taker reads its
 batches from the position it takes, its own share of them: after the copy it holds exactly what the live
 groups hold, and the two train on bitwise alike.
@@ -41,17 +42,15 @@ def given(live: Any, fingerprint: Mapping[str, Any]) -> Dict[str, Any]:
             "schedule": live.schedule.state_dict() if live.schedule is not None else None,
             "scaler": live.precision.state_dict(),
             "rng": seeding.capture(device_of(live)),
-            "position": dict(vars(live.position))}
+            "position": dict(vars(live.position)),
+            "stream": live.data.state() if _streaming(live) else None}
 
 
 def take(state: Mapping[str, Any], live: Any, fingerprint: Mapping[str, Any]) -> None:
     """Put a live group's state in place of this process's, once its fingerprint is this recipe's."""
-    theirs = state.get("fingerprint", {})
-    if dict(theirs) != dict(fingerprint):
-        changed = settings.differences(fingerprint, theirs)
-        raise UserError(f"fault_tolerance: this group's recipe differs from the live groups' in "
-                        f"{'; '.join(changed[:4])}{' and more' if len(changed) > 4 else ''}; a group joins only a "
-                        f"run of the same recipe, and this one was not averaged in")
+    refused = settings.refused(fingerprint, state.get("fingerprint", {}))
+    if refused:
+        raise UserError(refused)
     model = unwrap(live.model)
     own = model.state_dict()
     with torch.no_grad():
@@ -62,6 +61,12 @@ def take(state: Mapping[str, Any], live: Any, fingerprint: Mapping[str, Any]) ->
     live.precision.load_state_dict(state["scaler"])
     seeding.restore(state["rng"], device_of(live))
     vars(live.position).update(state["position"])
+    if _streaming(live):  # the giver's place in the stream, as this rank's (data/share.py: joined_place)
+        live.data.take(state["stream"])
+
+
+def _streaming(live: Any) -> bool:
+    return bool(getattr(live.data, "is_stream", False))
 
 
 def device_of(live: Any) -> torch.device:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from launcher import seeding
 from launcher.errors import Hung, NoQuorum, UserError, first_line
-from launcher.ft import recovery
+from launcher.ft import recovery, same_recipe
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
 
 REPLICA_ID = "group_{:05d}"  # torchft sorts groups by it (lowest first) and reads its trailing digits
@@ -102,6 +102,7 @@ class Replicas:
         self.recovered = False
         self.participants: Optional[int] = None
         self.drawn: Any = None  # the RNG states at the step's start
+        self.checked: Optional[int] = None  # the quorum whose members' recipes were found alike
 
     def _start(self) -> None:
         """torchft's Manager, made just before the first quorum: from then on the lighthouse counts this group
@@ -139,6 +140,7 @@ class Replicas:
         self._quorum(step)
         if first and live.position.step == step:
             self._wait_for_every_group(live, began)
+        self._same_recipe()
         # A dropped step draws again what it drew (dropout): the run stays a function of the seed, the step and
         # which groups were live.
         self.drawn = seeding.capture(recovery.device_of(live))
@@ -159,6 +161,14 @@ class Replicas:
                        f"{self.section.timeouts.quorum:g} s ({why}): fewer than min_groups="
                        f"{self.section.min_groups} groups are live, or the lighthouse at {self.lighthouse} is gone; "
                        f"this group stops (each group resumes its newest checkpoint when started again)") from None
+
+    def _same_recipe(self) -> None:
+        """Every member's recipe checked against the live groups' at each new quorum, before it averages anything
+        (same_recipe.py): groups that start together, or resume from checkpoints of one step, copy nothing."""
+        quorum = self.manager._quorum_id  # torchft's: every member of a new quorum gets a new one alike
+        if quorum != self.checked and same_recipe.check(self.manager, self.group, self.fingerprint,
+                                                        trained=self.manager.batches_committed() > 0):
+            self.checked = quorum
 
     def _wait_for_every_group(self, live: Any, began: float) -> None:
         """A fresh run's first step: quorums again until every group is in one (or timeouts.join has passed). The

@@ -8,6 +8,9 @@
   always reads its own share, so a step's items are a function of (seed, step) and of which groups were live
   at that step: a down group's share is not trained that step, and the gradient is the mean over the live
   groups' items (exactly the ddp x N gradient when every group is live).
+- Its checkpoints: `<checkpoint.dir>/group_<g>` where checkpoint.dir names a place outside its run folder (an
+  object store's prefix, another folder): the groups share one recipe, and so one checkpoint.dir, whose lock would
+  refuse all but one of them.
 - Its fingerprint: the recipe's keys that shape what a step trains, which a group hands to one that joins;
   the one that joins refuses a run whose fingerprint differs from its own, before anything of it is averaged.
 """
@@ -15,7 +18,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Mapping, Tuple
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from launcher.errors import UserError, short
 from launcher.ft import kubernetes
@@ -68,6 +72,16 @@ def lighthouse_address(section: FaultToleranceConfig, env: Mapping[str, str]) ->
     return raw
 
 
+def checkpoints_of(configured: Optional[str], group: int, run_dir: str) -> Optional[str]:
+    """Where group `group` keeps its checkpoints, from the recipe's checkpoint.dir: a place of its own below it,
+    unless it is inside the group's run folder (its own already) or not set (<run_dir>/checkpoints)."""
+    if not configured:
+        return configured
+    if "://" not in configured and Path(configured).resolve().is_relative_to(Path(run_dir).resolve()):
+        return configured
+    return f"{configured.rstrip('/')}/group_{group}"
+
+
 def share(group: int, groups: int, inside: Tuple[int, int]) -> Tuple[int, int]:
     """(how many ranks of the whole run read their own share of a batch, this rank's place among them), from
     this group's index and the (count, place) inside the group."""
@@ -83,7 +97,17 @@ def fingerprint(recipe: Any, processes: int, layout: str = "whole") -> Dict[str,
     return {**kept, PROCESSES: processes, LAYOUT: layout}
 
 
-def differences(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> List[str]:
+def differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], there: str = "in the live groups") -> List[str]:
     """`key (here -> there)` for each training key the two recipes do not share."""
-    return [f"{k} ({short(mine.get(k))} here, {short(theirs.get(k))} in the live groups)"
+    return [f"{k} ({short(mine.get(k))} here, {short(theirs.get(k))} {there})"
             for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+
+
+def refused(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> Optional[str]:
+    """The line a group whose fingerprint is `mine` stops with where the live groups' is `theirs`, or None."""
+    if dict(mine) == dict(theirs):
+        return None
+    changed = differences(mine, theirs)
+    return (f"fault_tolerance: this group's recipe differs from the live groups' in {'; '.join(changed[:4])}"
+            f"{' and more' if len(changed) > 4 else ''}; a group joins only a run of the same recipe, and this one was "
+            f"not averaged in")

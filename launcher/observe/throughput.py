@@ -49,24 +49,28 @@ class Throughput:
 
     def __init__(self, samples_per_step: int, tokens_per_sample: Optional[int] = None,
                  flops_per_sample: Optional[float] = None, peak_flops_all_devices: Optional[float] = None,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), groups: int = 1):
         self.samples_per_step = samples_per_step
+        self.groups = groups  # replica groups (fault tolerance): each computes its own 1/groups of every batch
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_sample = flops_per_sample
         self.peak = peak_flops_all_devices
         self.device = device
 
-    def values(self, steps: int, seconds: float, real_per_sample: Optional[float] = None) -> Dict[str, float]:
+    def values(self, steps: int, seconds: float, real_per_sample: Optional[float] = None,
+               trained: Optional[float] = None) -> Dict[str, float]:
         """`real_per_sample`: the tokens that are not padding in a sample (a row, when packed) of the interval,
         as counted in batches of token rows, so that tokens/s is what was trained on, packed or padded, and
-        whatever the layout (a tensor-parallel group's ranks hold the same batch); else data.tokens_per_sample."""
-        samples_per_s = steps * self.samples_per_step / max(seconds, 1e-9)
+        whatever the layout (a tensor-parallel group's ranks hold the same batch); else data.tokens_per_sample.
+        `trained`: the global batches the steps trained (fewer where replica groups were down), else `steps`."""
+        samples_per_s = (steps if trained is None else trained) * self.samples_per_step / max(seconds, 1e-9)
         out = {"train/samples_per_s": samples_per_s}
         per_sample = real_per_sample if real_per_sample is not None else self.tokens_per_sample
         if per_sample:
             out["train/tokens_per_s"] = samples_per_s * per_sample
-        if self.flops_per_sample and self.peak:
-            out["train/mfu"] = samples_per_s * self.flops_per_sample / self.peak
+        if self.flops_per_sample and self.peak:  # (the peak: this group's devices, which compute its share alone)
+            own = steps * self.samples_per_step / self.groups / max(seconds, 1e-9)
+            out["train/mfu"] = own * self.flops_per_sample / self.peak
         if self.device.type == "cuda":
             out["train/max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out

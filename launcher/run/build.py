@@ -190,10 +190,12 @@ def _fused_kernel_shards(target: type) -> bool:
 
 
 def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int, device: torch.device,
-             world: Optional[int] = None, model: Optional[torch.nn.Module] = None):
+             world: Optional[int] = None, model: Optional[torch.nn.Module] = None,
+             val_share: Optional[Tuple[int, int]] = None):
     """The training stream of this rank, its validation batches (or None), and the datasets' lines for the
     console: its share of each batch, one of `share` = (how many ranks read their own, this rank's place among
-    them), of `world` processes. A dataset with `notes` (a list of lines: what it read and made, as
+    them), of `world` processes; of data.val, one of `val_share` (default: `share`), in batches of as many items a
+    rank as training's. A dataset with `notes` (a list of lines: what it read and made, as
     launcher.data.text.TextDataset has) gets them said at start, under its key; one with `check_vocabulary`
     is given `model`'s input embedding rows, and what it says is wrong is one line before the first step."""
     replicas, rank = share
@@ -209,11 +211,13 @@ def data_for(cfg: DataConfig, grad_accum: int, share: Tuple[int, int], seed: int
         train = data.TrainData(dataset, cfg.batch_size, grad_accum, replicas, rank,
                                cfg.shuffle, seed, workers, device, collate)
     val_set = component(cfg.val, "data.val") if cfg.val else None
+    val_replicas, val_rank = val_share or share
+    val_batch = cfg.batch_size * val_replicas // replicas  # (replica groups: each reads the whole of data.val)
     if stream.is_stream(val_set):
-        val = stream.StreamBatches(val_set, cfg.batch_size, replicas, rank, workers,
+        val = stream.StreamBatches(val_set, val_batch, val_replicas, val_rank, workers,
                                    device, collate, data.to_device, seed)
     else:
-        val = data.val_batches(val_set, cfg.batch_size, replicas, rank, workers,
+        val = data.val_batches(val_set, val_batch, val_replicas, val_rank, workers,
                                device, seed, collate)
     notes = [f"{key}: {line}" for key, built in (("data.train", dataset), ("data.val", val_set))
              for line in _notes(built)]

@@ -152,7 +152,7 @@ def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", p
     p.precision.step(p.optimizer)
     if free_after_step:
         p.optimizer.zero_grad(set_to_none=True)
-    p.meter.step_done(norm)
+    p.meter.step_done(norm, p.strategy.trained_share())
     return lr
 
 

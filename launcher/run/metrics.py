@@ -68,6 +68,7 @@ class TrainMeter:
         self.marks: List[Tuple[torch.Tensor, bool]] = []  # where a batch's real tokens are (`_marks`), counted at read
         self.first_step = 0  # the last step before this interval: its k-th loss is step first_step + k + 1
         self.steps = 0  # steps recorded since the last read
+        self.trained = 0.0
         self.checked = 0  # of which checked for NaN at a save or an evaluation
         self.grad_norm: Optional[torch.Tensor] = None
         self.clock = time.perf_counter()
@@ -110,8 +111,10 @@ class TrainMeter:
         """Training starts (or resumes) after `step`: the first interval's clock starts now."""
         self._reset(step)
 
-    def step_done(self, grad_norm: Optional[torch.Tensor]) -> None:
+    def step_done(self, grad_norm: Optional[torch.Tensor], trained: float = 1.0) -> None:
+        """A step committed, having trained `trained` of its global batch (less where replica groups were down)."""
         self.steps += 1
+        self.trained += trained
         if grad_norm is not None:
             self.grad_norm = grad_norm
 
@@ -161,7 +164,7 @@ class TrainMeter:
             out["train/grad_norm"] = values[-1]
         rows = sum(tensor.shape[0] for tensor, _ in self.marks)  # this rank's: as many on every rank
         real = values[at + 2 * len(self.metrics)] / rows if rows else None  # real tokens a sample (a row)
-        out.update(self.throughput.values(n, seconds, real))
+        out.update(self.throughput.values(n, seconds, real, self.trained))
         if self.loads is not None:
             first = at + 2 * len(self.metrics) + tokens.numel()
             out.update(self.loads.values(values[first:first + loads.numel()]))
@@ -172,6 +175,7 @@ class TrainMeter:
         self.losses, self.counts, self.marks = [], [], []
         self.values = [[] for _ in self.metrics]
         self.first_step, self.steps, self.checked, self.grad_norm = first_step, 0, 0, None
+        self.trained = 0.0  # global batches trained since the last read (a step trained by some groups: a part)
         if self.loads is not None:  # what a first batch's check routed before training is not counted either
             self.loads.reset()
         self.clock = time.perf_counter()

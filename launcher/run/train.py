@@ -66,6 +66,7 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
                                  loaded.recipe.dist_timeout, loaded.recipe.run_dir, loaded.recipe.parallel,
                                  loaded.recipe.fault_tolerance, loaded.config)
     strategy.setup()
+    _own_checkpoints(loaded, strategy)
     folder = RunFolder(Path(loaded.recipe.run_dir), loaded.recipe.checkpoint.dir)
     try:
         with strategy.mistakes_shared():
@@ -81,6 +82,21 @@ def train(loaded: Loaded, placed: Optional[tuple] = None) -> Dict[str, float]:
     finally:
         folder.close()
         strategy.teardown()
+
+
+def _own_checkpoints(loaded: Loaded, strategy: strategies.Strategy) -> None:
+    """A replica group's checkpoints in a place of its own below checkpoint.dir (fault tolerance's groups share a
+    recipe), in the recipe.yaml it writes too (python -m launcher.export finds them there)."""
+    configured = loaded.recipe.checkpoint.dir
+    if loaded.recipe.fault_tolerance is None or not configured:
+        return
+    from launcher.ft.settings import checkpoints_of
+
+    own = checkpoints_of(configured, strategy.group, loaded.recipe.run_dir)
+    if own != configured:
+        loaded.recipe.checkpoint.dir = loaded.config.checkpoint.dir = own
+        loaded.notes.append(f"checkpoint.dir: group {strategy.group} keeps its checkpoints in {own}, a place of its own "
+                            f"(each replica group's below {configured})")
 
 
 def _train(loaded: Loaded, strategy: strategies.Strategy, folder: RunFolder, notes: list) -> Dict[str, float]:
@@ -152,7 +168,7 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
         console.info(said)
     cfg = recipe.data
     train_data, val, notes = build.data_for(cfg, recipe.trainer.grad_accum_steps, strategy.data_share(), recipe.seed,
-                                             device, placement.world_size, model)
+                                             device, placement.world_size, model, strategy.val_share())
     for note in notes:
         console.info(note)
     precision = Precision(recipe.precision, device)
@@ -184,8 +200,9 @@ def _build(loaded: Loaded, strategy: strategies.Strategy, run_dir: Path, logger,
     checkpoints = Checkpoints(strategy, wrapped, optimizer, run, run_dir, recipe.checkpoint, console.info)
     samples_per_step = cfg.batch_size * recipe.trainer.grad_accum_steps
     peak = throughput.peak_flops(device, recipe.logging.peak_tflops)
+    groups = recipe.fault_tolerance.groups if recipe.fault_tolerance is not None else 1
     rates = throughput.Throughput(samples_per_step, cfg.tokens_per_sample, flops,
-                                  peak * placement.world_size if peak else None, device)
+                                  peak * placement.world_size if peak else None, device, groups)
     if recipe.trainer.compile:  # after the eager check. The wrapper is compiled, so DDP's buckets still
         wrapped = torch.compile(wrapped)  # overlap backward; checkpoints hold the plain model's keys
     parts = Parts(wrapped, optimizer, schedule, step=step, metrics=metrics,

@@ -87,6 +87,15 @@ class Strategy:
         across groups of ranks (fault tolerance's live replica groups)."""
         return self.data_share()[0]
 
+    def trained_share(self) -> float:
+        """The part of each global batch the last committed step trained: all of it, unless replica groups were
+        down at it (fault tolerance: the live groups' shares)."""
+        return 1.0
+
+    def val_share(self) -> Tuple[int, int]:
+        """data_share for validation: how many ranks read their own share of data.val, this rank's place."""
+        return self.data_share()
+
     def sum_counts(self, count: torch.Tensor) -> torch.Tensor:
         """A step's item `count` summed, in place, over every rank whose gradients the step averages. Collective."""
         return self.all_reduce_sum(count)

@@ -18,7 +18,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from launcher.errors import UserError
 from launcher.ft import settings
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
 from launcher.strategies.base import Live, Strategy
@@ -31,6 +30,8 @@ class FaultTolerant:
     recipe: Any  # the resolved recipe: its training keys are the fingerprint a joining group is checked against
     replicas: Any = None  # launcher.ft.replicas.Replicas, once set up
     leaving: Any = None  # launcher.ft.leaving.Watch, in a group of several processes
+    stream: Any = None  # data.train where it is a stream (launcher.data.stream.StreamData), and its place at the
+    place: Any = None  # step's start
     group = 0
 
     def setup(self) -> None:
@@ -69,6 +70,14 @@ class FaultTolerant:
     def gradient_share(self) -> int:
         return super().data_share()[0] * self.replicas.live_groups()
 
+    def trained_share(self) -> float:
+        return self.replicas.live_groups() / self.section.groups
+
+    def val_share(self) -> Tuple[int, int]:
+        # Each group evaluates the whole of data.val among its own processes: its val/loss is the run's (the groups'
+        # weights are alike), whichever groups are live, and no collective across groups runs outside a step
+        return super().data_share()
+
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         # Over this group's ranks alone (each group logs its own share): the inner strategy's mean would divide
         # its ranks' sum by data_share's count, every group's ranks.
@@ -78,14 +87,26 @@ class FaultTolerant:
         return self.replicas.sum(super().all_reduce_sum(count))
 
     def begin_step(self, live: Live) -> bool:
-        if getattr(live.data, "is_stream", False):
-            raise UserError("fault_tolerance: data.train is a stream; a group that joins takes a live group's place "
-                            "in map-style data only (a stream's per-rank place is later work): use a map-style "
-                            "dataset, or remove fault_tolerance")
-        return self.replicas.begin(live)
+        recovered = self.replicas.begin(live)
+        # A stream's place at the step's start: a dropped step is read again from it (a sampler's position is
+        # enough for map-style data)
+        self.stream = live.data if getattr(live.data, "is_stream", False) else None
+        self.place = self.stream.state() if self.stream is not None else None
+        return recovered
 
     def commit(self, params: List[torch.Tensor]) -> bool:
-        return self.replicas.commit(params)
+        if self.replicas.commit(params):
+            return True
+        if self.stream is not None:
+            self.stream.restart_at(self.place)
+        return False
+
+    def data_states(self, state: Any) -> List[Any]:
+        # Every data-parallel rank's place, of every group (a checkpoint of a group is an ordinary one): the
+        # others' are this group's own places as theirs (data/share.py: joined_place's rule, the resume's own)
+        own = super().data_states(state)
+        elsewhere = [p if not isinstance(p, dict) or p.get("split") != "own" else {**p, "dataset": None} for p in own]
+        return [place for g in range(self.section.groups) for place in (own if g == self.group else elsewhere)]
 
     def writes_checkpoints(self) -> bool:
         return self.replicas.lowest_live()
