@@ -114,6 +114,9 @@ class Average:
         for bucket in self.buckets:
             grads, flat, work = bucket.launched
             work.wait()
-            for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                grad.copy_(averaged)
+            for q, grad, averaged in zip(bucket.params, grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                if q.grad is grad:  # a plain gradient becomes its view of the bucket: no copy back (freed with it)
+                    q.grad = averaged
+                else:  # a DTensor's local shard, copied into
+                    grad.copy_(averaged)
             bucket.launched = None

@@ -190,7 +190,8 @@ class Replicas:
     def arm(self, params: List[torch.Tensor], overlap: bool) -> None:
         """The next backward is the step's last: its gradients are averaged over the live groups in buckets, launched
         as the backward makes them where `overlap` (a group of one process), else by `wait` once it is done."""
-        if self.averaging is None:
+        if self.averaging is None:  # (DDP's bucket sizes, not the recipe's ddp.bucket_cap_mb: every group must cut
+            # its buckets alike, and that key is not among those a joining group is checked against)
             self.averaging = average.Average(params, lambda flat: self.manager.allreduce(flat), overlap)
         self.averaging.arm()
 
