@@ -107,7 +107,8 @@ class Average:
 
     def wait(self) -> None:
         """After the step's last backward: the buckets not launched yet launched, in order, and every bucket's
-        average waited for and copied into the gradients. A failure is kept by the manager (its commit says it)."""
+        average waited for; it is the gradients from then on. A failure is kept by the manager (its commit says
+        it)."""
         self.armed = False
         while self.next < len(self.buckets):
             self._launch(self.buckets[self.next])
