@@ -3,6 +3,7 @@
     settings.py     which group this is, the lighthouse, each group's share of a batch, the recipe's fingerprint
     recovery.py     the state a live group hands to one that joins, and how it is taken (no checkpoint read)
     replicas.py     torchft's Manager, step by step: the quorum, the gradients' average, the commit
+    average.py      that average in buckets, launched as the backward makes them (as DDP's)
     lighthouse.py   torchft's lighthouse, in this process
     groups.py       every group of a run started on this machine, their output prefixed, one exit code
     __main__.py     python -m launcher.ft RECIPE [key=value ...]
