@@ -191,8 +191,12 @@ def test_the_fault_tolerance_row_runs_tiny_and_sets_a_failure_against_a_restart(
     pytest.importorskip("torchft", reason="torchft's wheels are Linux x86-64 only (the dev extra installs it there)")
     # A failure at step 30, a checkpoint every 20: the restarted run resumes step 20 and trains steps 21 to 30 again
     out = bench("--ft", "--ft-steps", "30", "--ft-every", "20", "--ft-widths", "64")
-    ratio = re.search(r"^ +64 +0\.02M +(\d+\.\d\d)ms +(\d+\.\d\d)ms +(\d+\.\d{3}) \(\S+\)$", out, re.M)
+    ratio = re.search(r"^ +64 +0\.02M +(\d+\.\d\d)ms +(\d+\.\d\d)ms +(\d+\.\d{3}) \(\S+\) +(-?\d+\.\d{3}) \(\S+\)$",
+                      out, re.M)
     assert ratio and plausible(float(ratio.group(3))), out  # a sanity bound on what was measured, not a target
+    # the CPU a step, ft against ddp: a slope over 23 steps of a 0.02M model is within the start-up's own spread
+    # here (at the row's sizes it is not), so only its being measured is checked
+    assert math.isfinite(float(ratio.group(4))), out
     assert float(ratio.group(1)) > 0 and float(ratio.group(2)) > 0, out
     number = r"(-?\d+\.\d\d)"
     tolerant = re.search(rf"^ +64 fault tolerance +{number}ms +{number}s +{number}s +(\d+) +(\d+) +{number}s "

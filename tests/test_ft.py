@@ -97,11 +97,18 @@ def test_a_closed_terminal_stops_every_group_saved_and_their_lines_stay_in_their
         assert steps(said.splitlines())[-1] == int(stopped.group(1)) >= 5
 
 
-def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alike(tmp_path):
+# With accumulation the gradients are rescaled to the step's total of items after the last backward: after the
+# average across groups, as ddp rescales after its all-reduce (before it, the product rounds another way)
+ACCUMULATED = ["trainer.grad_accum_steps=2", "data.batch_size=16", "trainer.clip_grad_norm=0.5",
+               "lr_schedule={_target_: torch.optim.lr_scheduler.StepLR, step_size: 5, gamma: 0.5}"]
+
+
+@pytest.mark.parametrize("accumulated", [[], ACCUMULATED], ids=["one-micro-batch", "accumulated-clipped-scheduled"])
+def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alike(tmp_path, accumulated):
     # Each group's item count differs from step to step; the step's gradient is that of the summed losses over
     # the items of every live group, as under ddp (the counts are summed across groups too): bitwise, as above.
     counted = [*RECIPE, "trainer.max_steps=20", "step._target_=tests.components_ft.counted_step", "step._partial_=true",
-               "loss.reduction=none"]
+               "loss.reduction=none", *accumulated]
     run = Run(*counted, *GROUPS, f"run_dir={tmp_path / 'ft'}")
     assert run.finish() == 0, run.text()[-3000:]
     ddp(*counted, f"run_dir={tmp_path / 'ddp'}")

@@ -9,6 +9,9 @@ whose clock leaves checkpoint saves out; and their lines), not timed inside the 
 
 - no failure: the steady step of each side (the batch over samples/s, per 10-step interval, after a quarter of
   the run), alternating fresh runs, the order reversed every repetition; ft / ddp per pair, its median and range.
+  Beside it the CPU seconds a step of all of a side's processes (user and system, the slope between runs of N/4
+  and N steps: start-up falls out): what fault tolerance adds in work, which a busy machine's wall clock, where
+  the groups wait on each other and on other tenants, does not show apart from its waits.
 - a failure: a process SIGKILLed in the forward of step k = `--ft-steps` (launcher/bench/dying.py), a checkpoint
   every `--ft-every` steps, a log line every step. With fault tolerance, group 1 dies, is started again at once by
   this row (as a supervisor would) and copies group 0's state live; without it, ddp's rank 1 dies, torchrun stops
@@ -29,6 +32,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -86,14 +90,17 @@ def ft(args) -> List[str]:
              f"replica groups of 1 process (python -m launcher.ft) against ddp x2 (torchrun), MLP 32-Wx{LAYERS}-10, "
              f"AdamW, global batch {BATCH}, 1 thread a process; timeouts pg {TIMEOUTS['pg']} s < quorum "
              f"{TIMEOUTS['quorum']} s < join {TIMEOUTS['join']} s",
-             f"no failure: the steady step, {k} steps a run, {args.reps} alternating repetitions",
-             f"{'width':>6} {'parameters':>11} {'ddp x2':>9} {'ft 2x1':>9}  ft / ddp (range)"]
+             f"no failure: the steady step, {k} steps a run, {args.reps} alternating repetitions; cpu: the CPU "
+             f"seconds a step of all the processes of a side (runs of {max(1, k // 4)} and {k} steps: the slope)",
+             f"{'width':>6} {'parameters':>11} {'ddp x2':>9} {'ft 2x1':>9}  ft / ddp (range)  cpu ft / ddp (range)"]
     for width in args.ft_widths:
-        step = _no_failure(args, width)
-        r = [a / b for a, b in zip(step["ft"], step["ddp"])]
-        lines.append(f"{width:>6} {_parameters(width) / 1e6:10.2f}M {statistics.median(step['ddp']) * 1e3:7.2f}ms "
-                     f"{statistics.median(step['ft']) * 1e3:7.2f}ms  {statistics.median(r):.3f} "
-                     f"({min(r):.3f}-{max(r):.3f})")
+        side = _no_failure(args, width)
+        r = [a / b for a, b in zip(side["ft"]["step"], side["ddp"]["step"])]
+        c = [a / b for a, b in zip(side["ft"]["cpu"], side["ddp"]["cpu"])]
+        lines.append(f"{width:>6} {_parameters(width) / 1e6:10.2f}M "
+                     f"{statistics.median(side['ddp']['step']) * 1e3:7.2f}ms "
+                     f"{statistics.median(side['ft']['step']) * 1e3:7.2f}ms  {statistics.median(r):.3f} "
+                     f"({min(r):.3f}-{max(r):.3f})  {statistics.median(c):.3f} ({min(c):.3f}-{max(c):.3f})")
     lines += [f"a process SIGKILLed in the forward of step {k}, a checkpoint every {every} steps (a restart resumes "
               f"step {(k - 1) // every * every}), a log line every step; cost: from step {k - 1}'s line to step "
               f"{k + AFTER}'s, beyond as many steady steps",
@@ -115,20 +122,35 @@ def ft(args) -> List[str]:
     return lines
 
 
-def _no_failure(args, width: int) -> Dict[str, List[float]]:
-    """Each side's steady step (seconds), one a repetition, the sides alternating."""
-    recipe = [*RECIPE, f"model.hidden={width}", f"trainer.max_steps={args.ft_steps}", "trainer.log_every=10",
-              "checkpoint.every=null", "checkpoint.resume=never"]
-    sides = {"ddp": lambda run: ([*TORCHRUN, *recipe, "strategy=ddp", f"run_dir={run}"], run),
-             "ft": lambda run: ([PY, "-m", "launcher.ft", *recipe, *GROUPS, f"run_dir={run}"], run / "group_0")}
-    steps: Dict[str, List[float]] = {side: [] for side in sides}
+def _no_failure(args, width: int) -> Dict[str, Dict[str, List[float]]]:
+    """Each side's steady step and CPU seconds a step, one of each a repetition, the sides alternating."""
+    n, quarter = args.ft_steps, max(1, args.ft_steps // 4)
+
+    def recipe(steps: int) -> List[str]:
+        return [*RECIPE, f"model.hidden={width}", f"trainer.max_steps={steps}", "trainer.log_every=10",
+                "checkpoint.every=null", "checkpoint.resume=never"]
+
+    sides = {"ddp": lambda run, k: ([*TORCHRUN, *recipe(k), "strategy=ddp", f"run_dir={run}"], run),
+             "ft": lambda run, k: ([PY, "-m", "launcher.ft", *recipe(k), *GROUPS, f"run_dir={run}"], run / "group_0")}
+    measured: Dict[str, Dict[str, List[float]]] = {side: {"step": [], "cpu": []} for side in sides}
     for rep in range(args.reps):
         order = list(sides.items())
         for side, made in order if rep % 2 == 0 else reversed(order):
-            command, folder = made(Path(args.run_dir) / f"ft-{width}-{side}-{rep}")
-            _finished(command, {})
-            steps[side].append(_steady(_rows(folder), args.ft_steps + 1))
-    return steps
+            cpu = {}
+            for k in (quarter, n):
+                command, folder = made(Path(args.run_dir) / f"ft-{width}-{side}-{rep}-{k}", k)
+                cpu[k] = _cpu_seconds(command)
+            measured[side]["step"].append(_steady(_rows(folder), n + 1))
+            measured[side]["cpu"].append((cpu[n] - cpu[quarter]) / (n - quarter))
+    return measured
+
+
+def _cpu_seconds(command: List[str]) -> float:
+    """A run to its end; the user and system CPU seconds of all its processes (each waited for by its parent)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    _finished(command, {})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def _fault_tolerant(args, width: int) -> dict:

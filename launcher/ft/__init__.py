@@ -4,6 +4,7 @@
     recovery.py     the state a live group hands to one that joins, and how it is taken (no checkpoint read)
     same_recipe.py  every member of a new quorum checked against the live groups' recipe, before anything is averaged
     replicas.py     torchft's Manager, step by step: the quorum, the gradients' average, the commit
+    average.py      that average in buckets, launched as the backward makes them (as DDP's)
     lighthouse.py   torchft's lighthouse, in this process
     leaving.py      a group that loses one of its processes leaves the run at once
     groups.py       every group of a run started on this machine, their output prefixed, one exit code

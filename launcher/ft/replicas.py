@@ -6,10 +6,11 @@ Each step:
    the step reads a batch. A group behind the others (one that joins, or one a quorum went on without) first
    copies a live group's state (recovery.py) and reads its batches from the position it took. A fresh run's
    first step waits (up to timeouts.join) for every group, so that all of them train from step 1.
-2. The step's forward and backward, inside the group as its strategy does them.
-3. `commit`: the gradients are averaged over the live groups (one all-reduce of all of them, flattened), and
-   the group steps only if torchft commits: when a group died or froze during the step, the live ones drop it
-   and train it again from the same batches (the loop rewinds), so no live group's step ever goes back.
+2. The step's forward and backward, inside the group as its strategy does them; `arm` before the last one:
+   the gradients are averaged over the live groups in buckets (average.py), each launched as that backward makes
+   it (a group of one process) or once it is done (a group's own reduction first), and `wait` after it.
+3. `commit`: the group steps only if torchft commits: when a group died or froze during the step, the live ones
+   drop it and train it again from the same batches (the loop rewinds), so no live group's step ever goes back.
 
 The periodic checkpoints are written by the lowest live group (`lowest_live`). Nothing here is called by a run
 without fault_tolerance, and torchft is imported only here.
@@ -28,11 +29,10 @@ import warnings
 from typing import Any, Callable, List, Mapping, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from launcher import seeding
 from launcher.errors import Hung, NoQuorum, UserError, first_line
-from launcher.ft import recovery, same_recipe
+from launcher.ft import average, recovery, same_recipe
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
 
 REPLICA_ID = "group_{:05d}"  # torchft sorts groups by it (lowest first) and reads its trailing digits
@@ -72,6 +72,14 @@ def _answers(lighthouse: str) -> None:
                         f"address") from None
 
 
+def process_group(device: str) -> type:
+    """torchft's process group across the groups for gradients on `device`: its NCCL one on CUDA (abortable: a
+    dead group's collective errors out after timeouts.pg rather than hanging), gloo on the CPU."""
+    import torchft
+
+    return torchft.ProcessGroupNCCL if device == "cuda" else torchft.ProcessGroupGloo
+
+
 def _transport(timeout: datetime.timedelta) -> Any:
     """torchft's HTTP transfer of a live group's state (its default), without a line on stderr per request."""
     from torchft.checkpointing import HTTPTransport
@@ -82,19 +90,15 @@ def _transport(timeout: datetime.timedelta) -> Any:
     return transport
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `tensor`: its local shard where it is a DTensor (a view: copied into, the DTensor has
-    it)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 class Replicas:
     """This process's Manager: rank `rank` of `world` in group `group` of `section.groups`; `agree` gathers a value
     from every process of the group (its strategy's all_gather_object)."""
 
     def __init__(self, section: FaultToleranceConfig, group: int, rank: int, world: int, lighthouse: str,
-                 fingerprint: Mapping[str, Any], agree: Callable[[Any], List[Any]], log: Optional[str] = None):
+                 fingerprint: Mapping[str, Any], agree: Callable[[Any], List[Any]], log: Optional[str] = None,
+                 device: str = "cpu"):
         self.section, self.group, self.rank, self.world, self.agree = section, group, rank, world, agree
+        self.device = device  # where the gradients are: the process group across the groups follows it
         self.lighthouse, self.fingerprint, self.log = lighthouse, fingerprint, log
         _answers(lighthouse)
         self.manager: Any = None  # made at the first step (see _start)
@@ -103,13 +107,14 @@ class Replicas:
         self.participants: Optional[int] = None
         self.drawn: Any = None  # the RNG states at the step's start
         self.checked: Optional[int] = None  # the quorum whose members' recipes were found alike
+        self.averaging: Optional[average.Average] = None  # made at the first step's last backward
 
     def _start(self) -> None:
         """torchft's Manager, made just before the first quorum: from then on the lighthouse counts this group
         among the live ones (a run of two groups waits for a group it counts and that has not joined a quorum
         yet, so a group that took minutes to build its model would otherwise hold the other back as long)."""
         quiet(self.log)
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager
 
         t, seconds, store = self.section.timeouts, datetime.timedelta, {}
         if "MASTER_ADDR" not in os.environ:  # a group of one plain process: it hosts its group's store itself
@@ -119,7 +124,7 @@ class Replicas:
             store = {"store_addr": socket.gethostname(), "store_port": self.store.port}
         try:
             self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=seconds(seconds=t.pg)), load_state_dict=self._take, state_dict=self._give,
+                pg=process_group(self.device)(timeout=seconds(seconds=t.pg)), load_state_dict=self._take, state_dict=self._give,
                 min_replica_size=self.section.min_groups, use_async_quorum=False, init_sync=True,
                 timeout=seconds(seconds=t.join), quorum_timeout=seconds(seconds=t.quorum),
                 connect_timeout=seconds(seconds=t.join), rank=self.rank, world_size=self.world,
@@ -192,16 +197,21 @@ class Replicas:
             live.say(f"fault tolerance: step {live.position.step + 1}: {now} of {self.section.groups} groups live")
         self.participants = now
 
-    def commit(self, params: List[torch.Tensor]) -> bool:
-        """Average the gradients over the live groups; whether the optimizer may step (torchft's commit)."""
-        for q in params:
-            if q.grad is None:  # a parameter this group's batch did not reach: the others' may have
-                q.grad = torch.zeros_like(q)
-        # A sharded gradient (fsdp, tp) is averaged as this rank's shard: the same rank of every group holds the
-        # same shard of it (groups of one recipe have one layout), and its group has reduced it already.
-        grads = [local(q.grad) for q in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        self.manager.allreduce(flat).wait()  # the mean over the live groups; a failure is kept by the manager
+    def arm(self, params: List[torch.Tensor], overlap: bool) -> None:
+        """The next backward is the step's last: its gradients are averaged over the live groups in buckets, launched
+        as the backward makes them where `overlap` (a group of one process), else by `wait` once it is done."""
+        if self.averaging is None:  # (DDP's bucket sizes, not the recipe's ddp.bucket_cap_mb: every group must cut
+            # its buckets alike, and that key is not among those a joining group is checked against)
+            self.averaging = average.Average(params, lambda flat: self.manager.allreduce(flat), overlap)
+        self.averaging.arm()
+
+    def wait(self) -> None:
+        """After the step's last backward: the gradients are the mean over the live groups (as ddp's are at the end
+        of its backward), or a failure is kept by the manager for `commit`."""
+        self.averaging.wait()
+
+    def commit(self) -> bool:
+        """Whether the optimizer may step (torchft's commit): False when a group failed during the step."""
         if not self.manager.should_commit():
             why = self.manager.errored()
             self.live.say(f"fault tolerance: step {self.live.position.step + 1} dropped "
@@ -209,8 +219,6 @@ class Replicas:
                           f"train it again")
             seeding.restore(self.drawn, recovery.device_of(self.live))
             return False
-        for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(averaged)
         return True
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,11 @@ under torchrun, fsdp with its tp and dp_replicate), torchft's quorum and gradien
 same rank of the other live groups.
 
 `around(cls, ...)` is `cls` with the few methods fault tolerance changes in front of it: the data share (this
-group's of every batch), the step's start (a quorum, maybe a live recovery) and commit (the gradients averaged
-over the live groups), the item counts summed across groups, and who writes the periodic checkpoints. The rest
-(wrapping, no_sync, state dicts, collectives inside the group) stays the inner strategy's. This module, and so
-torchft, is imported only when a recipe has a fault_tolerance section.
+group's of every batch), the step's start (a quorum, maybe a live recovery), its last micro-batch (the gradients
+averaged over the live groups in buckets, with its backward), its commit (torchft's vote), the item counts summed
+across groups, and who writes the periodic checkpoints. The rest (wrapping, no_sync, state dicts, collectives
+inside the group) stays the inner strategy's. This module, and so torchft, is imported only when a recipe has a
+fault_tolerance section.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class FaultTolerant:
 
         fingerprint = settings.fingerprint(self.recipe, self.placement.world_size, self.layout())
         self.replicas = Replicas(self.section, self.group, self.placement.rank, self.placement.world_size,
-                                 lighthouse, fingerprint, self.all_gather_object, self._log())
+                                 lighthouse, fingerprint, self.all_gather_object, self._log(), self.device.type)
         if self.placement.world_size > 1:  # a process of the group lost: the group leaves at once (ft/leaving.py)
             from launcher.ft import leaving
 
@@ -94,8 +95,19 @@ class FaultTolerant:
         self.place = self.stream.state() if self.stream is not None else None
         return recovered
 
+    def train_batch(self, model: Any, step: Any, batch: Any, precision: Any, weights: Any, last: bool,
+                    before_backward: Any) -> List[Tuple[Any, ...]]:
+        if last:  # overlapped with the backward where a group is one process: no reduction inside it, so each
+            # gradient is final as the backward makes it
+            params = [q for q in model.parameters() if q.requires_grad]
+            self.replicas.arm(params, overlap=self.placement.world_size == 1 and self.layout() == "whole")
+        done = super().train_batch(model, step, batch, precision, weights, last, before_backward)
+        if last:  # averaged before the loss weights' rescale, as ddp's gradients are
+            self.replicas.wait()
+        return done
+
     def commit(self, params: List[torch.Tensor]) -> bool:
-        if self.replicas.commit(params):
+        if self.replicas.commit():
             return True
         if self.stream is not None:
             self.stream.restart_at(self.place)
