@@ -241,3 +241,78 @@ def test_the_text_data_sections_lines_at_start_are_those_its_command_gives(tmp_p
     entry = re.escape(shown[-1].replace("/home/you/.cache/launcher/text", str(token_cache.folder(True)))).replace(
         re.escape("<32 hex digits>"), "[0-9a-f]{32}")
     assert re.fullmatch(entry, said[-1]), said[-1]
+
+
+def ways_of_launching() -> list[list[str]]:
+    """The commands of the README's "Ways of launching" table, row by row."""
+    section = README.split("## Ways of launching", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2] for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    return [shlex.split(re.search(r"`([^`]+)`", row).group(1)) for row in rows]
+
+
+def _port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_the_ways_of_launching_walked_in_order_after_the_quickstart(tmp_path):
+    """The README's quickstart, then each row of "Ways of launching" in order, as a newcomer types them on a CPU
+    in a fresh clone: each does what its row says. Before, the torchrun and accelerate rows resumed the
+    quickstart's finished run and trained nothing, and the accelerate row started one process, silently. Real
+    torchrun and accelerate launch (their modules, given a free port), 8 steps each; the Slurm row rendered, not
+    submitted (no cluster here: its job would train the folder the script names, which must not hold a run)."""
+    import shutil
+    import time
+
+    quickstart = shlex.split(re.search(r"&& (python -m launcher recipes/quickstart\.yaml)\n", README).group(1))
+    rows = ways_of_launching()
+    assert [r[:2] for r in rows] == [["python", "-m"], ["torchrun", "--nproc_per_node=4"], ["accelerate", "launch"],
+                                     ["python", "-m"], ["python", "-m"]], rows
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}  # this checkout's launcher; a CPU
+    short = ["trainer.max_steps=8", "logging.memory_plan=false"]  # 8 steps, and no planner process beside each
+    pace = None
+
+    def typed(argv: list[str], expect: int = 0) -> str:
+        nonlocal pace
+        real = {"python": [sys.executable],
+                "torchrun": [sys.executable, "-m", "torch.distributed.run", f"--master_port={_port()}"],
+                "accelerate": [sys.executable, "-m", "accelerate.commands.launch", f"--main_process_port={_port()}"]}
+        command = real[argv[0]] + argv[1 + (argv[0] == "accelerate"):]
+        started = time.monotonic()
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=None if pace is None else 40 * pace)  # 40 times the quickstart's own pace
+        pace = pace or time.monotonic() - started
+        out = done.stdout + done.stderr
+        assert done.returncode == expect, f"{' '.join(argv)}\n{out[-4000:]}"
+        return out
+
+    def trained(out: str, name: str, ranks: int, strategy: str) -> None:
+        assert f"training {name}: 8 steps" in out and f"on cpu ({strategy})" in out and "step 8/8" in out, out
+        assert "resumed" not in out and "nothing to train" not in out, out
+        assert len(re.findall(r"^\d+ +\d+ +0 +cpu", out, re.M)) == ranks, out  # rank 0's table: a line per rank
+        assert (tmp_path / "runs" / name / "model.pt").exists()
+
+    trained(typed([*quickstart, *short]), "quickstart", 1, "single")
+    one, torchrun, accelerate, slurm, sweep = rows
+    assert one == quickstart  # the quickstart again: finished, it says so and how to start afresh
+    again = typed([*one, *short])
+    assert "runs/quickstart already finished at step 8; nothing to train (name=NEW trains a run of its own, " \
+           "checkpoint.resume=never trains this one anew)" in again, again
+    trained(typed([*torchrun, *short]), "quickstart-ddp", 4, "ddp")
+    trained(typed([*accelerate, *short]), "quickstart-accelerate", 2, "accelerate")
+    assert slurm[3] == "submit"
+    script = typed([*slurm[:3], "render", *slurm[4:], *short])
+    name = _option(slurm, "name")
+    assert f"run_dir={tmp_path / 'runs' / name}" in script and "#SBATCH --nodes=2" in script, script
+    assert not (tmp_path / "runs" / name).exists()  # the job trains a run of its own from step 0
+    if shutil.which("sbatch", path=env["PATH"]) is None:  # as typed: one line says what is missing
+        said = typed([*slurm, *short], expect=2)
+        assert "launcher: sbatch is not on PATH" in said, said
+    table = typed([*(a if a != "trainer.max_steps=200" else short[0] for a in sweep), short[1]])
+    assert len(re.findall(r"\bdone +8/8\b", table)) == 4, table
+    assert len(list((tmp_path / "runs" / "quickstart").glob("lr=*/model.pt"))) == 4
