@@ -142,11 +142,26 @@ def _option(argv: list[str], key: str, default: str | None = None) -> str | None
     return found[-1] if found else default
 
 
+def _moe_line(clone, argv: list[str]) -> str:
+    """The line a run of `argv` (python -m launcher RECIPE key=value ...) says of its experts at start: its model
+    built from the recipe in the clone's folder, as the run builds it."""
+    from launcher.model.moe import described
+    from launcher.recipe import instantiate, load
+
+    cwd = os.getcwd()
+    os.chdir(clone)  # the recipe names its folder relative to the clone
+    try:
+        return described(instantiate(load(clone / argv[3], argv[4:]).recipe.model))
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.mark.slow
 def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
     """A newcomer types docs/fine-tuning.md's commands in order on a CPU: each does what its text says. Before,
     the fsdp command resumed the finished single run and trained nothing, and the export folder was not the one
-    the recipe named. Run as written, in a folder standing for a fresh clone (the repo's recipes, no runs/)."""
+    the recipe named; the MoE section's first line said the router's loss was trained where its command said it
+    was not, and the DPO section had no command to run. Run as written, in a folder standing for a fresh clone (the repo's recipes, no runs/)."""
     import safetensors
     import torch
     import transformers
@@ -181,8 +196,11 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
             folder = _option(argv, "model.config.pretrained_model_name_or_path",
                              _option(argv, "model.model.config.pretrained_model_name_or_path"))
             assert f"initialised the model from {folder}" in out, out
-            if folder == "runs/tiny-qwen3-moe":  # the line it shows, and each rank reading its experts
-                assert "moe: 2 layers of 8 experts, top 2; the router's load-balancing loss is not trained" in out
+            if folder == "runs/tiny-qwen3-moe":  # the lines it shows, and each rank reading its experts
+                shown = re.search(r"```\n(moe: .*?)```", text, re.S).group(1).splitlines()
+                said = re.search(r"^moe: .*$", out, re.M).group(0)
+                assert said == shown[0] and "is not trained" in said, (said, shown)  # the page's first: this command's
+                assert _moe_line(tmp_path, [*argv, "model.config.output_router_logits=true"]) == shown[1]  # its second
                 assert f"initialised the model from {folder} into this rank's shards" in out, out
             if _option(argv, "strategy") == "fsdp":
                 assert f"fsdp: sharded over {_option(argv, 'nproc_per_node')} ranks" in out, out
@@ -215,32 +233,51 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
                                             ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
                                             ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
                                             ["python", "-m", "launcher.export", "runs/hf_finetune"]]
-    assert trained == ["hf_finetune", "hf_finetune-fsdp", "hf_lora", "moe"], trained
+    assert trained == ["hf_finetune", "hf_finetune-fsdp", "hf_lora", "moe", "hf_dpo"], trained
 
 
 def test_the_text_data_sections_lines_at_start_are_those_its_command_gives(tmp_path, monkeypatch):
-    """docs/text-data.md's commands are the tiny folder and recipes/hf_sft.yaml on it; the lines it shows are what
-    that recipe's data.train says, built in a folder standing for a fresh clone (only its tokenizer written)."""
+    """docs/text-data.md's commands are the tiny folder and, after it, a run on it: recipes/hf_sft.yaml (the first
+    section), recipes/hf_dpo.yaml on the clone's pairs (Preference pairs) and hf_sft.yaml's data made a mixture
+    of the clone's files (Mixing sources by weight). The lines each section shows are what its command's
+    data.train says, built in a folder standing for a fresh clone (only its tokenizer written). Before, the
+    preference and mixing sections had no command, and the mixture named files a clone lacks."""
     from launcher.data.text import cache as token_cache
     from launcher.recipe import instantiate, load
     from recipes.components.tiny_tokenizer import bpe
 
     text = page("text-data.md")
-    assert commands(text) == [["python", "-m", "recipes.components.hf_folder", "runs/tiny-llama"],
-                              ["python", "-m", "launcher", "recipes/hf_sft.yaml",
-                               "model.config.pretrained_model_name_or_path=runs/tiny-llama"]]
-    shown = re.search(r"```\n(data\.train: .*?)```", text, re.S).group(1).splitlines()
+    folder = ["python", "-m", "recipes.components.hf_folder", "runs/tiny-llama"]
+    walked = commands(text)
+    assert walked[0::2] == [folder] * 3, walked
+    sft, dpo, mix = walked[1::2]
+    on_tiny = ["model.config.pretrained_model_name_or_path=runs/tiny-llama"]
+    assert sft == ["python", "-m", "launcher", "recipes/hf_sft.yaml", *on_tiny]
+    assert dpo == ["python", "-m", "launcher", "recipes/hf_dpo.yaml", *on_tiny, "data.train.max_len=48"]
+    assert mix[:6] == ["python", "-m", "launcher", "recipes/hf_sft.yaml", *on_tiny, "name=hf_mix"]
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
     bpe().save_pretrained(tmp_path / "runs" / "tiny-llama")  # the folder's tokenizer, as hf_folder writes it
     monkeypatch.chdir(tmp_path)
-    loaded = load(tmp_path / "recipes" / "hf_sft.yaml", ["model.config.pretrained_model_name_or_path=runs/tiny-llama"])
-    said = [f"data.train: {line}" for line in instantiate(loaded.recipe.data.train).notes]
-    assert said[:-1] == shown[:-1]
+
+    def said(argv: list[str]) -> list[str]:
+        data = instantiate(load(tmp_path / argv[3], argv[4:]).recipe.data.train)
+        return [f"data.train: {line}" for line in data.notes]
+
+    def shown_after(marker: str) -> list[str]:
+        return re.search(re.escape(marker) + r".*?```\n(data\.train: .*?)```", text, re.S).group(1).splitlines()
+
+    shown, first = re.search(r"```\n(data\.train: .*?)```", text, re.S).group(1).splitlines(), said(sft)
+    assert first[:-1] == shown[:-1]
     # the last names the entry in the default folder (~/.cache/launcher/text), here the test's own
     # ($LAUNCHER_CACHE/text: conftest.py keeps the user's folder out of the tests)
     entry = re.escape(shown[-1].replace("/home/you/.cache/launcher/text", str(token_cache.folder(True)))).replace(
         re.escape("<32 hex digits>"), "[0-9a-f]{32}")
-    assert re.fullmatch(entry, said[-1]), said[-1]
+    assert re.fullmatch(entry, first[-1]), first[-1]
+    pairs = said(dpo)
+    assert all(line in pairs for line in shown_after("## Preference pairs")), pairs
+    mixed = said(mix)
+    assert all(line in mixed for line in shown_after("- **The lines at start**")), mixed
+    assert "`runs/hf_mix/`" in text
 
 
 def ways_of_launching() -> list[list[str]]:
