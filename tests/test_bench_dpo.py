@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launcher.bench import dpo
+from launcher.bench.dpo import row as dpo
 from tests.conftest import REPO
 from tests.test_bench import bench, plausible
 
@@ -60,7 +60,7 @@ def test_trl_tokenizes_the_pairs_whole_as_in_parts(folder_and_pairs):
     tokens and EOS (TRL's split of the joined text falls where the prompt ends), nothing cut by max_len."""
     from transformers import AutoTokenizer
 
-    from launcher.bench.peer_dpo import pairs, tokenized
+    from launcher.bench.dpo.peer import pairs, tokenized
 
     folder, data = folder_and_pairs
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -99,11 +99,11 @@ def test_trl_s_side_trains_the_dpo_the_row_says(folder_and_pairs):
     order, the reference the starting model's, written out here: the peer's settings do what the row claims."""
     from transformers import AutoModelForCausalLM
 
-    from launcher.bench.peer_dpo import tokenized
+    from launcher.bench.dpo.peer import tokenized
 
     folder, data = folder_and_pairs
     steps = 12
-    done = subprocess.run([sys.executable, "-m", "launcher.bench.peer_dpo", str(folder), str(data), str(steps),
+    done = subprocess.run([sys.executable, "-m", "launcher.bench.dpo.peer", str(folder), str(data), str(steps),
                            str(dpo.BATCH), str(dpo.MAX_LEN), str(dpo.BETA), str(dpo.LR)], cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -157,7 +157,7 @@ def test_the_row_says_whether_the_loss_is_within_one_percent():
 def test_the_launcher_reads_the_pairs_as_the_same_tokens_as_trl(folder_and_pairs):
     """The launcher's preference data (prompt then answer, strings) against TRL's tokenization of the same file:
     the same tokens, the loss on the same ones (the answers and EOS)."""
-    from launcher.bench.peer_dpo import tokenized
+    from launcher.bench.dpo.peer import tokenized
 
     folder, data = folder_and_pairs
     theirs = tokenized(str(folder), str(data), dpo.MAX_LEN)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launcher.bench import moe, moe_gpu
+from launcher.bench.moe import gpu as moe_gpu, row as moe
 from launcher.observe import holdings
 from tests.conftest import REPO
 from tests.test_bench import bench, plausible

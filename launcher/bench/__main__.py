@@ -88,18 +88,18 @@ import importlib.util
 import sys
 import tempfile
 
-from launcher.bench.defaults import defaults
-from launcher.bench.dpo import dpo, dpo_options
-from launcher.bench.ft import ft, ft_options
-from launcher.bench.layouts import layouts
-from launcher.bench.moe import moe, moe_options
-from launcher.bench.pipeline import SCHEDULES, pipeline
-from launcher.bench.rows import hf, loggers, scaling, workload
+from launcher.bench.loop.defaults import defaults
+from launcher.bench.dpo.row import dpo, dpo_options
+from launcher.bench.ft.row import ft, ft_options
+from launcher.bench.layouts.row import layouts
+from launcher.bench.moe.row import moe, moe_options
+from launcher.bench.layouts.pipeline import SCHEDULES, pipeline
+from launcher.bench.loop.rows import hf, loggers, scaling, workload
 from launcher.bench.runs import PY, aborted_at_exit, alternate
-from launcher.bench.saves import saves
-from launcher.bench.pretrained import pretrained
-from launcher.bench.sft import sft
-from launcher.bench.startup import startup
+from launcher.bench.saves.row import saves
+from launcher.bench.layouts.pretrained import pretrained
+from launcher.bench.sft.row import sft
+from launcher.bench.loop.startup import startup
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -158,14 +158,14 @@ def measure(args, argv) -> int:
     if args.settings == ("sft",):
         return _sft(args, argv)
     if args.settings == ("moe",):
-        from launcher.bench.moe_gpu import measure as moe
+        from launcher.bench.moe.gpu import measure as moe
 
         return moe(args, f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}, "
                          f"{args.steps} steps, {args.reps} alternating repetitions (python -m launcher.bench.gpu "
                          f"{' '.join(sys.argv[1:] if argv is None else argv)})")
     if args.settings in (("finetune",), ("fp8",)):
-        from launcher.bench.finetune import measure as finetune
-        from launcher.bench.fp8 import measure as fp8
+        from launcher.bench.finetune.row import measure as finetune
+        from launcher.bench.finetune.fp8 import measure as fp8
 
         print(f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}, {args.steps} "
               f"steps, {args.reps} alternating repetitions (python -m launcher.bench.gpu "
@@ -216,7 +216,7 @@ def measure(args, argv) -> int:
 
 def _sft(args, argv) -> int:
     """The SFT row on this device: the 1B size, or the tiny one."""
-    from launcher.bench.sft import sft
+    from launcher.bench.sft.row import sft
 
     command = " ".join(["python -m launcher.bench.gpu", *(sys.argv[1:] if argv is None else argv)])
     print(f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}", flush=True)

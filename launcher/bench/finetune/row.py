@@ -77,6 +77,6 @@ def _sides(args, folder: Path, length: int, batch: int, checkpointing: bool, com
             f"trainer.compile={str(compile).lower()}", "checkpoint.every=null", "checkpoint.consolidate=never",
             "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false",
             f"devices={args.device}", f"run_dir={args.run_dir}/ours"]
-    peer = [PY, "-m", "launcher.bench.peer_finetune", str(folder), str(args.steps), str(batch), str(length),
+    peer = [PY, "-m", "launcher.bench.finetune.peer", str(folder), str(args.steps), str(batch), str(length),
             str(int(checkpointing)), str(int(compile))]
     return {"peer": (peer, {}), "ours": (ours, {})}

@@ -85,7 +85,7 @@ def sides(args, size: str, device: str, folder: Path, data: Path, seed: int) -> 
             f"trainer.max_steps={args.sft_steps}", f"trainer.log_every={LOG_EVERY}", "checkpoint.every=null",
             "checkpoint.consolidate=never", "checkpoint.resume=never", "logging.tensorboard=false",
             "logging.progress_bar=false"]
-    peer = [PY, "-m", "launcher.bench.peer_sft", str(folder), str(data), str(args.sft_steps), str(shape["batch"]),
+    peer = [PY, "-m", "launcher.bench.sft.peer", str(folder), str(data), str(args.sft_steps), str(shape["batch"]),
             str(shape["max_len"]), str(seed), str(LOG_EVERY)]
     return {"padded": ([*ours, "data.train.packing=false", f"run_dir={args.run_dir}/sft-padded"], {}),
             "packed": ([*ours, "data.train.packing=true", f"run_dir={args.run_dir}/sft-packed"], {}),

@@ -22,7 +22,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from launcher.bench import s3_clients
+from launcher.bench.saves import s3_clients
 from launcher.bench.runs import PY, REPO
 
 BUCKET = "launcher-bench"

@@ -6,7 +6,7 @@ launcher's recipe does not do: a constant learning rate, no gradient clipping, n
 checkpoint, tracker or progress bar, the loss read every 100 steps. One thread; every step's end is
 timed by a callback on the same clock as the other sides (launcher/bench/workload.py).
 
-    python -m launcher.bench.peer_trainer [STEPS]
+    python -m launcher.bench.loop.peer_trainer [STEPS]
 """
 
 import sys
@@ -15,7 +15,7 @@ import tempfile
 import torch
 import yaml
 
-from launcher.bench.raw_hf import RECIPE, arguments
+from launcher.bench.loop.raw_hf import RECIPE, arguments
 from launcher.bench.workload import StepClock, finish, trainer_callback
 from launcher.data.collate import Pad
 from recipes.components.passages import Passages

@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from launcher.bench.moe import CPU, LOG_EVERY, alternated, ratios, recipe, torchrun
+from launcher.bench.moe.row import CPU, LOG_EVERY, alternated, ratios, recipe, torchrun
 
 GPU = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4,
            num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)

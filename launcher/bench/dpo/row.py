@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from launcher.bench.runs import PY, measure
-from launcher.bench.sft import WORDS
+from launcher.bench.sft.row import WORDS
 
 BATCH, MAX_LEN, BETA, LR = 8, 128, 0.1, 2e-3  # pairs a step; tokens a sequence at most (above every pair's)
 PAIRS = 256  # a pass over them every 32 steps: the reference pass, a constant of every run, stays short
@@ -81,7 +81,7 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> None:
 def prepare(run_dir: Path) -> Tuple[Path, Path, dict]:
     """The model folder and the pairs, and what they are: pairs, and the tokens of a pair (prompt + chosen and
     prompt + rejected) by TRL's tokenization."""
-    from launcher.bench.peer_dpo import tokenized
+    from launcher.bench.dpo.peer import tokenized
     from recipes.components.hf_folder import write
 
     folder, data = run_dir / "dpo-model", run_dir / "dpo-pairs.jsonl"
@@ -126,7 +126,7 @@ def sides(args, folder: Path, data: Path, steps: int, rep: int) -> Dict[str, Tup
             "trainer.eval_every=null", "checkpoint.every=null", "checkpoint.consolidate=never",
             "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false", "logging.jsonl=true",
             f"run_dir={ours_dir(args, steps, rep)}"]
-    peer = [PY, "-m", "launcher.bench.peer_dpo", str(folder), str(data), str(steps), str(BATCH), str(MAX_LEN),
+    peer = [PY, "-m", "launcher.bench.dpo.peer", str(folder), str(data), str(steps), str(BATCH), str(MAX_LEN),
             str(BETA), str(LR)]
     return {"ours": (ours, {}), "trl": (peer, {})}
 

@@ -8,7 +8,7 @@ rate and weight decay, a constant schedule, no clipping; the rest at SFTConfig's
 gradient_checkpointing=True; bf16 on a GPU, fp32 on the CPU, as the launcher's side). Every step's end is timed
 on the other sides' clock; the report adds the last logged loss, and TRL's rows and their tokens.
 
-    python -m launcher.bench.peer_sft FOLDER DATA STEPS BATCH MAX_LEN SEED LOG_EVERY
+    python -m launcher.bench.sft.peer FOLDER DATA STEPS BATCH MAX_LEN SEED LOG_EVERY
 """
 
 import sys

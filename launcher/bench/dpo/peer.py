@@ -26,7 +26,7 @@ character no answer's first token joins ("?"), answers beginning with a space an
 and a max_len above every pair: the launcher's preference data (prompt then answer, as prompt_completion: BOS,
 the text tokenized whole, labels on the answer's characters, EOS after it) sees the same tokens.
 
-    python -m launcher.bench.peer_dpo FOLDER PAIRS STEPS BATCH MAX_LEN BETA LR
+    python -m launcher.bench.dpo.peer FOLDER PAIRS STEPS BATCH MAX_LEN BETA LR
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from launcher.bench.finetune import LENGTH_BATCH, SHAPES, _sides
+from launcher.bench.finetune.row import LENGTH_BATCH, SHAPES, _sides
 from launcher.bench.runs import PY, alternate, median
 
 

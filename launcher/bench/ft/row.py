@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from launcher.bench.dying import VARIABLE
+from launcher.bench.ft.dying import VARIABLE
 from launcher.bench.runs import PY, REPO
 
 BATCH = 64
@@ -47,7 +47,7 @@ AFTER = 5  # steps after a failure (and after a rejoin) that its cost is summed 
 WAIT = 600  # seconds a run may take to reach a point this row waits for
 TIMEOUTS = {"pg": 2, "quorum": 10, "join": 60}  # pg < quorum < join; pg is how long a dead group stalls the others
 RECIPE = ["recipes/quickstart.yaml", "devices=cpu", f"data.batch_size={BATCH}", "data.val=null", "metrics={}",
-          "trainer.eval_every=null", f"model.layers={LAYERS}", "step._target_=launcher.bench.dying.step",
+          "trainer.eval_every=null", f"model.layers={LAYERS}", "step._target_=launcher.bench.ft.dying.step",
           "step._partial_=true", "logging.jsonl=true", "logging.tensorboard=false", "logging.progress_bar=false",
           "logging.memory_plan=false"]
 GROUPS = ["fault_tolerance.groups=2", *(f"fault_tolerance.timeouts.{k}={v}" for k, v in TIMEOUTS.items())]
