@@ -1,4 +1,4 @@
-"""The DPO row of the benchmark (python -m launcher.bench --dpo): its pairs, TRL's side (launcher/bench/peer_dpo.py)
+"""The DPO row of the benchmark (python -m launcher.bench --dpo): its pairs, TRL's side (launcher/bench/dpo/peer.py)
 checked against a DPO step written out here on TRL's own tokens, the launcher's tokens of the pairs against TRL's,
 and the row run whole, tiny, with its loss against TRL's asserted within 1% (issue 53). Timings are not asserted:
 only that they are plausible measurements."""

@@ -1,5 +1,5 @@
 """The DPO row of python -m launcher.bench (`--dpo` prints it alone): preference tuning by recipes/hf_dpo.yaml against
-TRL's `DPOTrainer` (launcher/bench/peer_dpo.py) on the same HF folder and the same pairs, each run a fresh process,
+TRL's `DPOTrainer` (launcher/bench/dpo/peer.py) on the same HF folder and the same pairs, each run a fresh process,
 alternating, the order reversed every repetition.
 
 Both sides start from the folder's weights (the random Llama of recipes/components/hf_folder.py, its BPE and BOS,

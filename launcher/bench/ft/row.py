@@ -9,7 +9,7 @@ whose clock leaves checkpoint saves out; and their lines), not timed inside the 
 
 - no failure: the steady step of each side (the batch over samples/s, per 10-step interval, after a quarter of
   the run), alternating fresh runs, the order reversed every repetition; ft / ddp per pair, its median and range.
-- a failure: a process SIGKILLed in the forward of step k = `--ft-steps` (launcher/bench/dying.py), a checkpoint
+- a failure: a process SIGKILLed in the forward of step k = `--ft-steps` (launcher/bench/ft/dying.py), a checkpoint
   every `--ft-every` steps, a log line every step. With fault tolerance, group 1 dies, is started again at once by
   this row (as a supervisor would) and copies group 0's state live; without it, ddp's rank 1 dies, torchrun stops
   the run, and the same command started again resumes the newest checkpoint. Both then train AFTER steps more and

@@ -1,6 +1,6 @@
 """The peer for the HF row: HF `Trainer` at its defaults on recipes/hf_causal_lm.yaml. The same
 GPT2LMHeadModel from the same GPT2Config, the same Passages and Pad collate, the same batch, learning
-rate and weight decay, all read from the recipe (launcher/bench/raw_hf.py's `arguments`); the rest is
+rate and weight decay, all read from the recipe (launcher/bench/loop/raw_hf.py's `arguments`); the rest is
 Trainer's own default (its optimizer, adamw_torch_fused on torch >= 2.8; its sampler), but for what the
 launcher's recipe does not do: a constant learning rate, no gradient clipping, no evaluation,
 checkpoint, tracker or progress bar, the loss read every 100 steps. One thread; every step's end is

@@ -70,7 +70,7 @@ def hf(args) -> list[str]:
              "trainer": ([PY, "-m", "launcher.bench.loop.peer_trainer", steps], {})}
     res = alternate(sides, args.reps)
     lines = [f"HF model (recipes/hf_causal_lm.yaml: GPT2LMHeadModel on padded passages) against a hand-written "
-             f"HF loop (launcher/bench/raw_hf.py) and HF Trainer at its defaults (launcher/bench/peer_trainer.py), "
+             f"HF loop (launcher/bench/loop/raw_hf.py) and HF Trainer at its defaults (launcher/bench/loop/peer_trainer.py), "
              f"{steps} steps, {args.reps} alternating repetitions (python -m launcher.bench --hf-steps {steps} "
              f"--reps {args.reps})", HEADER, row("HF GPT-2 1 proc", res, "-")]
     if "trainer" in res:

@@ -1,4 +1,4 @@
-"""The peer for the SFT row (launcher/bench/sft.py): TRL's `SFTTrainer` packing the same samples the launcher
+"""The peer for the SFT row (launcher/bench/sft/row.py): TRL's `SFTTrainer` packing the same samples the launcher
 trains on, from the same HF folder. The samples are the launcher's TextDataset's (the folder's tokenizer and
 template, labels -100 but on the answers), handed to TRL as a tokenized dataset with its `labels`, so that both
 sides train on the same tokens and targets; TRL packs them itself (`packing=True`, its best-fit decreasing

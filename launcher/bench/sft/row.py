@@ -1,6 +1,6 @@
 """The SFT row of python -m launcher.bench (`--sft` prints it alone) and of python -m launcher.bench.gpu (`--sft`):
 chat fine-tuning by recipes/hf_sft.yaml on instruction data whose lengths have a long tail, padded against packed,
-and TRL's SFTTrainer packing the same samples (launcher/bench/peer_sft.py), alternating, each run a fresh process.
+and TRL's SFTTrainer packing the same samples (launcher/bench/sft/peer.py), alternating, each run a fresh process.
 
 The data is written here, the same for every run: conversations of one user turn and one answer whose lengths
 in tokens are drawn from a lognormal (as real instruction data's are: most short, a few long), clipped to the
