@@ -36,6 +36,7 @@ EPILOG = """commands (each takes --help):
   python -m launcher.sweep RECIPE key=a,b ...       one run per combination, here or as a Slurm job array
   python -m launcher.export CHECKPOINT OUT          a checkpoint (any strategy) as one plain model file
   python -m launcher.plan RECIPE --devices N ...    peak memory per rank under each layout, and the one to use
+  python -m launcher.ft RECIPE ...                  replica groups (torchft): the others train on when one dies
   python -m launcher.bench                          the launcher against a hand-written loop (CPU)
   python -m launcher.bench.gpu                      the same on a GPU: a 126M GPT, eager and compiled
 

@@ -178,7 +178,7 @@ def test_the_sft_row_runs_tiny_and_prints_packed_over_padded():
 def test_gpu_benchmark_s_sft_row_runs_tiny_on_the_cpu():
     pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
     # the tiny row's own steps (test_the_sft_row_runs_tiny_and_prints_packed_over_padded's), without TRL's side:
-    # that test runs it, the same side through the same code (launcher/bench/sft.py)
+    # that test runs it, the same side through the same code (launcher/bench/sft/row.py)
     out = gpu("--device", "cpu", "--size", "tiny", "--steps", "12", "--reps", "1", "--sft", "--no-peers")
     gain = re.search(r"^packed / padded real tokens/s (\d+\.\d{3}) \(\S+\)$", out, re.M)
     assert gain and plausible(float(gain.group(1))), out  # a sanity bound on what was measured, not a target

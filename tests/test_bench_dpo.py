@@ -1,4 +1,4 @@
-"""The DPO row of the benchmark (python -m launcher.bench --dpo): its pairs, TRL's side (launcher/bench/peer_dpo.py)
+"""The DPO row of the benchmark (python -m launcher.bench --dpo): its pairs, TRL's side (launcher/bench/dpo/peer.py)
 checked against a DPO step written out here on TRL's own tokens, the launcher's tokens of the pairs against TRL's,
 and the row run whole, tiny, with its loss against TRL's asserted within 1% (issue 53). Timings are not asserted:
 only that they are plausible measurements."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launcher.bench import dpo
+from launcher.bench.dpo import row as dpo
 from tests.conftest import REPO
 from tests.pace import paced
 from tests.test_bench import bench, plausible
@@ -57,11 +57,11 @@ def folder_and_pairs(tmp_path_factory):
 
 
 def test_trl_tokenizes_the_pairs_whole_as_in_parts(folder_and_pairs):
-    """What peer_dpo.py says of TRL 1.16 and the row's pairs: BOS, the prompt's own tokens, then each answer's own
+    """What dpo/peer.py says of TRL 1.16 and the row's pairs: BOS, the prompt's own tokens, then each answer's own
     tokens and EOS (TRL's split of the joined text falls where the prompt ends), nothing cut by max_len."""
     from transformers import AutoTokenizer
 
-    from launcher.bench.peer_dpo import pairs, tokenized
+    from launcher.bench.dpo.peer import pairs, tokenized
 
     folder, data = folder_and_pairs
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -100,11 +100,11 @@ def test_trl_s_side_trains_the_dpo_the_row_says(folder_and_pairs):
     order, the reference the starting model's, written out here: the peer's settings do what the row claims."""
     from transformers import AutoModelForCausalLM
 
-    from launcher.bench.peer_dpo import tokenized
+    from launcher.bench.dpo.peer import tokenized
 
     folder, data = folder_and_pairs
     steps = 12
-    done = subprocess.run([sys.executable, "-m", "launcher.bench.peer_dpo", str(folder), str(data), str(steps),
+    done = subprocess.run([sys.executable, "-m", "launcher.bench.dpo.peer", str(folder), str(data), str(steps),
                            str(dpo.BATCH), str(dpo.MAX_LEN), str(dpo.BETA), str(dpo.LR)], cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=paced(300))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -159,7 +159,7 @@ def test_the_row_says_whether_the_loss_is_within_one_percent():
 def test_the_launcher_reads_the_pairs_as_the_same_tokens_as_trl(folder_and_pairs):
     """The launcher's preference data (prompt then answer, strings) against TRL's tokenization of the same file:
     the same tokens, the loss on the same ones (the answers and EOS)."""
-    from launcher.bench.peer_dpo import tokenized
+    from launcher.bench.dpo.peer import tokenized
 
     folder, data = folder_and_pairs
     theirs = tokenized(str(folder), str(data), dpo.MAX_LEN)
@@ -175,7 +175,7 @@ def test_the_launcher_reads_the_pairs_as_the_same_tokens_as_trl(folder_and_pairs
 def test_the_launcher_reads_conversational_pairs_as_the_same_tokens_as_trl(folder_and_pairs, tmp_path):
     """The row's default pairs: TRL scores an answer to its rendered text's end (ChatML's newline after <|im_end|>)
     and so does the launcher."""
-    from launcher.bench.peer_dpo import tokenized
+    from launcher.bench.dpo.peer import tokenized
 
     folder, _ = folder_and_pairs
     dpo.write_pairs(tmp_path / "pairs.jsonl", 2 * dpo.BATCH, conversations=True)

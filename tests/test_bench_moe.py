@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from launcher.bench import moe, moe_gpu
+from launcher.bench.moe import gpu as moe_gpu, row as moe
 from launcher.observe import holdings
 from tests.test_bench import bench, gpu, plausible
 

@@ -50,6 +50,13 @@ def test_placement_table(env, devices, gpus, expected):
     ({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "maybe"}, "auto", 0,
      "ACCELERATE_USE_CPU='maybe' is not a truth value; valid: y, yes, t, true, on, 1 or n, no, f, false, off, 0"),
     ({"ACCELERATE_USE_CPU": "2"}, "cpu", 0, "ACCELERATE_USE_CPU='2' is not a truth value"),
+    # accelerate launch --num_processes 2 without --multi_gpu on a CPU: its one-process path, with the rendezvous
+    # it sets for several (accelerate.utils.launch.prepare_simple_launcher_cmd_env); --cpu alike
+    ({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False", "MASTER_ADDR": "127.0.0.1",
+      "MASTER_PORT": "29500"}, "auto", 0, "accelerate launch started one process where its --num_processes asked "
+                                          "for several"),
+    ({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1",
+      "MASTER_PORT": "29500"}, "auto", 0, "add --multi_gpu (on the CPU too)"),
 ])
 def test_placement_errors_name_the_variable(env, devices, gpus, message):
     with pytest.raises(UserError) as info:

@@ -576,6 +576,15 @@ def test_every_commands_help_names_the_page_that_explains_it(command):
         assert (REPO / target).exists() and (not anchor or anchor in anchors(REPO / target)), f"{n}: not there"
 
 
+def test_the_launchers_help_lists_every_command_of_the_package():
+    """`python -m launcher --help` is where a newcomer finds the other commands: each of the package's own (a
+    module or package right under launcher/, and the GPU bench) is listed there. Before, launcher.ft was not."""
+    said = help_of("launcher", ["--help"])
+    listed = set(re.findall(r"^  python -m (launcher[\w.]*) ", said, re.M))
+    ours = {c[0] for c in HELP if c[0].count(".") <= 1 and c[0].startswith("launcher")} | {"launcher.bench.gpu"}
+    assert ours - listed == set(), f"python -m launcher --help does not list {sorted(ours - listed)}"
+
+
 def test_every_command_a_module_defines_is_in_the_help_table():
     """A module of launcher/ or recipes/ that parses a command line is a command: its --help must name a page."""
     modules = {c[0] for c in HELP}

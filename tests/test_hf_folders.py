@@ -117,7 +117,7 @@ def test_no_rank_holds_the_whole_model_to_load_it_nor_export_to_write_it(tmp_pat
     shards of 20 MB holds less than half the model more than the same export of the small model."""
     from argparse import Namespace
 
-    from launcher.bench.pretrained import pretrained
+    from launcher.bench.layouts.pretrained import pretrained
 
     out = "\n".join(pretrained(Namespace(run_dir=str(tmp_path), pretrained_layers=6, pretrained_width=1024)))
     meta = re.search(r"^built on meta, slices read +(\d+) MiB  \(bound (\d+) MiB: (met|NOT met)\)$", out, re.M)

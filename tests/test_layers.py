@@ -1,6 +1,7 @@
 """The package's layers (pyproject.toml's import-linter contract): no module imports one above it, inside
-functions too, and every module is in a layer. lint-imports is run as CI would run it, on this tree and
-on a copy with one import planted upward, which it must refuse."""
+functions too, no two modules of a folder import each other (through others too), and every module is in a
+layer. lint-imports is run as CI would run it, on this tree and on a copy with one import planted upward and
+one circle planted inside a folder, which it must refuse."""
 
 import re
 import shutil
@@ -20,16 +21,20 @@ def lint(where: Path) -> subprocess.CompletedProcess:
     return subprocess.run(LINT, cwd=where, capture_output=True, text=True, timeout=paced(120), env={"PATH": "/usr/bin:/bin"})
 
 
-def test_the_layers_hold_and_a_planted_upward_import_breaks_them(tmp_path):
+def test_the_layers_hold_and_a_planted_upward_import_or_circle_breaks_them(tmp_path):
     done = lint(REPO)
-    assert done.returncode == 0 and "4 kept, 0 broken" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and "5 kept, 0 broken" in done.stdout, done.stdout + done.stderr
     shutil.copytree(REPO / "launcher", tmp_path / "launcher", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path)
     leaf = tmp_path / "launcher" / "checkpoint" / "files.py"  # a leaf of the checkpoint package reaching a command
     leaf.write_text(leaf.read_text() + "\n\ndef planted():\n    from launcher.export import main\n\n    return main\n")
+    below = tmp_path / "launcher" / "slurm" / "sbatch.py"  # what the command imports, importing the command back
+    below.write_text(below.read_text() + "\n\ndef planted():\n    from launcher.slurm.__main__ import main\n\n    return main\n")
     broken = lint(tmp_path)
-    assert broken.returncode == 1 and "BROKEN" in broken.stdout, broken.stdout + broken.stderr
-    assert "launcher.checkpoint.files -> launcher.export" in re.sub(r"\x1b\[[0-9;]*m", "", broken.stdout)
+    said = re.sub(r"\x1b\[[0-9;]*m", "", broken.stdout)
+    assert broken.returncode == 1 and "3 kept, 2 broken" in said, broken.stdout + broken.stderr
+    assert "launcher.checkpoint.files -> launcher.export" in said
+    assert "No cycles are allowed in launcher.slurm" in said and ".sbatch -> .__main__" in said
 
 
 def test_every_module_of_the_package_is_in_a_layer():

@@ -3,6 +3,7 @@ run's measured peak beside the planned one."""
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -360,7 +361,15 @@ def test_a_model_that_prints_when_built_leaves_the_plan_beside_its_run_readable(
 def test_a_run_too_short_for_its_plan_ends_on_its_result(tmp_path):
     said = launch(tmp_path).rstrip().splitlines()
     assert said[-1].startswith("done: step 3")
-    assert said[-2] == "memory: 0.4 MiB per rank at the peak (torch's memory tracker, step 2)"
+    assert said[-2].startswith("memory: 0.4 MiB per rank at the peak (torch's memory tracker, step 2); which layouts "
+                               "fit N devices of a size, and their largest micro-batch: python -m launcher.plan "), said
+    # what to do with the figure: the command that sizes devices for this recipe, which runs as said
+    command = shlex.split(said[-2].split("micro-batch: ", 1)[1])
+    assert command[-4:] == ["--devices", "N", "--memory", "80GB"] and "model._target_=prints.Prints" in command, command
+    done = subprocess.run([sys.executable, *command[1:-4], "--devices", "1", "--memory", "80GB", "--jobs", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert done.returncode == 0 and "use:" in done.stdout.lower(), done.stdout + done.stderr
 
 
 def test_the_planner_beside_a_run_starts_when_asked_and_takes_no_core_the_run_needs(tmp_path):

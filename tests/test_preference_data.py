@@ -79,7 +79,7 @@ def test_a_conversation_pair_scores_the_tokens_trl_s_dpo_trainer_scores(folders,
     """The same tokens, and the loss on the same ones: what follows the prompt to the text's end (ChatML's newline
     after <|im_end|> too), so that logps/chosen and the loss are TRL's."""
     pytest.importorskip("trl", reason="the trl extra is not installed")
-    from launcher.bench.peer_dpo import tokenized
+    from launcher.bench.dpo.peer import tokenized
 
     folder = str(folders[layout, marked])
     files = jsonl(tmp_path / "p.jsonl", [{"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED},

@@ -162,11 +162,26 @@ def _option(argv: list[str], key: str, default: str | None = None) -> str | None
     return found[-1] if found else default
 
 
+def _moe_line(clone, argv: list[str]) -> str:
+    """The line a run of `argv` (python -m launcher RECIPE key=value ...) says of its experts at start: its model
+    built from the recipe in the clone's folder, as the run builds it."""
+    from launcher.model.moe import described
+    from launcher.recipe import instantiate, load
+
+    cwd = os.getcwd()
+    os.chdir(clone)  # the recipe names its folder relative to the clone
+    try:
+        return described(instantiate(load(clone / argv[3], argv[4:]).recipe.model))
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.mark.slow
 def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
     """A newcomer types docs/fine-tuning.md's commands in order on a CPU: each does what its text says. Before,
     the fsdp command resumed the finished single run and trained nothing, and the export folder was not the one
-    the recipe named. Run as written, in a folder standing for a fresh clone (the repo's recipes, no runs/)."""
+    the recipe named; the MoE section's first line said the router's loss was trained where its command said it
+    was not, and the DPO section had no command to run. Run as written, in a folder standing for a fresh clone (the repo's recipes, no runs/)."""
     import safetensors
     import torch
     import transformers
@@ -204,8 +219,11 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
             folder = _option(argv, "model.config.pretrained_model_name_or_path",
                              _option(argv, "model.model.config.pretrained_model_name_or_path"))
             assert f"initialised the model from {folder}" in out, out
-            if folder == "runs/tiny-qwen3-moe":  # the line it shows, and each rank reading its experts
-                assert "moe: 2 layers of 8 experts, top 2; the router's load-balancing loss is not trained" in out
+            if folder == "runs/tiny-qwen3-moe":  # the lines it shows, and each rank reading its experts
+                shown = re.search(r"```\n(moe: .*?)```", text, re.S).group(1).splitlines()
+                said = re.search(r"^moe: .*$", out, re.M).group(0)
+                assert said == shown[0] and "is not trained" in said, (said, shown)  # the page's first: this command's
+                assert _moe_line(tmp_path, [*argv, "model.config.output_router_logits=true"]) == shown[1]  # its second
                 assert f"initialised the model from {folder} into this rank's shards" in out, out
             if _option(argv, "strategy") == "fsdp":
                 assert f"fsdp: sharded over {_option(argv, 'nproc_per_node')} ranks" in out, out
@@ -238,29 +256,123 @@ def test_the_fine_tuning_section_walked_in_order_on_a_fresh_clone(tmp_path):
                                             ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
                                             ["python", "-m", "launcher", "recipes/hf_finetune.yaml"],
                                             ["python", "-m", "launcher.export", "runs/hf_finetune"]]
-    assert trained == ["hf_finetune", "hf_finetune-fsdp", "hf_lora", "moe"], trained
+    assert trained == ["hf_finetune", "hf_finetune-fsdp", "hf_lora", "moe", "hf_dpo"], trained
 
 
 def test_the_text_data_sections_lines_at_start_are_those_its_command_gives(tmp_path, monkeypatch):
-    """docs/text-data.md's commands are the tiny folder and recipes/hf_sft.yaml on it; the lines it shows are what
-    that recipe's data.train says, built in a folder standing for a fresh clone (only its tokenizer written)."""
+    """docs/text-data.md's commands are the tiny folder and, after it, a run on it: recipes/hf_sft.yaml (the first
+    section), recipes/hf_dpo.yaml on the clone's pairs (Preference pairs) and hf_sft.yaml's data made a mixture
+    of the clone's files (Mixing sources by weight). The lines each section shows are what its command's
+    data.train says, built in a folder standing for a fresh clone (only its tokenizer written). Before, the
+    preference and mixing sections had no command, and the mixture named files a clone lacks."""
     from launcher.data.text import cache as token_cache
     from launcher.recipe import instantiate, load
     from recipes.components.tiny_tokenizer import bpe
 
     text = page("text-data.md")
-    assert commands(text) == [["python", "-m", "recipes.components.hf_folder", "runs/tiny-llama"],
-                              ["python", "-m", "launcher", "recipes/hf_sft.yaml",
-                               "model.config.pretrained_model_name_or_path=runs/tiny-llama"]]
-    shown = re.search(r"```\n(data\.train: .*?)```", text, re.S).group(1).splitlines()
+    folder = ["python", "-m", "recipes.components.hf_folder", "runs/tiny-llama"]
+    walked = commands(text)
+    assert walked[0::2] == [folder] * 3, walked
+    sft, dpo, mix = walked[1::2]
+    on_tiny = ["model.config.pretrained_model_name_or_path=runs/tiny-llama"]
+    assert sft == ["python", "-m", "launcher", "recipes/hf_sft.yaml", *on_tiny]
+    assert dpo == ["python", "-m", "launcher", "recipes/hf_dpo.yaml", *on_tiny, "data.train.max_len=48"]
+    assert mix[:6] == ["python", "-m", "launcher", "recipes/hf_sft.yaml", *on_tiny, "name=hf_mix"]
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
     bpe().save_pretrained(tmp_path / "runs" / "tiny-llama")  # the folder's tokenizer, as hf_folder writes it
     monkeypatch.chdir(tmp_path)
-    loaded = load(tmp_path / "recipes" / "hf_sft.yaml", ["model.config.pretrained_model_name_or_path=runs/tiny-llama"])
-    said = [f"data.train: {line}" for line in instantiate(loaded.recipe.data.train).notes]
-    assert said[:-1] == shown[:-1]
+
+    def said(argv: list[str]) -> list[str]:
+        data = instantiate(load(tmp_path / argv[3], argv[4:]).recipe.data.train)
+        return [f"data.train: {line}" for line in data.notes]
+
+    def shown_after(marker: str) -> list[str]:
+        return re.search(re.escape(marker) + r".*?```\n(data\.train: .*?)```", text, re.S).group(1).splitlines()
+
+    shown, first = re.search(r"```\n(data\.train: .*?)```", text, re.S).group(1).splitlines(), said(sft)
+    assert first[:-1] == shown[:-1]
     # the last names the entry in the default folder (~/.cache/launcher/text), here the test's own
     # ($LAUNCHER_CACHE/text: conftest.py keeps the user's folder out of the tests)
     entry = re.escape(shown[-1].replace("/home/you/.cache/launcher/text", str(token_cache.folder(True)))).replace(
         re.escape("<32 hex digits>"), "[0-9a-f]{32}")
-    assert re.fullmatch(entry, said[-1]), said[-1]
+    assert re.fullmatch(entry, first[-1]), first[-1]
+    pairs = said(dpo)
+    assert all(line in pairs for line in shown_after("## Preference pairs")), pairs
+    mixed = said(mix)
+    assert all(line in mixed for line in shown_after("- **The lines at start**")), mixed
+    assert "`runs/hf_mix/`" in text
+
+
+def ways_of_launching() -> list[list[str]]:
+    """The commands of the README's "Ways of launching" table, row by row."""
+    section = README.split("## Ways of launching", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2] for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    return [shlex.split(re.search(r"`([^`]+)`", row).group(1)) for row in rows]
+
+
+def _port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_the_ways_of_launching_walked_in_order_after_the_quickstart(tmp_path):
+    """The README's quickstart, then each row of "Ways of launching" in order, as a newcomer types them on a CPU
+    in a fresh clone: each does what its row says. Before, the torchrun and accelerate rows resumed the
+    quickstart's finished run and trained nothing, and the accelerate row started one process, silently. Real
+    torchrun and accelerate launch (their modules, given a free port), 8 steps each; the Slurm row rendered, not
+    submitted (no cluster here: its job would train the folder the script names, which must not hold a run)."""
+    import shutil
+    import time
+
+    quickstart = shlex.split(re.search(r"&& (python -m launcher recipes/quickstart\.yaml)\n", README).group(1))
+    rows = ways_of_launching()
+    assert [r[:2] for r in rows] == [["python", "-m"], ["torchrun", "--nproc_per_node=4"], ["accelerate", "launch"],
+                                     ["python", "-m"], ["python", "-m"]], rows
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}  # this checkout's launcher; a CPU
+    short = ["trainer.max_steps=8", "logging.memory_plan=false"]  # 8 steps, and no planner process beside each
+    pace = None
+
+    def typed(argv: list[str], expect: int = 0) -> str:
+        nonlocal pace
+        real = {"python": [sys.executable],
+                "torchrun": [sys.executable, "-m", "torch.distributed.run", f"--master_port={_port()}"],
+                "accelerate": [sys.executable, "-m", "accelerate.commands.launch", f"--main_process_port={_port()}"]}
+        command = real[argv[0]] + argv[1 + (argv[0] == "accelerate"):]
+        started = time.monotonic()
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=None if pace is None else 40 * pace)  # 40 times the quickstart's own pace
+        pace = pace or time.monotonic() - started
+        out = done.stdout + done.stderr
+        assert done.returncode == expect, f"{' '.join(argv)}\n{out[-4000:]}"
+        return out
+
+    def trained(out: str, name: str, ranks: int, strategy: str) -> None:
+        assert f"training {name}: 8 steps" in out and f"on cpu ({strategy})" in out and "step 8/8" in out, out
+        assert "resumed" not in out and "nothing to train" not in out, out
+        assert len(re.findall(r"^\d+ +\d+ +0 +cpu", out, re.M)) == ranks, out  # rank 0's table: a line per rank
+        assert (tmp_path / "runs" / name / "model.pt").exists()
+
+    trained(typed([*quickstart, *short]), "quickstart", 1, "single")
+    one, torchrun, accelerate, slurm, sweep = rows
+    assert one == quickstart  # the quickstart again: finished, it says so and how to start afresh
+    again = typed([*one, *short])
+    assert "runs/quickstart already finished at step 8; nothing to train (name=NEW trains a run of its own, " \
+           "checkpoint.resume=never trains this one anew)" in again, again
+    trained(typed([*torchrun, *short]), "quickstart-ddp", 4, "ddp")
+    trained(typed([*accelerate, *short]), "quickstart-accelerate", 2, "accelerate")
+    assert slurm[3] == "submit"
+    script = typed([*slurm[:3], "render", *slurm[4:], *short])
+    name = _option(slurm, "name")
+    assert f"run_dir={tmp_path / 'runs' / name}" in script and "#SBATCH --nodes=2" in script, script
+    assert not (tmp_path / "runs" / name).exists()  # the job trains a run of its own from step 0
+    if shutil.which("sbatch", path=env["PATH"]) is None:  # as typed: one line says what is missing
+        said = typed([*slurm, *short], expect=2)
+        assert "launcher: sbatch is not on PATH" in said, said
+    table = typed([*(a if a != "trainer.max_steps=200" else short[0] for a in sweep), short[1]])
+    assert len(re.findall(r"\bdone +8/8\b", table)) == 4, table
+    assert len(list((tmp_path / "runs" / "quickstart").glob("lr=*/model.pt"))) == 4

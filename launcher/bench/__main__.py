@@ -8,7 +8,7 @@
                           [--dpo [--dpo-steps 300] [--dpo-pairs strings]]
 
 The reference workload of shared/bench (MLP 32-128-128-10, Adam, batch 64, in-memory data, one thread
-per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/raw.py),
+per process) run through recipes/bench.yaml and through a hand-written loop (launcher/bench/loop/raw.py),
 alternating, each run in a fresh process, for one process and for DDP with 2 processes (torchrun,
 gloo). Every side times its steps the same way (launcher/bench/workload.py).
 
@@ -22,10 +22,10 @@ efficiency (samples/s with 2 / twice samples/s with 1), for both loops, both fet
 
 The HF row: recipes/hf_causal_lm.yaml (a transformers GPT2LMHeadModel on padded variable-length
 passages, the model's own loss) through the launcher against the loop an HF user writes by hand
-(launcher/bench/raw_hf.py: the same model, batches and optimizer, read from the same recipe), one
+(launcher/bench/loop/raw_hf.py: the same model, batches and optimizer, read from the same recipe), one
 process, one thread; run when transformers is installed.
 
-The layouts row (launcher/bench/layouts.py): charlm at a CPU size under ddp x2, fsdp x2, tp x2, fsdp x2 by
+The layouts row (launcher/bench/layouts/row.py): charlm at a CPU size under ddp x2, fsdp x2, tp x2, fsdp x2 by
 tp x2 and HSDP 2x2 (torchrun, gloo): the bytes one rank holds in parameters, gradients and optimizer state
 at the end (of a shard, its local part; fsdp x2's target is half the full model's plus 5%), and the
 two-process layouts' step time against ddp x2, reported and not judged: gloo's collectives are slow, and
@@ -43,32 +43,32 @@ alone.
 
 The defaults row: each default the launcher picks for its users (the optimizer's fused implementation,
 persistent loader workers, torch's prefetch factor), the run at the default against the same run
-without it, as the mean step (launcher/bench/defaults.py); `--defaults` runs this row alone.
+without it, as the mean step (launcher/bench/loop/defaults.py); `--defaults` runs this row alone.
 
 The pretrained row: rank 0's peak host memory to load a 416M-parameter Llama-shaped model from an HF
 folder under fsdp x2, built on the meta device and read slice by slice, against built whole on every
-rank (launcher/bench/pretrained.py); `--pretrained` runs this row alone.
+rank (launcher/bench/layouts/pretrained.py); `--pretrained` runs this row alone.
 
-The SFT row (launcher/bench/sft.py): chat fine-tuning by recipes/hf_sft.yaml of a small random Llama on
+The SFT row (launcher/bench/sft/row.py): chat fine-tuning by recipes/hf_sft.yaml of a small random Llama on
 generated conversations whose lengths have a long tail (lognormal, 22 to 512 tokens, max_len 512), padded against
-packed, as real (non-pad) tokens a second, and TRL's SFTTrainer packing the same samples (launcher/bench/peer_sft.py,
+packed, as real (non-pad) tokens a second, and TRL's SFTTrainer packing the same samples (launcher/bench/sft/peer.py,
 when trl is installed): the step and the final loss, over seeds. Only `--sft` runs it, alone: TRL's step is
 seconds on a CPU, and the row takes about 15 minutes at --reps 3.
 
-The checkpoint row (launcher/bench/saves.py): the time a save holds the training step, written synchronously
+The checkpoint row (launcher/bench/saves/row.py): the time a save holds the training step, written synchronously
 and in the background (checkpoint.async_save), to a local folder and to an S3 API server on loopback (moto's),
-for a 12.7M-parameter MLP with AdamW; then the S3 clients row (launcher/bench/s3_clients.py): the same
+for a 12.7M-parameter MLP with AdamW; then the S3 clients row (launcher/bench/saves/s3_clients.py): the same
 checkpoint saved (blocked, written) and loaded through s3fs and through s3torchconnector, sharded and full;
 only `--saves` runs them, alone.
 
-The fault tolerance row (launcher/bench/ft.py): two replica groups (python -m launcher.ft) against ddp x2, with
+The fault tolerance row (launcher/bench/ft/row.py): two replica groups (python -m launcher.ft) against ddp x2, with
 no failure, and with a process killed mid-step against ddp restarted from its checkpoint; only `--ft` runs it.
 
-The MoE row (launcher/bench/moe.py): a Qwen3-MoE built from its config under ep x2 against fsdp x2 (torchrun, gloo):
+The MoE row (launcher/bench/moe/row.py): a Qwen3-MoE built from its config under ep x2 against fsdp x2 (torchrun, gloo):
 the step ratio and the bytes a rank holds, read from the runs' metrics.jsonl and lines; only `--moe` runs it.
 
-The DPO row (launcher/bench/dpo.py): preference tuning by recipes/hf_dpo.yaml against TRL's DPOTrainer
-(launcher/bench/peer_dpo.py) on the same folder and conversational pairs, the reference precomputed, SGD, fp32:
+The DPO row (launcher/bench/dpo/row.py): preference tuning by recipes/hf_dpo.yaml against TRL's DPOTrainer
+(launcher/bench/dpo/peer.py) on the same folder and conversational pairs, the reference precomputed, SGD, fp32:
 the loss after N steps (issue 53: within 1%) and the step as each run's median step, wall and CPU, over rounds of
 one run a side; only `--dpo` runs it.
 
@@ -88,18 +88,18 @@ import importlib.util
 import sys
 import tempfile
 
-from launcher.bench.defaults import defaults
-from launcher.bench.dpo import dpo, dpo_options
-from launcher.bench.ft import ft, ft_options
-from launcher.bench.layouts import layouts
-from launcher.bench.moe import moe, moe_options
-from launcher.bench.pipeline import SCHEDULES, pipeline
-from launcher.bench.rows import hf, loggers, scaling, workload
+from launcher.bench.loop.defaults import defaults
+from launcher.bench.dpo.row import dpo, dpo_options
+from launcher.bench.ft.row import ft, ft_options
+from launcher.bench.layouts.row import layouts
+from launcher.bench.moe.row import moe, moe_options
+from launcher.bench.layouts.pipeline import SCHEDULES, pipeline
+from launcher.bench.loop.rows import hf, loggers, scaling, workload
 from launcher.bench.runs import PY, aborted_at_exit, alternate
-from launcher.bench.saves import saves
-from launcher.bench.pretrained import pretrained
-from launcher.bench.sft import sft
-from launcher.bench.startup import startup
+from launcher.bench.saves.row import saves
+from launcher.bench.layouts.pretrained import pretrained
+from launcher.bench.sft.row import sft
+from launcher.bench.loop.startup import startup
 
 
 def _parser() -> argparse.ArgumentParser:

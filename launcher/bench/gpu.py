@@ -29,19 +29,19 @@ overhead; its memory gain needs several GPUs).
 TF32 matmuls give on this GPU (the recipe's `tf32` is torch's default, off for matmuls, until this row
 shows it helps).
 
-`--finetune` runs instead the fine-tuning row (launcher/bench/finetune.py): a Llama-3.2-1B-shaped HF
+`--finetune` runs instead the fine-tuning row (launcher/bench/finetune/row.py): a Llama-3.2-1B-shaped HF
 folder fine-tuned under fsdp on one GPU, bf16, compiled, activation checkpointing off and on, against HF
 Trainer on the same folder and data.
 
-`--fp8` runs instead the fp8 row (launcher/bench/fp8.py): the same 1B Llama, compiled, precision fp8 (torchao)
+`--fp8` runs instead the fp8 row (launcher/bench/finetune/fp8.py): the same 1B Llama, compiled, precision fp8 (torchao)
 against bf16: tokens/s and the loss after --steps steps.
 
-`--sft` runs instead the SFT row (launcher/bench/sft.py) on the device: a Llama-3.2-1B-shaped folder fine-tuned
+`--sft` runs instead the SFT row (launcher/bench/sft/row.py) on the device: a Llama-3.2-1B-shaped folder fine-tuned
 by recipes/hf_sft.yaml in bf16 on generated chat data of 20 to 2,000 tokens (max_len 2048, batch 8), padded
 against packed as real tokens a second, and TRL's SFTTrainer packing the same samples (`--no-peers`: without it;
 `--size tiny`: the CPU row's tiny size, a smoke test). Each repetition runs three sides of --steps steps: `--steps 100 --reps 1` first.
 
-`--moe` runs instead the MoE row (launcher/bench/moe_gpu.py): a Qwen3-MoE of Qwen3-30B-A3B's layer, 4 of them, under
+`--moe` runs instead the MoE row (launcher/bench/moe/gpu.py): a Qwen3-MoE of Qwen3-30B-A3B's layer, 4 of them, under
 ep x N against fsdp x N on the machine's N GPUs (skipped, saying so, with fewer than 2): tokens/s, the step ratio and
 the all-to-all's share of ep's step from the launcher's profiler window. `--steps 100 --reps 2` first; `--device cpu
 --size tiny` is its smoke test (2 processes, gloo).
@@ -158,14 +158,14 @@ def measure(args, argv) -> int:
     if args.settings == ("sft",):
         return _sft(args, argv)
     if args.settings == ("moe",):
-        from launcher.bench.moe_gpu import measure as moe
+        from launcher.bench.moe.gpu import measure as moe
 
         return moe(args, f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}, "
                          f"{args.steps} steps, {args.reps} alternating repetitions (python -m launcher.bench.gpu "
                          f"{' '.join(sys.argv[1:] if argv is None else argv)})")
     if args.settings in (("finetune",), ("fp8",)):
-        from launcher.bench.finetune import measure as finetune
-        from launcher.bench.fp8 import measure as fp8
+        from launcher.bench.finetune.row import measure as finetune
+        from launcher.bench.finetune.fp8 import measure as fp8
 
         print(f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}, {args.steps} "
               f"steps, {args.reps} alternating repetitions (python -m launcher.bench.gpu "
@@ -216,7 +216,7 @@ def measure(args, argv) -> int:
 
 def _sft(args, argv) -> int:
     """The SFT row on this device: the 1B size, or the tiny one."""
-    from launcher.bench.sft import sft
+    from launcher.bench.sft.row import sft
 
     command = " ".join(["python -m launcher.bench.gpu", *(sys.argv[1:] if argv is None else argv)])
     print(f"{device_name(args.device)}, {datetime.date.today().isoformat()}, torch {torch.__version__}", flush=True)

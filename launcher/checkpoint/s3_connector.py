@@ -1,7 +1,7 @@
 """The heavy traffic of s3:// checkpoints through s3torchconnector (the `s3` extra: AWS's S3 connector for
 PyTorch, a client on the AWS Common Runtime): DCP's shards written and read by its DCP storage, model.pt and
 state.pt streamed up and down by its client. Measured against s3fs (`python -m launcher.bench --saves`,
-launcher/bench/s3_clients.py) it saves both formats and loads shards faster, with less memory; it loads a
+launcher/bench/saves/s3_clients.py) it saves both formats and loads shards faster, with less memory; it loads a
 whole file slower from moto's loopback server only, whose every ranged GET reads the whole object (this
 client fetches a large object as parallel 8 MiB ranges, as S3 serves best). Listings, deletions, manifests
 and every other fsspec URL stay with fsspec and s3fs (storage.py).

@@ -86,7 +86,7 @@ def same(a: Union[Path, "Remote"], b: Union[Path, "Remote"]) -> bool:
 class Remote:
     """A file or folder of an object store, by URL. Its children share its file system object and its
     `client` for s3://'s large objects: auto (s3torchconnector where installed, else s3fs), or s3fs (the
-    benchmark compares them: launcher/bench/s3_clients.py)."""
+    benchmark compares them: launcher/bench/saves/s3_clients.py)."""
 
     def __init__(self, url: str, fs: Any = None, client: str = "auto"):
         self.url = url.rstrip("/")

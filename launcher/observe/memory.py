@@ -210,6 +210,9 @@ class Planned:
         # the planner's arguments: run with the file it writes to, and said as the command that shows its failure
         self.args = [str(recipe_path), *overrides, "--as-run", strategy, "--devices", str(world), "--device", device_type]
         self.command = shlex.join(["python", "-m", "launcher.plan", *self.args])
+        # the command a reader types to size devices for this recipe (said beside a peak measured without a plan)
+        self.sizing = shlex.join(["python", "-m", "launcher.plan", str(recipe_path), *overrides]) + \
+            " --devices N --memory 80GB"
         self.argv = [sys.executable, "-m", "launcher.plan", *self.args, "--out", str(self.out)]
         self.process: Optional[subprocess.Popen] = None
         self.failed: Optional[str] = None  # why it could not start

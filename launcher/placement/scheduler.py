@@ -91,7 +91,15 @@ def _ranks(env: Mapping[str, str]) -> tuple:
         if rank >= world:
             raise UserError(f"environment: SLURM_PROCID={rank} must be below SLURM_STEP_NUM_TASKS={world}")
         return rank, local_rank, world, local_world, node, "slurm"
-    return 0, 0, 1, 1, 0, _launcher(env, "plain")
+    launched_by = _launcher(env, "plain")
+    if launched_by == "accelerate" and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        # accelerate's one-process path (--cpu, or fewer than 2 GPUs and no config) sets these only when
+        # --num_processes asked for several; the others were never started, and one process would train alone.
+        raise UserError("accelerate launch started one process where its --num_processes asked for several (it set "
+                        "MASTER_ADDR and MASTER_PORT, no WORLD_SIZE): with --cpu, or fewer than 2 GPUs and no "
+                        "`accelerate config`, it starts one; add --multi_gpu (on the CPU too): accelerate launch "
+                        "--multi_gpu --num_processes N -m launcher ...")
+    return 0, 0, 1, 1, 0, launched_by
 
 
 def _rendezvous(env: Mapping[str, str], world: int) -> None:

@@ -62,8 +62,9 @@ def _said(parts: Parts, planned: memory.Planned, wait: bool) -> Dict[str, float]
                            f"{planned.assuming()}), "
                            f"{100 * (figure - measured) / measured:+.1f}%")
     elif line is None:  # not planned yet: the measured figure alone (logging.memory_plan=wait waits for the plan)
-        if how:
-            parts.console.info(f"memory: {how}")
+        if how:  # a figure alone says nothing of what to do: the planner says which devices it fits
+            parts.console.info(f"memory: {how}; which layouts fit N devices of a size, and their largest micro-batch: "
+                               f"{planned.sizing}")
     else:
         parts.console.info(line + (f"; measured {how}" if how else ""))
     return values

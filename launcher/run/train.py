@@ -221,7 +221,8 @@ def _fit(loaded: Loaded, checkpoints: Checkpoints, parts: Parts, run_dir: Path) 
     position = checkpoints.run.position
     total = total_steps(recipe.trainer, parts.data.steps_per_epoch)
     if position.step >= total:
-        console.info(f"{run_dir} already finished at step {position.step}; nothing to train")
+        console.info(f"{run_dir} already finished at step {position.step}; nothing to train (name=NEW trains a "
+                     f"run of its own, checkpoint.resume=never trains this one anew)")
         checkpoints.save(final=True)
         results: Dict[str, float] = {}
     else:

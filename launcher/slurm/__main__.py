@@ -8,10 +8,7 @@ the logs go.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -19,6 +16,7 @@ from typing import List, Optional
 from launcher.errors import UserError
 from launcher.report import say
 from launcher.recipe.schema import SlurmConfig
+from launcher.slurm.sbatch import submit
 
 USAGE = "python -m launcher.slurm {submit,render} RECIPE [--nodes N --gpus-per-node G ...] [key=value ...]"
 LISTS = {"sbatch", "setup"}  # options that may be given more than once
@@ -178,29 +176,6 @@ def _as_flag(problem: str) -> str:
             value, _, rest = problem[len(f"override '{key}="):].partition("': ")
             return f"--{flag} {value}: {rest}"
     return problem
-
-
-def submit(script: str, run_dir: Path, name: str = "job.sbatch", what: str = "job", logs: str = "{job}.out") -> int:
-    """Write the script into <run_dir>/slurm/ and sbatch it; one line says the job and where its logs go."""
-    folder = run_dir / "slurm"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    path.write_text(script)
-    job = sbatch(path)
-    print(f"submitted {what} {job}: script {path}, logs {folder / logs.format(job=job)}")
-    return 0
-
-
-def sbatch(path: Path, *options: str) -> str:
-    """`sbatch [options] path`: the job's id."""
-    if shutil.which("sbatch") is None:
-        raise UserError("sbatch is not on PATH. HINT: submit from a Slurm login node, or start the local "
-                        "cluster (bash slurm/local/up.sh) and export SLURM_CONF as it says")
-    done = subprocess.run(["sbatch", "--parsable", *options, str(path)], capture_output=True, text=True, env=os.environ)
-    if done.returncode != 0:
-        reason = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise UserError(f"sbatch refused {path}: {reason}")
-    return done.stdout.strip().split(";")[0]
 
 
 if __name__ == "__main__":

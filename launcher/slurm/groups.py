@@ -28,6 +28,7 @@ from typing import List, Tuple
 from launcher.errors import UserError
 from launcher.recipe.schema import SlurmConfig
 from launcher.slurm.render import TEMPLATES, render
+from launcher.slurm.sbatch import sbatch
 
 REQUEUES = 3  # restarts of a failed group's task (SLURM_RESTART_COUNT counts preemptions too)
 ADDRESS_WAIT = 600  # seconds a group's task waits for the lighthouse's address
@@ -86,8 +87,6 @@ def _groups(options: SlurmConfig, section, recipe: Path, overrides: List[str], r
 
 def submit(lighthouse: str, groups: str, run_dir: Path, count: int) -> int:
     """The lighthouse's job, then the groups' array once it has started; one line says both and their logs."""
-    from launcher.slurm.__main__ import sbatch
-
     folder = run_dir / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
     for stale in (ADDRESS, GROUPS_JOB):  # a former submission's: a group must not read the old lighthouse's address

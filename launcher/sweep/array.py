@@ -36,7 +36,7 @@ def script(sweep: Sweep, recipe: Path, options: List[str], max_parallel: Optiona
 
 
 def submit(sweep: Sweep, recipe: Path, options: List[str], max_parallel: Optional[int]) -> int:
-    from launcher.slurm.__main__ import submit as sbatch
+    from launcher.slurm.sbatch import submit as sbatch
 
     at_once = f", {max_parallel} at a time" if max_parallel else ""
     return sbatch(script(sweep, recipe, options, max_parallel), sweep.folder, name="array.sbatch",

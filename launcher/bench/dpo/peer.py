@@ -1,4 +1,4 @@
-"""The peer for the DPO row (launcher/bench/dpo.py): TRL's `DPOTrainer` (trl 1.16) on the same HF folder and the
+"""The peer for the DPO row (launcher/bench/dpo/row.py): TRL's `DPOTrainer` (trl 1.16) on the same HF folder and the
 same pairs as recipes/hf_dpo.yaml, with the reference's log-probabilities computed once before training
 (`precompute_ref_log_probs`, TRL's own pass over every pair with the model as it starts), the sigmoid loss at the
 same beta, SGD at the same learning rate (no momentum, no weight decay, a constant schedule, no clipping), fp32 on
@@ -31,7 +31,7 @@ in a character no answer's first token joins ("?"), answers beginning with a spa
 and a max_len above every pair: the launcher's preference data (prompt then answer, as prompt_completion: BOS, the
 text tokenized whole, labels on the answer's characters, EOS after it) sees the same tokens.
 
-    python -m launcher.bench.peer_dpo FOLDER PAIRS STEPS BATCH MAX_LEN BETA LR
+    python -m launcher.bench.dpo.peer FOLDER PAIRS STEPS BATCH MAX_LEN BETA LR
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The MoE row of python -m launcher.bench (`--moe` prints it alone): expert parallelism against fsdp alone on
 the same mixture of experts, the same ranks and the same global batch, each run a fresh torchrun, alternating,
-the order reversed every repetition. Its GPU row is launcher/bench/moe_gpu.py (python -m launcher.bench.gpu --moe).
+the order reversed every repetition. Its GPU row is launcher/bench/moe/gpu.py (python -m launcher.bench.gpu --moe).
 
 The model is a Qwen3-MoE built from its config (transformers.Qwen3MoeConfig, every layer a mixture of experts,
 the experts' kernel the config's default), trained by recipes/hf_causal_lm.yaml with AdamW on passages of one

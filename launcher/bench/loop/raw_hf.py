@@ -7,7 +7,7 @@ The sample order is the launcher's (DistributedSampler's permutation of seed + e
 process), so that both sides pad the same batches to the same lengths: the work per step is the same,
 step for step, and only the loops around it differ.
 
-    python -m launcher.bench.raw_hf [STEPS]
+    python -m launcher.bench.loop.raw_hf [STEPS]
 """
 
 import sys
@@ -20,7 +20,7 @@ from launcher.bench.workload import StepClock, finish
 from launcher.data.collate import Pad
 from recipes.components.passages import Passages
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "hf_causal_lm.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "hf_causal_lm.yaml"
 READ_EVERY = 100
 # What this loop builds, by hand, for each section it reads: a recipe that names something else is
 # no longer the workload this loop reproduces.

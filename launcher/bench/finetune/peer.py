@@ -5,7 +5,7 @@ one length with the same Pad collate, batch and learning rate; activation checkp
 at Trainer's defaults (adamw_torch_fused), a constant learning rate, no clipping, no evaluation,
 checkpoint or tracker. Every step's end is timed by a callback on the launcher side's clock.
 
-    python -m launcher.bench.peer_finetune FOLDER STEPS BATCH LENGTH CHECKPOINTING(0|1) COMPILE(0|1)
+    python -m launcher.bench.finetune.peer FOLDER STEPS BATCH LENGTH CHECKPOINTING(0|1) COMPILE(0|1)
 """
 
 import sys

@@ -12,7 +12,7 @@ whose clock leaves checkpoint saves out; and their lines), not timed inside the 
   Beside it the CPU seconds a step of all of a side's processes (user and system, the slope between runs of N/4
   and N steps: start-up falls out): what fault tolerance adds in work, which a busy machine's wall clock, where
   the groups wait on each other and on other tenants, does not show apart from its waits.
-- a failure: a process SIGKILLed in the forward of step k = `--ft-steps` (launcher/bench/dying.py), a checkpoint
+- a failure: a process SIGKILLed in the forward of step k = `--ft-steps` (launcher/bench/ft/dying.py), a checkpoint
   every `--ft-every` steps, a log line every step. With fault tolerance, group 1 dies, is started again at once by
   this row (as a supervisor would) and copies group 0's state live; without it, ddp's rank 1 dies, torchrun stops
   the run, and the same command started again resumes the newest checkpoint. Both then train AFTER steps more and
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from launcher.bench.dying import VARIABLE
+from launcher.bench.ft.dying import VARIABLE
 from launcher.bench.runs import PY, REPO
 
 BATCH = 64
@@ -51,7 +51,7 @@ AFTER = 5  # steps after a failure (and after a rejoin) that its cost is summed 
 WAIT = 600  # seconds a run may take to reach a point this row waits for
 TIMEOUTS = {"pg": 2, "quorum": 10, "join": 60}  # pg < quorum < join; pg is how long a dead group stalls the others
 RECIPE = ["recipes/quickstart.yaml", "devices=cpu", f"data.batch_size={BATCH}", "data.val=null", "metrics={}",
-          "trainer.eval_every=null", f"model.layers={LAYERS}", "step._target_=launcher.bench.dying.step",
+          "trainer.eval_every=null", f"model.layers={LAYERS}", "step._target_=launcher.bench.ft.dying.step",
           "step._partial_=true", "logging.jsonl=true", "logging.tensorboard=false", "logging.progress_bar=false",
           "logging.memory_plan=false"]
 GROUPS = ["fault_tolerance.groups=2", *(f"fault_tolerance.timeouts.{k}={v}" for k, v in TIMEOUTS.items())]

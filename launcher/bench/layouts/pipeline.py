@@ -13,7 +13,7 @@ m >= 2p)."""
 
 from __future__ import annotations
 
-from launcher.bench.layouts import RECIPE as LAYOUTS, torchrun
+from launcher.bench.layouts.row import RECIPE as LAYOUTS, torchrun
 from launcher.bench.runs import PY, alternate, median
 
 BATCH = 32

@@ -9,7 +9,7 @@ server that this process starts on loopback (moto's, in the `dev` extra): its fi
 protocol's cost on one machine, not a cloud store's bandwidth. The final save of each run is synchronous in
 both modes and is left out; sides alternate, each run a fresh process.
 
-Then, on the same server, the S3 clients row (launcher/bench/s3_clients.py): the checkpoint saved and loaded
+Then, on the same server, the S3 clients row (launcher/bench/saves/s3_clients.py): the checkpoint saved and loaded
 through s3fs and through s3torchconnector, each format, where s3torchconnector is installed."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from launcher.bench import s3_clients
+from launcher.bench.saves import s3_clients
 from launcher.bench.runs import PY, REPO
 
 BUCKET = "launcher-bench"

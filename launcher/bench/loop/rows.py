@@ -39,11 +39,11 @@ def workload(args) -> list[str]:
     lines = [f"reference workload, {steps} steps, {args.reps} alternating repetitions "
              f"(python -m launcher.bench --steps {steps} --reps {args.reps})", HEADER]
     for name, launch in configs:
-        sides = {"raw": ([*(launch or [PY]), "-m", "launcher.bench.raw", steps], {}),
+        sides = {"raw": ([*(launch or [PY]), "-m", "launcher.bench.loop.raw", steps], {}),
                  "ours": ([*(launch or [PY]), "-m", "launcher.bench.child", *recipe], {}),
                  "per-item": ([*(launch or [PY]), "-m", "launcher.bench.child", *recipe], {"BENCH_FETCH": "per-item"})}
         for peer in peers:
-            sides[peer] = ([*(launch or [PY]), "-m", f"launcher.bench.peer_{peer}", steps], {})
+            sides[peer] = ([*(launch or [PY]), "-m", f"launcher.bench.loop.peer_{peer}", steps], {})
         res = alternate(sides, args.reps)
         lines.append(row(name, res, f"{ratio(res, 'per-item')[0]:.3f}"))
         for peer in peers:
@@ -65,12 +65,12 @@ def hf(args) -> list[str]:
               "trainer.eval_every=null", "data.val=null", "metrics={}", "checkpoint.every=null",
               "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false",
               "devices=cpu", f"run_dir={args.run_dir}/hf"]
-    sides = {"raw": ([PY, "-m", "launcher.bench.raw_hf", steps], {}),
+    sides = {"raw": ([PY, "-m", "launcher.bench.loop.raw_hf", steps], {}),
              "ours": ([PY, "-m", "launcher.bench.child", *recipe], {}),
-             "trainer": ([PY, "-m", "launcher.bench.peer_trainer", steps], {})}
+             "trainer": ([PY, "-m", "launcher.bench.loop.peer_trainer", steps], {})}
     res = alternate(sides, args.reps)
     lines = [f"HF model (recipes/hf_causal_lm.yaml: GPT2LMHeadModel on padded passages) against a hand-written "
-             f"HF loop (launcher/bench/raw_hf.py) and HF Trainer at its defaults (launcher/bench/peer_trainer.py), "
+             f"HF loop (launcher/bench/loop/raw_hf.py) and HF Trainer at its defaults (launcher/bench/loop/peer_trainer.py), "
              f"{steps} steps, {args.reps} alternating repetitions (python -m launcher.bench --hf-steps {steps} "
              f"--reps {args.reps})", HEADER, row("HF GPT-2 1 proc", res, "-")]
     if "trainer" in res:
@@ -90,7 +90,7 @@ def loggers(args) -> list[str]:
     everything = ["logging.tensorboard=true", "logging.jsonl=true",
                   f"logging.mlflow.tracking_uri=file:{args.run_dir}/mlruns",
                   f"profile.at_step={args.steps + 1}"]  # a profiler window after the last step: its check alone
-    sides = {"raw": ([PY, "-m", "launcher.bench.raw", steps], {}),
+    sides = {"raw": ([PY, "-m", "launcher.bench.loop.raw", steps], {}),
              "tensorboard": ([PY, "-m", "launcher.bench.child", *recipe, "logging.tensorboard=true",
                               f"run_dir={args.run_dir}/tensorboard"], {}),
              "all": ([PY, "-m", "launcher.bench.child", *recipe, *everything, f"run_dir={args.run_dir}/all"],
@@ -110,8 +110,8 @@ def scaling(args) -> list[str]:
     steps, batch, width = str(args.scaling_steps), str(SCALING["batch"]), str(SCALING["width"])
     recipe = ["recipes/bench.yaml", f"trainer.max_steps={steps}", f"data.batch_size={batch}",
               f"model.width={width}", f"run_dir={args.run_dir}/scaling"]
-    sides = {"raw": ([PY, "-m", "launcher.bench.raw", steps, batch, width], {}),
-             "raw x2": ([*TORCHRUN, "-m", "launcher.bench.raw", steps, batch, width], {}),
+    sides = {"raw": ([PY, "-m", "launcher.bench.loop.raw", steps, batch, width], {}),
+             "raw x2": ([*TORCHRUN, "-m", "launcher.bench.loop.raw", steps, batch, width], {}),
              "ours": ([PY, "-m", "launcher.bench.child", *recipe], {"BENCH_FETCH": "per-item"}),
              "ours x2": ([*TORCHRUN, "-m", "launcher.bench.child", *recipe], {"BENCH_FETCH": "per-item"})}
     res = alternate(sides, args.reps)

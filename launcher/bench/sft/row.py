@@ -1,6 +1,6 @@
 """The SFT row of python -m launcher.bench (`--sft` prints it alone) and of python -m launcher.bench.gpu (`--sft`):
 chat fine-tuning by recipes/hf_sft.yaml on instruction data whose lengths have a long tail, padded against packed,
-and TRL's SFTTrainer packing the same samples (launcher/bench/peer_sft.py), alternating, each run a fresh process.
+and TRL's SFTTrainer packing the same samples (launcher/bench/sft/peer.py), alternating, each run a fresh process.
 
 The data is written here, the same for every run: conversations of one user turn and one answer whose lengths
 in tokens are drawn from a lognormal (as real instruction data's are: most short, a few long), clipped to the
@@ -85,7 +85,7 @@ def sides(args, size: str, device: str, folder: Path, data: Path, seed: int) -> 
             f"trainer.max_steps={args.sft_steps}", f"trainer.log_every={LOG_EVERY}", "checkpoint.every=null",
             "checkpoint.consolidate=never", "checkpoint.resume=never", "logging.tensorboard=false",
             "logging.progress_bar=false"]
-    peer = [PY, "-m", "launcher.bench.peer_sft", str(folder), str(data), str(args.sft_steps), str(shape["batch"]),
+    peer = [PY, "-m", "launcher.bench.sft.peer", str(folder), str(data), str(args.sft_steps), str(shape["batch"]),
             str(shape["max_len"]), str(seed), str(LOG_EVERY)]
     return {"padded": ([*ours, "data.train.packing=false", f"run_dir={args.run_dir}/sft-padded"], {}),
             "packed": ([*ours, "data.train.packing=true", f"run_dir={args.run_dir}/sft-packed"], {}),

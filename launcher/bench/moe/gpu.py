@@ -1,5 +1,5 @@
 """The MoE row of python -m launcher.bench.gpu (`--moe`): on every GPU of the machine (N, at least 2), a Qwen3-MoE
-under fsdp x N with parallel.ep=N against fsdp x N alone (launcher/bench/moe.py builds both runs), bf16, each run a
+under fsdp x N with parallel.ep=N against fsdp x N alone (launcher/bench/moe/row.py builds both runs), bf16, each run a
 fresh torchrun, alternating: tokens/s, the step ratio, and the all-to-all's share of ep's step.
 
 The model has Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top 8, 32 query heads and 4 key-value heads
@@ -7,7 +7,7 @@ of 128), 4 of them, on byte tokens: 2.5B parameters, 0.23B of them active a toke
 1024 tokens a step. N is the most GPUs that divide the 128 experts; with fewer than 2 the row is one line saying so.
 `--device cpu --size tiny` runs it on 2 processes with gloo at the CPU row's size: a smoke test.
 
-Tokens/s and the step are the steady figures of each run's metrics.jsonl (launcher/bench/moe.py), from the log
+Tokens/s and the step are the steady figures of each run's metrics.jsonl (launcher/bench/moe/row.py), from the log
 intervals before the profiled steps. The all-to-all's share comes from the launcher's own profiler window over
 ep's last PROFILED steps on every rank (profile.at_step, profile.ranks; torch.profiler, nothing added to the
 loop): the time in which an all-to-all was in flight on a rank (the union of NCCL's send/receive kernels, which
@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from launcher.bench.moe import CPU, LOG_EVERY, alternated, ratios, recipe, torchrun
+from launcher.bench.moe.row import CPU, LOG_EVERY, alternated, ratios, recipe, torchrun
 
 GPU = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4,
            num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)

@@ -1,12 +1,12 @@
 """The peer for the HF row: HF `Trainer` at its defaults on recipes/hf_causal_lm.yaml. The same
 GPT2LMHeadModel from the same GPT2Config, the same Passages and Pad collate, the same batch, learning
-rate and weight decay, all read from the recipe (launcher/bench/raw_hf.py's `arguments`); the rest is
+rate and weight decay, all read from the recipe (launcher/bench/loop/raw_hf.py's `arguments`); the rest is
 Trainer's own default (its optimizer, adamw_torch_fused on torch >= 2.8; its sampler), but for what the
 launcher's recipe does not do: a constant learning rate, no gradient clipping, no evaluation,
 checkpoint, tracker or progress bar, the loss read every 100 steps. One thread; every step's end is
 timed by a callback on the same clock as the other sides (launcher/bench/workload.py).
 
-    python -m launcher.bench.peer_trainer [STEPS]
+    python -m launcher.bench.loop.peer_trainer [STEPS]
 """
 
 import sys
@@ -15,7 +15,7 @@ import tempfile
 import torch
 import yaml
 
-from launcher.bench.raw_hf import RECIPE, arguments
+from launcher.bench.loop.raw_hf import RECIPE, arguments
 from launcher.bench.workload import StepClock, finish, trainer_callback
 from launcher.data.collate import Pad
 from recipes.components.passages import Passages

@@ -1,4 +1,4 @@
-"""The peer for the SFT row (launcher/bench/sft.py): TRL's `SFTTrainer` packing the same samples the launcher
+"""The peer for the SFT row (launcher/bench/sft/row.py): TRL's `SFTTrainer` packing the same samples the launcher
 trains on, from the same HF folder. The samples are the launcher's TextDataset's (the folder's tokenizer and
 template, labels -100 but on the answers), handed to TRL as a tokenized dataset with its `labels`, so that both
 sides train on the same tokens and targets; TRL packs them itself (`packing=True`, its best-fit decreasing
@@ -8,7 +8,7 @@ rate and weight decay, a constant schedule, no clipping; the rest at SFTConfig's
 gradient_checkpointing=True; bf16 on a GPU, fp32 on the CPU, as the launcher's side). Every step's end is timed
 on the other sides' clock; the report adds the last logged loss, and TRL's rows and their tokens.
 
-    python -m launcher.bench.peer_sft FOLDER DATA STEPS BATCH MAX_LEN SEED LOG_EVERY
+    python -m launcher.bench.sft.peer FOLDER DATA STEPS BATCH MAX_LEN SEED LOG_EVERY
 """
 
 import sys

@@ -1,5 +1,5 @@
 """The DPO row of python -m launcher.bench (`--dpo` prints it alone): preference tuning by recipes/hf_dpo.yaml against
-TRL's `DPOTrainer` (launcher/bench/peer_dpo.py) on the same HF folder and the same pairs, each run a fresh process,
+TRL's `DPOTrainer` (launcher/bench/dpo/peer.py) on the same HF folder and the same pairs, each run a fresh process,
 in rounds of one run a side, the order reversed every round (ours, TRL, TRL, ours, ...).
 
 Both sides start from the folder's weights (the random Llama of recipes/components/hf_folder.py, its BPE and BOS,
@@ -13,7 +13,7 @@ The PAIRS pairs are written here, a function of the seed alone: a question, then
 BPE's vocabulary, the chosen one drawn from one half of WORDS and the rejected one from the other, so that there
 is a preference to learn and the loss falls. They are conversations (`--dpo-pairs conversations`, the default: a
 user's message, then the assistant's, rendered by the folder's ChatML template) or plain strings that tokenize
-the same whole and in parts (peer_dpo.py says how TRL joins and tokenizes them, and why these do): the row
+the same whole and in parts (dpo/peer.py says how TRL joins and tokenizes them, and why these do): the row
 checks that TRL's tokens of every pair, and those it trains on, are the launcher's before it runs
 (`same_tokens`).
 
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from launcher.bench.runs import PY, measure
-from launcher.bench.sft import WORDS
+from launcher.bench.sft.row import WORDS
 
 BATCH, MAX_LEN, BETA, LR = 8, 256, 0.1, 2e-3  # pairs a step; tokens a sequence at most (above every pair's)
 PAIRS = 256  # a pass over them every 32 steps: the reference pass, a constant of every run, stays short
@@ -97,7 +97,7 @@ def write_pairs(path: Path, n: int, seed: int = 0, conversations: bool = False) 
 def prepare(run_dir: Path, kind: str = KINDS[0]) -> Tuple[Path, Path, dict]:
     """The model folder and the pairs, and what they are: pairs, and the tokens of a pair (prompt + chosen and
     prompt + rejected) by TRL's tokenization."""
-    from launcher.bench.peer_dpo import tokenized
+    from launcher.bench.dpo.peer import tokenized
     from recipes.components.hf_folder import write
 
     folder, data = run_dir / "dpo-model", run_dir / "dpo-pairs.jsonl"
@@ -142,7 +142,7 @@ def sides(args, folder: Path, data: Path, steps: int, rep: int) -> Dict[str, Tup
             "trainer.eval_every=null", "checkpoint.every=null", "checkpoint.consolidate=never",
             "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false", "logging.jsonl=true",
             f"run_dir={ours_dir(args, steps, rep)}"]
-    peer = [PY, "-m", "launcher.bench.peer_dpo", str(folder), str(data), str(steps), str(BATCH), str(MAX_LEN),
+    peer = [PY, "-m", "launcher.bench.dpo.peer", str(folder), str(data), str(steps), str(BATCH), str(MAX_LEN),
             str(BETA), str(LR)]
     return {"ours": (ours, {}), "trl": (peer, {})}
 

@@ -2,7 +2,7 @@
 (fsspec: DCP's FsspecWriter and FsspecReader, s3fs's files) and through s3torchconnector (its DCP storage and
 its client's streams), to the S3 API server on loopback that the checkpoint row starts (moto's), in both
 formats: sharded (DCP's shards, as fsdp writes them) and full (model.pt and state.pt, as one process writes
-them). Each measurement is a fresh process (`python -m launcher.bench.s3_clients CLIENT FORMAT URL WIDTH`),
+them). Each measurement is a fresh process (`python -m launcher.bench.saves.s3_clients CLIENT FORMAT URL WIDTH`),
 the clients alternating; a ratio is s3fs's time over s3torchconnector's in runs made next to each other.
 
 A process builds the checkpoint row's MLP (32-WIDTH x4-10) and AdamW's state after one step, then through the
@@ -34,7 +34,7 @@ def compare(url: str, width: int, reps: int, env: dict) -> list[str]:
     for rep in range(reps):
         order = [(fmt, client) for fmt in FORMATS for client in CLIENTS]
         for fmt, client in order if rep % 2 == 0 else reversed(order):
-            command = [PY, "-m", "launcher.bench.s3_clients", client, fmt, f"{url}/{fmt}-{client}-{rep}", str(width)]
+            command = [PY, "-m", "launcher.bench.saves.s3_clients", client, fmt, f"{url}/{fmt}-{client}-{rep}", str(width)]
             results[(fmt, client)].append(measure(command, env))
     size = results[(FORMATS[0], CLIENTS[0])][0]["bytes"]
     lines = [f"S3 clients (moto, loopback): one {size / 2**20:.0f} MiB checkpoint saved and loaded through each client; "

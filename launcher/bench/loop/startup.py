@@ -13,7 +13,7 @@ from pathlib import Path
 
 from launcher.bench import runs
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PY = sys.executable
 
 
@@ -30,7 +30,7 @@ def _wall(command: list[str]) -> float:
 def startup(args) -> list[str]:
     """The row's lines: the median seconds of each side, and of ours / raw over pairs run side by side."""
     recipe = [PY, "-m", "launcher", "recipes/bench.yaml", "trainer.max_steps=1"]
-    sides = {"raw": lambda i: [PY, "-m", "launcher.bench.raw", "1"],
+    sides = {"raw": lambda i: [PY, "-m", "launcher.bench.loop.raw", "1"],
              "off": lambda i: [*recipe, f"run_dir={args.run_dir}/startup/off{i}"],
              "on": lambda i: [*recipe, "logging.tensorboard=true", f"run_dir={args.run_dir}/startup/on{i}"]}
     if not runs.made:  # once first, unless an earlier row's runs did: the files it reads are in the page cache for

@@ -2,7 +2,7 @@
 2048 wide, 32 heads with 8 key-value heads, an MLP of 8192, a vocabulary of 128256, tied embeddings;
 random weights written here as a bf16 HF folder) fine-tuned from that folder by recipes/hf_finetune.yaml
 under strategy fsdp on one GPU (torchrun, one process), bf16, compiled, with activation checkpointing off
-and on, against HF Trainer on the same folder, data, batch and length (launcher/bench/peer_finetune.py),
+and on, against HF Trainer on the same folder, data, batch and length (launcher/bench/finetune/peer.py),
 alternating, each run a fresh process. `--size tiny` is a smoke test of the same on the CPU (2 layers, 64
 wide, fp32 and eager: compiling on the CPU takes longer than the run).
 
@@ -77,6 +77,6 @@ def _sides(args, folder: Path, length: int, batch: int, checkpointing: bool, com
             f"trainer.compile={str(compile).lower()}", "checkpoint.every=null", "checkpoint.consolidate=never",
             "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false",
             f"devices={args.device}", f"run_dir={args.run_dir}/ours"]
-    peer = [PY, "-m", "launcher.bench.peer_finetune", str(folder), str(args.steps), str(batch), str(length),
+    peer = [PY, "-m", "launcher.bench.finetune.peer", str(folder), str(args.steps), str(batch), str(length),
             str(int(checkpointing)), str(int(compile))]
     return {"peer": (peer, {}), "ours": (ours, {})}

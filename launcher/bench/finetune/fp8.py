@@ -1,5 +1,5 @@
 """The fp8 row of python -m launcher.bench.gpu (`--fp8`): the Llama-3.2-1B-shaped model of the fine-tuning row
-(launcher/bench/finetune.py), fine-tuned from its bf16 HF folder by recipes/hf_finetune.yaml under fsdp on one
+(launcher/bench/finetune/row.py), fine-tuned from its bf16 HF folder by recipes/hf_finetune.yaml under fsdp on one
 GPU, compiled, with `precision=fp8` (torchao's Float8Linear: every Linear but the output head multiplies in
 fp8 with dynamic scaling, FSDP gathers the weights in fp8) against `precision=bf16`, alternating, each run a
 fresh process. Per side: the median step time, tokens/s, the peak memory allocated, and the last logged
@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from launcher.bench.finetune import LENGTH_BATCH, SHAPES, _sides
+from launcher.bench.finetune.row import LENGTH_BATCH, SHAPES, _sides
 from launcher.bench.runs import PY, alternate, median
 
 

@@ -1,7 +1,7 @@
 """Benchmark peer: the reference workload trained through HuggingFace Accelerate, timed like raw.py.
 
-    python -m launcher.bench.peer_accelerate STEPS
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m launcher.bench.peer_accelerate STEPS
+    python -m launcher.bench.loop.peer_accelerate STEPS
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m launcher.bench.loop.peer_accelerate STEPS
 
 Accelerate reads torchrun's environment (gloo on CPU). Exits 3 when accelerate is not installed."""
 

@@ -1,7 +1,7 @@
 """The limit: a hand-written loop, best practice (loss summed on the device, read every 100 steps).
 One process, or DDP under torchrun (gloo, DistributedSampler) when RANK is set.
 
-    python -m launcher.bench.raw [STEPS [BATCH [WIDTH]]]
+    python -m launcher.bench.loop.raw [STEPS [BATCH [WIDTH]]]
 """
 
 import os

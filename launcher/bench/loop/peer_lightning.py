@@ -1,7 +1,7 @@
 """Benchmark peer: the reference workload trained through a Lightning Trainer, timed like raw.py.
 
-    python -m launcher.bench.peer_lightning STEPS
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m launcher.bench.peer_lightning STEPS
+    python -m launcher.bench.loop.peer_lightning STEPS
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m launcher.bench.loop.peer_lightning STEPS
 
 Lightning's usual setup: self.log each step, TensorBoardLogger under /tmp, log_every_n_steps=100. Under torchrun
 it runs strategy="ddp" over torchrun's world (gloo on CPU). Exits 3 when lightning is not installed."""
