@@ -39,7 +39,8 @@ def planned(loaded: Loaded, parts: Parts) -> Optional[memory.Planned]:
 
     def said_when_ready() -> None:
         idle()
-        planned.start()  # at the first log step: the run's start has every core
+        if _measured_first(parts, planned):
+            planned.start()  # at the first log step: the run's start has every core
         if not planned.said and planned.ready():
             planned.said = True
             parts.console.info(planned.result(wait=False)[1])
@@ -49,10 +50,24 @@ def planned(loaded: Loaded, parts: Parts) -> Optional[memory.Planned]:
     return planned
 
 
+def _measured_first(parts: Parts, planned: memory.Planned) -> bool:
+    """Whether the planner may start: on the CPU once the step is measured, given its micro-batch's length (the
+    step's figure is that batch's; the plan would be the longest batch's). CUDA's allocator keeps the whole run's
+    peak: the longest batch's, which the planner plans without being told."""
+    measured = parts.measured
+    if measured.device.type == "cuda":
+        return True
+    if measured.bytes is None:
+        return False
+    planned.as_measured(measured.length)
+    return True
+
+
 def _said(parts: Parts, planned: memory.Planned, wait: bool) -> Dict[str, float]:
     """At the last step: the measured peak beside the planned one, said, and for the loggers."""
+    measured = parts.measured.peak()  # (its step's end, where it is the last: before the planner starts)
+    _measured_first(parts, planned)
     figure, line = planned.result(wait=wait or planned.ready())
-    measured = parts.measured.peak()
     values = {} if measured is None else {"memory/peak_bytes": float(measured)}
     how = f"{measured / 2**20:.1f} MiB per rank at the peak ({parts.measured.how()})" if measured is not None else ""
     if figure is not None:
