@@ -70,8 +70,8 @@ def main(cases_file: str, apart_file: str) -> None:
             self.made, self.own = made, own
             self.said = False
 
-        def as_measured(self, length) -> None:
-            self.made.as_measured(length)
+        def as_measured(self, *measured) -> None:
+            self.made.as_measured(*measured)
 
         def start(self) -> None:
             if self.own:

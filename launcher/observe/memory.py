@@ -49,6 +49,17 @@ class Measured(Window):
         self.bytes: Optional[int] = None
         self.step_measured: Optional[int] = None
         self.length: Optional[int] = None  # the measured step's longest micro-batch, padded (what the plan plans)
+        self.routed = [0, 0]  # under ep: the (token, expert) pairs the measured step sent, and received
+
+    def route(self, sent: int, received: int) -> None:
+        """An expert-parallel dispatch's pairs (the measured step's are kept: the planner plans that routing)."""
+        if self.on:
+            self.routed[0] += sent
+            self.routed[1] += received
+
+    def capacity(self) -> Optional[float]:
+        """Under ep: the pairs this rank's experts received in the measured step over an even share (its own)."""
+        return self.routed[1] / self.routed[0] if self.routed[0] else None
 
     def saw(self, batch) -> None:
         """A micro-batch of the step (the measured step's are kept: the planner plans one as long)."""
@@ -232,15 +243,20 @@ class Planned:
         self.failed: Optional[str] = None  # why it could not start
         self.said = False
         self.assumes: Optional[str] = None  # what the plan assumed that the run's values decide (ep's routing)
+        self.given = False  # the measured step's batch and routing (as_measured)
 
-    def as_measured(self, length: Optional[int]) -> None:
+    def as_measured(self, length: Optional[int], capacity: Optional[float] = None) -> None:
         """Plan a micro-batch as long as the one the run measured (padded to `length`), not the longest the data
-        may give: the run's figure is of its measured step (before `start`; None: the longest)."""
-        if length is None or self.process is not None or "--length" in self.args:
+        may give, and under ep the routing it had (`capacity`: its pairs received over an even share), not an even
+        one: the run's figure is of its measured step (before `start`; None: the planner's default)."""
+        if self.process is not None or self.given:
             return
-        self.args += ["--length", str(length)]
+        self.given = True
+        given = (["--length", str(length)] if length is not None else []) + \
+                (["--ep-capacity", f"{capacity:.4g}"] if capacity is not None else [])
+        self.args += given
         self.command = shlex.join(["python", "-m", "launcher.plan", *self.args])
-        self.argv[-2:-2] = ["--length", str(length)]  # before its --out FILE
+        self.argv[-2:-2] = given  # before its --out FILE
 
     def start(self) -> None:
         if self.process is not None or self.failed:

@@ -90,7 +90,8 @@ def _plan(args) -> int:
             found = layouts.candidates(args.devices, min(args.gpus_per_node, args.devices), recipe.parallel.ep)
         if args.jobs is not None and args.jobs < 1:
             raise UserError(f"--jobs {args.jobs}: give 1 or more")
-        if not args.ep_capacity >= 1:  # (NaN too)
+        if not (args.ep_capacity >= 1 or args.as_run and args.ep_capacity > 0):  # (NaN too; a run's rank may
+            # receive less than an even share, and plans what it measured)
             raise UserError(f"--ep-capacity {args.ep_capacity:g}: give 1 (the routed tokens spread evenly over the "
                             f"ep ranks, the default) or more, up to ep (all of an ep group's on one rank)")
         found = [dataclasses.replace(f, capacity=args.ep_capacity) if f.ep > 1 else f for f in found]
