@@ -1,7 +1,8 @@
 """tests/several_runs.py for the planner's accuracy table (tests/test_plan.py): several runs in one torchrun
 launch, where only the runs named apart start the memory planner as every run does (`python -m launcher.plan
 --as-run` in a process of its own beside training). The others defer it: their command line is written to
-deferred.jsonl beside CASES.json (as memory.Planned makes it, less its --out file), and the test plans it in its
+deferred.jsonl beside CASES.json when the run asks for its figure (as memory.Planned makes it, the length of the
+run's measured batch given, less its --out file), and the test plans it in its
 own process (the same `launcher.plan` main on the same arguments, its own --out), while the measured peak is still
 the run's own. Each planner process costs a start and an
 import of torch; the figure does not depend on which process computes it (the test checks that on the runs
@@ -61,34 +62,40 @@ def main(cases_file: str, apart_file: str) -> None:
     asked = Path(cases_file).with_name("deferred.jsonl")
     real = memory.Planned
 
-    class Deferred:
-        """memory.Planned, without the planner's process."""
+    class Recorded:
+        """memory.Planned, its arguments written when the run asks for its result (the run gives the length of its
+        measured batch before); the planner's process only for the runs named apart."""
 
-        def __init__(self, command: str):
-            self.command = command
+        def __init__(self, made, own: bool):
+            self.made, self.own = made, own
             self.said = False
 
+        def as_measured(self, *measured) -> None:
+            self.made.as_measured(*measured)
+
         def start(self) -> None:
-            pass
+            if self.own:
+                self.made.start()
 
         def ready(self) -> bool:
-            return False
+            return self.own and self.made.ready()
 
         def result(self, wait: bool) -> tuple:
-            return None, f"memory: planned by the test in its own process ({self.command})"
+            with open(asked, "a") as out:  # less `python -m launcher.plan` and its --out FILE (the last one kept)
+                out.write(json.dumps({"argv": self.made.args, "apart": self.own}) + "\n")
+            if self.own:
+                return self.made.result(wait)
+            return None, f"memory: planned by the test in its own process ({self.made.command})"
+
+        def assuming(self) -> str:
+            return self.made.assuming()
 
         def close(self) -> None:
-            pass
+            self.made.close()
 
     def planned(recipe_path, overrides, strategy, world, device_type):
         made = real(recipe_path, overrides, strategy, world, device_type)  # not started: its arguments
-        own = bool(apart & set(overrides))
-        with open(asked, "a") as out:  # less `python -m launcher.plan` and its --out FILE
-            out.write(json.dumps({"argv": made.args, "apart": own}) + "\n")
-        if own:
-            return made
-        made.close()
-        return Deferred(made.command)
+        return Recorded(made, bool(apart & set(overrides)))
 
     memory.Planned = planned
     several(cases_file)

@@ -111,6 +111,8 @@ def test_activation_checkpointing_and_more_devices_lower_the_peak():
 def test_mistakes_are_one_line():
     for args, said in ((["--memory", "lots"], "--memory lots: give one device's memory, such as 80GB"),
                        (["--devices", "0"], "--devices 0: give a number of devices of 1 or more"),
+                       (["--length", "8"], "--length 8: give a length of 1 or more, with --as-run (a run's batch)"),
+                       (["--as-run", "single", "--length", "0"], "--length 0: give a length of 1 or more"),
                        (["data.batch_size=-1"], "data.batch_size")):
         done = plan(*QUICK, *args, check=False)
         assert done.returncode == 2, done.stderr

@@ -48,6 +48,25 @@ class Measured(Window):
         self.tracker = None
         self.bytes: Optional[int] = None
         self.step_measured: Optional[int] = None
+        self.length: Optional[int] = None  # the measured step's longest micro-batch, padded (what the plan plans)
+        self.routed = [0, 0]  # under ep: the (token, expert) pairs the measured step sent, and received
+
+    def route(self, sent: int, received: int) -> None:
+        """An expert-parallel dispatch's pairs (the measured step's are kept: the planner plans that routing)."""
+        if self.on:
+            self.routed[0] += sent
+            self.routed[1] += received
+
+    def capacity(self) -> Optional[float]:
+        """Under ep: the pairs this rank's experts received in the measured step over an even share (its own)."""
+        return self.routed[1] / self.routed[0] if self.routed[0] else None
+
+    def saw(self, batch) -> None:
+        """A micro-batch of the step (the measured step's are kept: the planner plans one as long)."""
+        if self.on and self.device.type != "cuda":
+            found = padded_length(batch)
+            if found is not None:
+                self.length = max(self.length or 0, found)
 
     def clip(self, start: int, total: int, say: Callable[[str], None]) -> bool:
         if self.device.type == "cuda":
@@ -87,6 +106,15 @@ class Measured(Window):
         if self.device.type == "cuda":
             return "CUDA's allocator, the whole run"
         return f"torch's memory tracker, step {self.step_measured}" + (" and DDP's buckets" if self.buckets else "")
+
+
+def padded_length(batch) -> Optional[int]:
+    """A batch's length: the longest second dimension of its tensors of two or more (padded rows' length); None
+    where it holds none."""
+    from torch.utils._pytree import tree_flatten
+
+    found = [t.shape[1] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    return max(found) if found else None
 
 
 def tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool, *tensors: torch.Tensor):
@@ -218,6 +246,20 @@ class Planned:
         self.failed: Optional[str] = None  # why it could not start
         self.said = False
         self.assumes: Optional[str] = None  # what the plan assumed that the run's values decide (ep's routing)
+        self.given = False  # the measured step's batch and routing (as_measured)
+
+    def as_measured(self, length: Optional[int], capacity: Optional[float] = None) -> None:
+        """Plan a micro-batch as long as the one the run measured (padded to `length`), not the longest the data
+        may give, and under ep the routing it had (`capacity`: its pairs received over an even share), not an even
+        one: the run's figure is of its measured step (before `start`; None: the planner's default)."""
+        if self.process is not None or self.given:
+            return
+        self.given = True
+        given = (["--length", str(length)] if length is not None else []) + \
+                (["--ep-capacity", f"{capacity:.4g}"] if capacity is not None else [])
+        self.args += given
+        self.command = shlex.join(["python", "-m", "launcher.plan", *self.args])
+        self.argv[-2:-2] = given  # before its --out FILE
 
     def start(self) -> None:
         if self.process is not None or self.failed:

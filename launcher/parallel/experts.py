@@ -46,6 +46,9 @@ from torch import nn
 
 from launcher.errors import UserError
 
+# each dispatch's (pairs this rank sent, pairs it received) told to this: the run's memory check, which plans
+# the routing its measured step had (launcher/run/planning.py)
+routed_to: Any = None
 EXPECTED = ("an HF mixture of experts' experts: an int num_experts, parameters indexed by expert first "
             "(gate_up_proj, down_proj), forward(hidden_states, top_k_index, top_k_weights)")
 
@@ -188,6 +191,8 @@ def dispatched(view: "_Local", forward: Any, group: Any, ep: int, hidden: torch.
     experts = index.reshape(-1)
     order = torch.sort(experts, stable=True).indices  # pairs by expert, so by the rank that holds it
     send, receive = split_sizes(experts // local, ep, group)
+    if routed_to is not None:
+        routed_to(sum(send), sum(receive))
     rows = all_to_all_single_autograd(hidden[order // k], receive, send, group)
     which = torch.empty(sum(receive), dtype=experts.dtype, device=experts.device)
     dist.all_to_all_single(which, (experts[order] % local).contiguous(), receive, send, group=group)

@@ -49,6 +49,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ep-capacity", type=float, default=1.0, metavar="F",
                         help="under parallel.ep: plan for each rank's experts receiving F times an even share of "
                              "the routed tokens (default 1: spread evenly; ep: all of the ep group's on one rank)")
+    parser.add_argument("--length", type=int, metavar="L",
+                        help="with --as-run: plan micro-batches padded to L (the batch a run measured; default: "
+                             "its longest of the data's first items, the worst case)")
     parser.add_argument("--out", metavar="FILE", help="also write the --json lines to FILE, whole or not at all (a "
                                                       "mistake: {\"problem\": ...}): a run reads its plan there, "
                                                       "whatever the recipe's code prints")
@@ -87,12 +90,16 @@ def _plan(args) -> int:
             found = layouts.candidates(args.devices, min(args.gpus_per_node, args.devices), recipe.parallel.ep)
         if args.jobs is not None and args.jobs < 1:
             raise UserError(f"--jobs {args.jobs}: give 1 or more")
-        if not args.ep_capacity >= 1:  # (NaN too)
+        if not (args.ep_capacity >= 1 or args.as_run and args.ep_capacity > 0):  # (NaN too; a run's rank may
+            # receive less than an even share, and plans what it measured)
             raise UserError(f"--ep-capacity {args.ep_capacity:g}: give 1 (the routed tokens spread evenly over the "
                             f"ep ranks, the default) or more, up to ep (all of an ep group's on one rank)")
         found = [dataclasses.replace(f, capacity=args.ep_capacity) if f.ep > 1 else f for f in found]
+        if args.length is not None and not (args.as_run and args.length >= 1):
+            raise UserError(f"--length {args.length}: give a length of 1 or more, with --as-run (a run's batch)")
         collector.resume()  # (paused while python -m launcher.plan started)
-        rows = planner.plan(recipe, found, memory, args.device, largest=not args.as_run, jobs=args.jobs)
+        rows = planner.plan(recipe, found, memory, args.device, largest=not args.as_run, jobs=args.jobs,
+                            batches=planner.Batches(recipe, args.length))
         if args.out:
             _write(args.out, "\n".join(json.dumps(row.as_json()) for row in rows))
     except UserError as e:

@@ -37,15 +37,19 @@ class Row:
 class Batches:
     """Micro-batches of any size, made of this recipe's training items as a run collates them: the longest of its
     first items (where items differ in length, padded to the longest in a batch, the peak is that of the batch
-    of the longest items: so is the plan's)."""
+    of the longest items: so is the plan's). Given a `length` (a run's measured batch, padded), that long."""
 
-    def __init__(self, recipe):
+    def __init__(self, recipe, length: Optional[int] = None):
         from launcher.run import build
 
         self.train, _, _ = build.data_for(recipe.data, 1, (1, 0), recipe.seed, torch.device("cpu"), 1)
         self.items: Optional[List[Any]] = None  # a stream's first items
+        self.length = length
 
     def of(self, size: int) -> Any:
+        return _as_long(self._longest(size), self.length)
+
+    def _longest(self, size: int) -> Any:
         if self.train.is_stream:
             self.items = self.items or list(self.train.first_items())
             return self.train.collate(micro_batches(_longest(self.items, len(self.items)), size))
@@ -56,6 +60,25 @@ class Batches:
 
 
 LOOKED_AT = 64  # items read for the longest
+
+
+def _as_long(batch: Any, length: Optional[int]) -> Any:
+    """`batch` with its padded length (memory.padded_length) `length`: the tensors that long cut to it, or
+    repeated along it (a fake step's memory is its shapes')."""
+    from torch.utils._pytree import tree_map
+
+    from launcher.observe.memory import padded_length
+
+    longest = padded_length(batch)
+    if length is None or longest is None or length == longest:
+        return batch
+
+    def fitted(t: Any) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == longest):
+            return t
+        return t.repeat(1, math.ceil(length / longest), *[1] * (t.dim() - 2))[:, :length].contiguous()
+
+    return tree_map(fitted, batch)
 
 
 def micro_batches(items: List[Any], size: int) -> List[Any]:

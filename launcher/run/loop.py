@@ -135,6 +135,8 @@ def _train_step(p: Parts, cfg: TrainerConfig, batches, weights: "LossWeights", p
     for micro in range(accum):
         batch = next(batches)
         p.meter.before(batch)
+        if p.measured is not None:
+            p.measured.saw(batch)
         syncs = micro + 1 == accum  # the micro-batch whose backward synchronises the gradients
         zero = micro == 0 and not free_after_step
         for loss, count, out, part in p.strategy.train_batch(

@@ -16,7 +16,10 @@ PLANNED = ("single", "ddp", "fsdp")  # the strategies python -m launcher.plan pl
 
 def measure(recipe: Recipe, parts: Parts, model) -> None:
     """Measure the run's peak over one step (parts.measured), where the planner can plan its layout."""
+    from launcher.parallel import experts
+
     strategy, device = parts.strategy, parts.strategy.device
+    experts.routed_to = None  # (a run before this one's, in the same process)
     # torch's tracker on the CPU sees the operations of eager code: a compiled step's kernels pass it by, so a
     # compiled run on the CPU is not checked (on CUDA the allocator counts every kernel's memory)
     compiled_on_cpu = recipe.trainer.compile and device.type != "cuda"
@@ -24,6 +27,8 @@ def measure(recipe: Recipe, parts: Parts, model) -> None:
         buckets = memory.ddp_buckets(model, recipe.ddp.gradient_as_bucket_view) if strategy.name == "ddp" else 0
         parts.measured = memory.Measured(parts.model, parts.optimizer, device, strategy.sharded, buckets)
         parts.watch.windows.append(parts.measured)
+        if recipe.parallel.ep > 1:
+            experts.routed_to = parts.measured.route
 
 
 def planned(loaded: Loaded, parts: Parts) -> Optional[memory.Planned]:
@@ -39,7 +44,8 @@ def planned(loaded: Loaded, parts: Parts) -> Optional[memory.Planned]:
 
     def said_when_ready() -> None:
         idle()
-        planned.start()  # at the first log step: the run's start has every core
+        if _measured_first(parts, planned):
+            planned.start()  # at the first log step: the run's start has every core
         if not planned.said and planned.ready():
             planned.said = True
             parts.console.info(planned.result(wait=False)[1])
@@ -49,10 +55,25 @@ def planned(loaded: Loaded, parts: Parts) -> Optional[memory.Planned]:
     return planned
 
 
+def _measured_first(parts: Parts, planned: memory.Planned) -> bool:
+    """Whether the planner may start: on the CPU once the step is measured, given its micro-batch's length and
+    under ep the pairs its experts received over an even share (the step's figure is that batch's and that
+    routing's; the plan would be the longest batch's, routed evenly). CUDA's allocator keeps the whole run's
+    peak: the longest batch's, which the planner plans without being told."""
+    measured = parts.measured
+    if measured.device.type == "cuda":
+        return True
+    if measured.bytes is None:
+        return False
+    planned.as_measured(measured.length, measured.capacity())
+    return True
+
+
 def _said(parts: Parts, planned: memory.Planned, wait: bool) -> Dict[str, float]:
     """At the last step: the measured peak beside the planned one, said, and for the loggers."""
+    measured = parts.measured.peak()  # (its step's end, where it is the last: before the planner starts)
+    _measured_first(parts, planned)
     figure, line = planned.result(wait=wait or planned.ready())
-    measured = parts.measured.peak()
     values = {} if measured is None else {"memory/peak_bytes": float(measured)}
     how = f"{measured / 2**20:.1f} MiB per rank at the peak ({parts.measured.how()})" if measured is not None else ""
     if figure is not None:
