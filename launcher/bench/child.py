@@ -25,8 +25,8 @@ def run(argv) -> int:
     clock = StepClock()
     step_done = TrainMeter.step_done
 
-    def ticking(self, grad_norm):
-        step_done(self, grad_norm)
+    def ticking(self, grad_norm, *share):  # (the share of the batch trained: fault tolerance's live groups)
+        step_done(self, grad_norm, *share)
         clock.tick()
 
     TrainMeter.step_done = ticking
