@@ -36,6 +36,40 @@ SMALL = [
 ]
 
 
+def pytest_sessionstart(session):
+    """Each process that runs tests (each pytest-xdist worker, or pytest alone) starts its fork server
+    (tests/fork_server/): the `python -m launcher` and torchrun processes its tests start are forked from a process
+    that imported torch once. LAUNCHER_TEST_FORK_SERVER=0 leaves it out."""
+    config = session.config
+    controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    if controller or os.environ.get("LAUNCHER_TEST_FORK_SERVER") == "0":
+        return
+    global _FORK_SERVER
+    path = os.path.join(tempfile.mkdtemp(prefix="launcher-fork-"), "socket")
+    here = REPO / "tests" / "fork_server"
+    _FORK_SERVER = subprocess.Popen([sys.executable, str(here / "server.py"), path], stdout=subprocess.DEVNULL,
+                                    start_new_session=True, env={k: v for k, v in os.environ.items()
+                                                                 if k != "LAUNCHER_TEST_FORK_SERVER"})
+    os.environ["LAUNCHER_TEST_FORK_SERVER"] = path  # until it listens, processes start as usual
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(here), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+_FORK_SERVER = None
+
+
+def pytest_sessionfinish(session):
+    if _FORK_SERVER is not None:
+        _FORK_SERVER.terminate()
+        _FORK_SERVER.wait()
+
+
+@pytest.fixture
+def own_processes(monkeypatch):
+    """The processes this test starts start as a user's do, not from the fork server: for a test that reaches
+    into the process tree (a rank stopped with SIGSTOP, workers found as a pid's children)."""
+    monkeypatch.delenv("LAUNCHER_TEST_FORK_SERVER", raising=False)
+
+
 @pytest.fixture(autouse=True)
 def _in_repo(monkeypatch, tmp_path_factory):
     monkeypatch.chdir(REPO)

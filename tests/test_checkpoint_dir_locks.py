@@ -41,7 +41,8 @@ def locked_by(store, prefix, **holder):
     store.client.put_object(Bucket=BUCKET, Key=f"{prefix}/.lock", Body=json.dumps(about).encode())
 
 
-def test_a_second_run_on_a_prefix_in_use_is_refused_and_the_first_runs_rerun_takes_it_over(s3, tmp_path, capsys):
+def test_a_second_run_on_a_prefix_in_use_is_refused_and_the_first_runs_rerun_takes_it_over(s3, tmp_path, capsys,
+                                                                                           own_processes):
     """Two processes, two seeds, one s3:// prefix: the second stops before it trains (exit 2, one line naming the
     prefix and the first run) and writes nothing there. The first killed (its lock left behind), its rerun on
     this machine takes the lock over, saying so, and releases it at its end."""

@@ -12,7 +12,9 @@ from tests.pace import paced, until
 from tests.save_crash import killed as killed_inside_a_save  # its trial up to the resume
 from tests.test_strategies import RECIPE, TORCHRUN, run
 
-pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
+# real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them; their processes their own (workers
+# are found as a pid's children: tests/conftest.py, own_processes)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_processes")]
 
 COMMON = [*RECIPE, "checkpoint.every=10"]
 # The node-loss runs: slow enough (0.05 s a step) that the nodes are lost well before the end (3 s of sleep and

@@ -166,7 +166,7 @@ def test_a_group_with_another_recipe_is_refused_in_one_line_and_never_averaged_i
     assert_same_weights(tmp_path / "alone" / "group_0" / "model.pt", tmp_path / "run" / "group_0" / "model.pt")
 
 
-def test_a_frozen_group_is_dropped_and_after_sigcont_rejoins_live_in_the_same_process(tmp_path):
+def test_a_frozen_group_is_dropped_and_after_sigcont_rejoins_live_in_the_same_process(tmp_path, own_processes):
     run = Run(*RECIPE, *GROUPS, *PACED, f"run_dir={tmp_path}", env=hold())
     pid = int(run.wait_for(r"group 1: started \(process (\d+)\)").group(1))
     run.wait_for(rf"\[group 1\] step {KILLED_AT}/")

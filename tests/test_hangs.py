@@ -17,6 +17,8 @@ from tests.pace import paced, until
 from tests.several_runs import several
 from tests.test_strategies import RECIPE
 
+pytestmark = pytest.mark.usefixtures("own_processes")  # a rank found among the agent's descendants and stopped
+
 # Slow enough (0.05 s a step) that rank 1 is stopped well before the end (60 steps, 3 s of sleep, after step_20).
 SLOW = [*RECIPE, "checkpoint.every=10", "trainer.max_steps=80", "model={_target_: tests.components.Slow, seconds: 0.05}"]
 

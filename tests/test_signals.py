@@ -10,7 +10,9 @@ from tests.conftest import REPO, SMALL, assert_same_weights, trained_here
 from tests.pace import paced, until
 from tests.rounding import assert_within_rounding, float64
 
-pytestmark = pytest.mark.slow  # real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them
+# real torchrun / multi-process runs: python -m pytest -m 'not slow' skips them; their processes their own (workers
+# are found as a pid's children: tests/conftest.py, own_processes)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_processes")]
 
 # Slow enough (0.04 s a step) that a signal sent at step 10 finds the run going (70 steps, 2.8 s of sleep, still to
 # run), few enough steps that the runs resumed to the end cost little. In float64, where tp x 2 ends within
