@@ -55,7 +55,7 @@ def test_a_step_waits_for_no_quorum_unless_the_groups_changed_and_ends_bitwise_a
     for group in (0, 1):
         started = rounds(tmp_path / f"rounds.{group}")
         assert [step for step, kind in started if kind == "synchronous"] == [0], started
-        assert [step for step, kind in started if step > 0] == [(step, "optimistic") for step in range(1, 20)]
+        assert [(step, kind) for step, kind in started if step > 0] == [(step, "optimistic") for step in range(1, 20)]
         assert steps(run.of(group)) == list(range(1, 21))
     ddp(*plain, f"run_dir={tmp_path / 'ddp'}")
     assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
