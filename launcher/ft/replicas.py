@@ -56,7 +56,7 @@ class Replicas:
         self.dropping = False  # it was, and differs: the step averages nothing and is started again
         self.again = False  # the next begin is that start again: a synchronous quorum at once
         self.failed = False  # the last step's commit failed (the next quorum is a new one)
-        self.lost: Optional[BaseException] = None  # the optimistic quorum's failure, said after the backward
+        self.lost: Optional[BaseException] = None  # the optimistic quorum's failure, said by commit
         self.checked: Optional[int] = None  # the quorum whose members' recipes were found alike
         self.averaging: Optional[average.Average] = None  # made at the first step's last backward
 
@@ -88,7 +88,7 @@ class Replicas:
 
     def begin(self, live: Any) -> bool:
         """A quorum for the step after `live.position`; True when this process took a live group's state. The common
-        step's comes in the background (see `_settle`); a process's first step, and the step after a dropped one,
+        step's comes in the background (see `_settle`); a process's first step, and the step after a failed one,
         wait for theirs."""
         self.live, self.recovered = live, False
         first, step = self.manager is None, live.position.step
