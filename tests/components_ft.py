@@ -26,7 +26,12 @@ meanwhile, whatever that takes:
 makes a group that has trained k steps with fewer groups live than it had hold before its next step, asking the
 lighthouse for a quorum again and again (as a fresh run's first step does), until a quorum has more groups (the
 lost one is back) or `file` exists (the test releases it: a group that comes back only to be refused). Holding
-changes nothing a step trains: the run is the same function of the seed, the steps and the groups live at each.
+changes nothing a step trains: the run is the same function of the seed, the steps and the groups live at each. And
+
+    FT_TEST_ROUNDS=<path>
+
+writes a line to <path>.<group> for each quorum the group starts: torchft's step count and its kind (synchronous:
+the step waits for it; optimistic: it comes during the step, launcher/ft/rounds.py).
 """
 
 from __future__ import annotations
@@ -106,9 +111,13 @@ def _hold() -> None:
     quorum = Manager.start_quorum
     seen = {"most": 0, "short_since": None}
 
+    def members(manager) -> int:  # every group of the quorum, behind or not (launcher/ft/rounds.py)
+        manager.wait_quorum()
+        return manager._client.quorum.replica_world_size
+
     def start_quorum(self, *args, **kwargs):
         quorum(self, *args, **kwargs)
-        now = self.num_participants()
+        now = members(self)
         if now >= seen["most"]:
             seen["most"], seen["short_since"] = now, None
             return
@@ -116,7 +125,7 @@ def _hold() -> None:
             seen["short_since"] = self.current_step()
         # (the processes of a group get the same quorums, so they hold alike, for as many rounds)
         for _ in range(6000):  # at most about 10 minutes: a test that fails ends rather than hangs
-            if self.current_step() - seen["short_since"] < int(k) or self.num_participants() > now or \
+            if self.current_step() - seen["short_since"] < int(k) or members(self) > now or \
                     (release and os.path.exists(release)):
                 return
             time.sleep(0.1)
@@ -125,7 +134,26 @@ def _hold() -> None:
     Manager.start_quorum = start_quorum
 
 
+def _rounds() -> None:
+    """FT_TEST_ROUNDS=<path>: each quorum this group starts, a line in <path>.<group>: torchft's step count and
+    whether it waits for the quorum before it returns (synchronous) or lets it come during the step (optimistic)."""
+    asked = os.environ.get("FT_TEST_ROUNDS")
+    if not asked:
+        return
+    from torchft import Manager
+
+    quorum = Manager.start_quorum
+
+    def start_quorum(self, *args, **kwargs):
+        with open(f"{asked}.{os.environ.get('REPLICA_GROUP_ID')}", "a") as out:
+            out.write(f"{self.current_step()} {'optimistic' if self._use_async_quorum else 'synchronous'}\n")
+        return quorum(self, *args, **kwargs)
+
+    Manager.start_quorum = start_quorum
+
+
 _install()
+_rounds()
 _hold()
 
 

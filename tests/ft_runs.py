@@ -117,7 +117,7 @@ def steps(lines: list) -> list:
 
 
 def without_die() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in ("FT_TEST_DIE", "FT_TEST_HOLD")}
+    return {k: v for k, v in os.environ.items() if k not in ("FT_TEST_DIE", "FT_TEST_HOLD", "FT_TEST_ROUNDS")}
 
 
 def ddp(*args: str, processes: int = 2) -> None:

@@ -44,6 +44,29 @@ def test_two_groups_end_with_the_weights_of_ddp_on_two_processes_and_their_check
         torch.testing.assert_close(one[key], ft[key], rtol=1e-5, atol=1e-6)
 
 
+def test_a_step_waits_for_no_quorum_unless_the_groups_changed_and_ends_bitwise_as_ddp(tmp_path):
+    # Each quorum a group starts, as torchft is asked for it (tests/components_ft.py's FT_TEST_ROUNDS): a synchronous
+    # one (the step waits for it before it reads its batch) in the first step alone, where the groups meet; each
+    # later step's comes during the step (optimistic), once, and the step stands on it.
+    plain = [*RECIPE, "trainer.max_steps=20", "step._target_=tests.components_ft.paced_step", "step._partial_=true",
+             "step.seconds=0"]
+    run = Run(*plain, *GROUPS, f"run_dir={tmp_path / 'ft'}", env={"FT_TEST_ROUNDS": str(tmp_path / "rounds")})
+    assert run.finish() == 0, run.text()[-3000:]
+    for group in (0, 1):
+        started = rounds(tmp_path / f"rounds.{group}")
+        assert [step for step, kind in started if kind == "synchronous"] == [0], started
+        assert [(step, kind) for step, kind in started if step > 0] == [(step, "optimistic") for step in range(1, 20)]
+        assert steps(run.of(group)) == list(range(1, 21))
+    ddp(*plain, f"run_dir={tmp_path / 'ddp'}")
+    assert_same_weights(tmp_path / "ddp" / "model.pt", tmp_path / "ft" / "group_0" / "model.pt")
+    assert_same_weights(tmp_path / "ft" / "group_0" / "model.pt", tmp_path / "ft" / "group_1" / "model.pt")
+
+
+def rounds(path) -> list:
+    """(torchft's step count, the quorum's kind) of each quorum a group started."""
+    return [(int(step), kind) for step, kind in (line.split() for line in path.read_text().splitlines())]
+
+
 def test_groups_of_two_ddp_processes_end_with_the_weights_of_ddp_on_four(tmp_path):
     run = Run(*RECIPE, *GROUPS, "trainer.max_steps=20", "logging.jsonl=true", "strategy=ddp", "nproc_per_node=2",
               f"run_dir={tmp_path / 'ft'}")
@@ -117,7 +140,7 @@ def test_a_step_that_counts_its_items_weighs_every_item_of_every_live_group_alik
 
 def test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise_equal(tmp_path):
     run = Run(*RECIPE, *GROUPS, *PACED, "checkpoint.every=50", f"run_dir={tmp_path}",
-              env={"FT_TEST_DIE": f"1:{KILLED_AT}", **hold()})
+              env={"FT_TEST_DIE": f"1:{KILLED_AT}", **hold(), "FT_TEST_ROUNDS": str(tmp_path / "rounds")})
     lighthouse = run.wait_for(r"lighthouse at (\S+)").group(1)
     pid = int(run.wait_for(r"group 0: started \(process (\d+)\)").group(1))
     run.wait_for(r"group 1: killed by SIGKILL; 1 group trains on")
@@ -140,6 +163,12 @@ def test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise_equal
     assert "resumed from" not in joined and KILLED_AT < recovered < STEPS
     assert steps(unprefixed(joined, 1)) == list(range(recovered + 1, STEPS + 1))
     assert f"fault tolerance: step {recovered + 1}: 2 of 2 groups live" in "".join(lived)
+    # The live group waited for a quorum before reading a batch only where the groups changed: the first step, the
+    # step after group 1's death (its quorum a new one), and the step group 1 joined in (started optimistically,
+    # then dropped unaveraged and trained again, with group 1, after a synchronous quorum)
+    started = rounds(tmp_path / "rounds.0")
+    assert [step for step, kind in started if kind == "synchronous"] == [0, KILLED_AT - 1, recovered], started
+    assert {step for step, kind in started if kind == "optimistic"} == set(range(STEPS))
     assert_same_weights(tmp_path / "group_0" / "model.pt", tmp_path / "group_1" / "model.pt")
     assert sorted(p.name for p in (tmp_path / "group_1" / "checkpoints").glob("step_*")) == [f"step_{STEPS}"]
 

@@ -108,7 +108,7 @@ def test_several_processes_a_group_launch_every_bucket_after_the_backward():
 def test_the_groups_average_through_torchfts_nccl_on_cuda_and_gloo_on_the_cpu():
     import torchft
 
-    from launcher.ft.replicas import process_group
+    from launcher.ft.pieces import process_group
 
     assert process_group("cuda") is torchft.ProcessGroupNCCL  # (not run on a GPU here)
     assert process_group("cpu") is torchft.ProcessGroupGloo

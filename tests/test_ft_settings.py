@@ -197,6 +197,18 @@ def test_a_joining_group_takes_the_live_groups_state_exactly():
     assert torch.equal(torch.rand(3), drawn)
 
 
+def test_a_group_asked_for_its_state_during_a_step_hands_over_the_steps_start():
+    # An optimistic quorum (launcher/ft/rounds.py) asks the giver during its step's forward: the batch read and the
+    # draws made since its start are not handed over, the position and RNG as they stood at its start are
+    giver, taker = _live(0, 17), _live(1, 0)
+    at = recovery.boundary(giver)
+    drawn = torch.rand(3)  # the step's draws (dropout), and its batch read, after its start
+    giver.position.batch += 1
+    recovery.take(recovery.given(giver, {"seed": 0}, at), taker, {"seed": 0})
+    assert (taker.position.step, taker.position.epoch, taker.position.batch) == (17, 1, 17)
+    assert torch.equal(torch.rand(3), drawn)  # the taker draws what the giver drew in the step
+
+
 @pytest.fixture
 def one_process_group():
     import torch.distributed as dist

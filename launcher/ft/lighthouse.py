@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.ft.replicas import quiet
+from launcher.ft.pieces import quiet
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
 
 TICK_MS = 100  # how often it checks for a quorum while it waits for groups (torchft's default)

@@ -22,7 +22,7 @@ groups.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -33,17 +33,23 @@ from launcher.ft import settings
 from launcher.model.plain import unwrap
 
 
-def given(live: Any, fingerprint: Mapping[str, Any]) -> Dict[str, Any]:
-    """What this process hands over, by reference (the weights are read while the giver waits in its step,
-    which changes none of them before the taker has its copy: torchft holds the optimizer step until then)."""
+def boundary(live: Any) -> Dict[str, Any]:
+    """What of the state a step's forward moves on (the RNG draws, the position, a stream's place), as it stands at
+    the step's start: taken there, and handed over from there whenever torchft asks for it during the step."""
+    return {"rng": seeding.capture(device_of(live)), "position": dict(vars(live.position)),
+            "stream": live.data.state() if _streaming(live) else None}
+
+
+def given(live: Any, fingerprint: Mapping[str, Any], at: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """What this process hands over, by reference, with `at` (`boundary`, taken at the step's start; now where not
+    given). The weights, optimizer, schedule and scaler are read while the giver is in its step, which changes none
+    of them before the taker has its copy: the giver steps only after a quorum the taker is in too."""
     return {"fingerprint": dict(fingerprint),
             "model": _each(unwrap(live.model).state_dict(), lambda key, value: _local(value)),
             "optimizer": _tree(live.optimizer.state_dict(), _local),
             "schedule": live.schedule.state_dict() if live.schedule is not None else None,
             "scaler": live.precision.state_dict(),
-            "rng": seeding.capture(device_of(live)),
-            "position": dict(vars(live.position)),
-            "stream": live.data.state() if _streaming(live) else None}
+            **dict(at if at is not None else boundary(live))}
 
 
 def take(state: Mapping[str, Any], live: Any, fingerprint: Mapping[str, Any]) -> None:

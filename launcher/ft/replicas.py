@@ -2,10 +2,12 @@
 
 Each step:
 
-1. `begin`: the groups agree which of them are live (a quorum, through the lighthouse), synchronously, before
-   the step reads a batch. A group behind the others (one that joins, or one a quorum went on without) first
-   copies a live group's state (recovery.py) and reads its batches from the position it took. A fresh run's
-   first step waits (up to timeouts.join) for every group, so that all of them train from step 1.
+1. `begin`: the groups agree which of them are live (a quorum, through the lighthouse): optimistically, while the
+   step reads its batch and runs its forward, as the previous quorum left the groups; where the quorum changed, the
+   step is dropped before anything is averaged and started again after a synchronous quorum (rounds.py). A group
+   behind the others (one that joins, or one a quorum went on without) first copies a live group's state
+   (recovery.py) and reads its batches from the position it took. A fresh run's first step waits (up to
+   timeouts.join) for every group, so that all of them train from step 1.
 2. The step's forward and backward, inside the group as its strategy does them; `arm` before the last one:
    the gradients are averaged over the live groups in buckets (average.py), each launched as that backward makes
    it (a group of one process) or once it is done (a group's own reduction first), and `wait` after it.
@@ -13,82 +15,24 @@ Each step:
    drop it and train it again from the same batches (the loop rewinds), so no live group's step ever goes back.
 
 The periodic checkpoints are written by the lowest live group (`lowest_live`). Nothing here is called by a run
-without fault_tolerance, and torchft is imported only here.
+without fault_tolerance.
 """
 
 from __future__ import annotations
 
 import datetime
-import logging
 import os
-import re
 import socket
 import time
-import urllib.parse
-import warnings
 from typing import Any, Callable, List, Mapping, Optional
 
 import torch
 
 from launcher import seeding
-from launcher.errors import Hung, NoQuorum, UserError, first_line
-from launcher.ft import average, recovery, same_recipe
+from launcher.errors import Hung, NoQuorum, first_line
+from launcher.ft import average, recovery, rounds, same_recipe
+from launcher.ft.pieces import REPLICA_ID, answers, process_group, quiet, reason, transport
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
-
-REPLICA_ID = "group_{:05d}"  # torchft sorts groups by it (lowest first) and reads its trailing digits
-CONNECT = 10  # seconds a group waits for the lighthouse's port to answer at its start
-
-
-def quiet(log: Optional[str] = None) -> None:
-    """torchft says every quorum and commit at INFO (its Rust side on stderr, a few lines a step), and each error a
-    group meets when a peer dies with its traceback: none of it reaches the console (the strategy says what
-    happened, one line each). Its Python side's warnings and errors go to `log`, a file, where given; its Rust
-    side's warnings stay on stderr, unless RUST_LOG says otherwise. Called before torchft is imported."""
-    os.environ.setdefault("RUST_LOG", "warn")
-    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-        logger = logging.getLogger(name)
-        logger.setLevel(logging.WARNING)
-        logger.propagate = False
-        if not logger.handlers:
-            logger.addHandler(logging.FileHandler(log) if log else logging.NullHandler())
-    # torch's, once per process, about the bytes torchft's HTTP transfer hands it (read-only, and copied)
-    warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-
-def _reason(e: BaseException) -> str:
-    """A collective's error in a few words: gloo's start with its source file and end with advice."""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e))
-    return text.split(". This is typically")[0][:160]
-
-
-def _answers(lighthouse: str) -> None:
-    """Something listens at the lighthouse's address (a mistyped one is one line now, not torchft's wait)."""
-    found = urllib.parse.urlsplit(lighthouse)
-    try:
-        socket.create_connection((found.hostname, found.port or 80), timeout=CONNECT).close()
-    except OSError as e:
-        raise UserError(f"fault_tolerance.lighthouse: nothing answers at {lighthouse} ({e.strerror or e}); start the "
-                        f"lighthouse first (python -m launcher.ft starts one and gives its address), or fix the "
-                        f"address") from None
-
-
-def process_group(device: str) -> type:
-    """torchft's process group across the groups for gradients on `device`: its NCCL one on CUDA (abortable: a
-    dead group's collective errors out after timeouts.pg rather than hanging), gloo on the CPU."""
-    import torchft
-
-    return torchft.ProcessGroupNCCL if device == "cuda" else torchft.ProcessGroupGloo
-
-
-def _transport(timeout: datetime.timedelta) -> Any:
-    """torchft's HTTP transfer of a live group's state (its default), without a line on stderr per request."""
-    from torchft.checkpointing import HTTPTransport
-
-    transport = HTTPTransport(timeout=timeout, num_chunks=0)
-    server = transport._server  # its handler class is made inside __init__: quieted where the server holds it
-    server.RequestHandlerClass = type("Quiet", (server.RequestHandlerClass,), {"log_message": lambda *args: None})
-    return transport
-
 
 class Replicas:
     """This process's Manager: rank `rank` of `world` in group `group` of `section.groups`; `agree` gathers a value
@@ -100,12 +44,19 @@ class Replicas:
         self.section, self.group, self.rank, self.world, self.agree = section, group, rank, world, agree
         self.device = device  # where the gradients are: the process group across the groups follows it
         self.lighthouse, self.fingerprint, self.log = lighthouse, fingerprint, log
-        _answers(lighthouse)
+        answers(lighthouse)
         self.manager: Any = None  # made at the first step (see _start)
         self.live: Any = None
         self.recovered = False
         self.participants: Optional[int] = None
+        self.at: Any = None  # the state a step moves on, at its start (recovery.boundary): what a taker gets
         self.drawn: Any = None  # the RNG states at the step's start
+        self.seen: Optional[rounds.State] = None  # the last quorum a step stood on
+        self.unsettled = False  # the step's optimistic quorum not compared yet with `seen`
+        self.dropping = False  # it was, and differs: the step averages nothing and is started again
+        self.again = False  # the next begin is that start again: a synchronous quorum at once
+        self.failed = False  # the last step's commit failed (the next quorum is a new one)
+        self.lost: Optional[BaseException] = None  # the optimistic quorum's failure, said by commit
         self.checked: Optional[int] = None  # the quorum whose members' recipes were found alike
         self.averaging: Optional[average.Average] = None  # made at the first step's last backward
 
@@ -125,39 +76,59 @@ class Replicas:
         try:
             self.manager = Manager(
                 pg=process_group(self.device)(timeout=seconds(seconds=t.pg)), load_state_dict=self._take, state_dict=self._give,
-                min_replica_size=self.section.min_groups, use_async_quorum=False, init_sync=True,
+                min_replica_size=self.section.min_groups, use_async_quorum=True, init_sync=True,
                 timeout=seconds(seconds=t.join), quorum_timeout=seconds(seconds=t.quorum),
                 connect_timeout=seconds(seconds=t.join), rank=self.rank, world_size=self.world,
                 lighthouse_addr=self.lighthouse, replica_id=REPLICA_ID.format(self.group),
-                checkpoint_transport=_transport(seconds(seconds=t.join)), **store)
+                checkpoint_transport=transport(seconds(seconds=t.join)), **store)
         except RuntimeError as e:
             raise Hung(f"fault_tolerance: group {self.group} cannot reach the lighthouse at {self.lighthouse} "
                        f"({first_line(e)}); the group stops") from None
+        rounds.watch(self.manager)
 
     def begin(self, live: Any) -> bool:
-        """A quorum for the step after `live.position`; True when this process took a live group's state."""
+        """A quorum for the step after `live.position`; True when this process took a live group's state. The common
+        step's comes in the background (see `_settle`); a process's first step, and the step after a failed one,
+        wait for theirs."""
         self.live, self.recovered = live, False
         first, step = self.manager is None, live.position.step
         if first:
             self._start()  # a run resumed from a checkpoint: torchft's step count starts where it stands
             self.manager.load_state_dict({"step": step, "batches_committed": 0})
         began = time.monotonic()
-        self._quorum(step)
-        if first and live.position.step == step:
-            self._wait_for_every_group(live, began)
+        if self.again:  # this step's optimistic quorum found the groups changed, every member of it alike
+            self.again = False
+        else:
+            self._round(step, synchronous=False)
+            if not (first or self.failed):
+                self.unsettled = True
+                return False
+            self._asking(step, rounds.wait)
+            if rounds.same(self.manager, self.seen):
+                return False
+            rounds.heal(self.manager)
+            if first and live.position.step == step:
+                self._wait_for_every_group(live, began)
+        rounds.heal(self.manager)  # what this step's optimistic quorum received, where this group was behind
+        self._round(step, synchronous=True)
         self._same_recipe()
-        # A dropped step draws again what it drew (dropout): the run stays a function of the seed, the step and
-        # which groups were live.
-        self.drawn = seeding.capture(recovery.device_of(live))
+        self.seen = rounds.state(self.manager)
         if live.position.step != step:
             live.say(f"fault tolerance: recovered live from a live group at step {live.position.step} (its weights, "
                      f"optimizer, schedule, RNG and position; no checkpoint read) in {time.monotonic() - began:.2f} s")
         self._say_participants(live)
         return self.recovered
 
-    def _quorum(self, step: int) -> None:
+    def _round(self, step: int, synchronous: bool) -> None:
+        # A dropped step draws again what it drew (dropout): the run stays a function of the seed, the step and
+        # which groups were live.
+        self.at = recovery.boundary(self.live)
+        self.drawn = self.at["rng"]
+        self._asking(step, lambda manager: rounds.start(manager, synchronous))
+
+    def _asking(self, step: int, ask: Callable[[Any], None]) -> None:
         try:
-            self.manager.start_quorum()
+            ask(self.manager)
         except Exception as e:  # torchft's RPC errors: a quorum that did not come, a lighthouse gone
             if type(e).__module__.startswith("launcher"):
                 raise  # a recipe that does not match the live groups' (recovery.take)
@@ -180,15 +151,19 @@ class Replicas:
         processes of a group agree on each round (their quorum requests go together), a deadline included."""
         groups, deadline = self.section.groups, began + self.section.timeouts.join
         said = False
-        while self.manager.num_participants() < groups and all(self.agree(time.monotonic() < deadline)):
+        while rounds.members(self.manager) < groups and all(self.agree(time.monotonic() < deadline)):
             if not said:
-                live.say(f"fault tolerance: {self.manager.num_participants()} of {groups} groups here; the first "
+                live.say(f"fault tolerance: {rounds.members(self.manager)} of {groups} groups here; the first "
                          f"step waits up to {self.section.timeouts.join:g} s (timeouts.join) for the others")
                 said = True
             time.sleep(0.1)
-            self._quorum(live.position.step)
-        if self.manager.num_participants() < groups:
-            live.say(f"fault tolerance: {self.manager.num_participants()} of {groups} groups joined within "
+            # optimistic quorums, waited for: a group that comes meanwhile is in one with those here, whichever
+            # kind its own first is, and all of them go on to the synchronous one together
+            self._round(live.position.step, synchronous=False)
+            self._asking(live.position.step, rounds.wait)
+            rounds.heal(self.manager)
+        if rounds.members(self.manager) < groups:
+            live.say(f"fault tolerance: {rounds.members(self.manager)} of {groups} groups joined within "
                      f"{self.section.timeouts.join:g} s; training starts with them (the others join live)")
 
     def _say_participants(self, live: Any) -> None:
@@ -202,20 +177,55 @@ class Replicas:
         as the backward makes them where `overlap` (a group of one process), else by `wait` once it is done."""
         if self.averaging is None:  # (DDP's bucket sizes, not the recipe's ddp.bucket_cap_mb: every group must cut
             # its buckets alike, and that key is not among those a joining group is checked against)
-            self.averaging = average.Average(params, lambda flat: self.manager.allreduce(flat), overlap)
+            self.averaging = average.Average(params, self._average, overlap)
         self.averaging.arm()
+
+    def _settle(self) -> None:
+        """The step's optimistic quorum, waited for where it has not come yet, and compared with the one the previous
+        step stood on: before the step's first all-reduce across the groups, each member of the quorum alike. A
+        failure is said by `commit` (this may run inside the backward: the average's first bucket)."""
+        if not self.unsettled:
+            return
+        self.unsettled = False
+        try:
+            self._asking(self.live.position.step, rounds.wait)
+        except NoQuorum as e:
+            self.lost, self.dropping = e, True
+            return
+        self.dropping = not rounds.same(self.manager, self.seen)
+
+    def _average(self, flat: torch.Tensor) -> Any:
+        self._settle()
+        return rounds.Skipped(flat) if self.dropping else self.manager.allreduce(flat)
 
     def wait(self) -> None:
         """After the step's last backward: the gradients are the mean over the live groups (as ddp's are at the end
         of its backward), or a failure is kept by the manager for `commit`."""
         self.averaging.wait()
 
+    def _raise_lost(self) -> None:
+        """No quorum came for this step: the group stops with its state as at the step's start, whole (saved), the
+        position and RNG it moved on put back (and a stream's place, by the strategy)."""
+        if self.lost is not None:
+            lost, self.lost = self.lost, None
+            seeding.restore(self.drawn, recovery.device_of(self.live))
+            vars(self.live.position).update(self.at["position"])
+            raise lost
+
     def commit(self) -> bool:
-        """Whether the optimizer may step (torchft's commit): False when a group failed during the step."""
-        if not self.manager.should_commit():
+        """Whether the optimizer may step (torchft's commit): False when a group failed during the step, or when the
+        step's optimistic quorum found the groups changed (it is started again after a synchronous one)."""
+        self._settle()
+        self._raise_lost()
+        if self.dropping:
+            self.dropping, self.again = False, True
+            seeding.restore(self.drawn, recovery.device_of(self.live))
+            return False
+        self.failed = not self.manager.should_commit()
+        if self.failed:
             why = self.manager.errored()
             self.live.say(f"fault tolerance: step {self.live.position.step + 1} dropped "
-                          f"({_reason(why.original_exception) if why else 'too few groups live'}); the live groups "
+                          f"({reason(why.original_exception) if why else 'too few groups live'}); the live groups "
                           f"train it again")
             seeding.restore(self.drawn, recovery.device_of(self.live))
             return False
@@ -225,22 +235,26 @@ class Replicas:
         """`tensor` summed over the live groups, in place (a step's item counts)."""
         from torch.distributed import ReduceOp
 
-        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        self._settle()
+        if not self.dropping:
+            self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         return tensor
 
     def live_groups(self) -> int:
-        return self.manager.num_participants()
+        self._settle()
+        return self.participants if self.dropping and self.participants else self.manager.num_participants()
 
     def lowest_live(self) -> bool:
         """Whether this group is the lowest of the live ones (the one that writes the periodic checkpoints)."""
-        return self.manager.participating_rank() == 0
+        self._settle()
+        return not self.dropping and self.manager.participating_rank() == 0
 
     def close(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
 
     def _give(self) -> dict:
-        return recovery.given(self.live, self.fingerprint)
+        return recovery.given(self.live, self.fingerprint, self.at)
 
     def _take(self, state: dict) -> None:
         recovery.take(state, self.live, self.fingerprint)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from launcher.data.sampling import Position, TrainData
-from launcher.errors import UserError, first_line
+from launcher.errors import NoQuorum, UserError, first_line
 from launcher.loggers import Console, Loggers
 from launcher.run.metrics import TrainMeter, evaluate
 from launcher.model.precision import Precision
@@ -76,7 +76,11 @@ def fit(p: Parts, cfg: TrainerConfig, save_every: Optional[int], pos: Position) 
         syncing = log_step or evaluating or saving
         p.between_steps = False
         began = pos.epoch, pos.batch
-        lr = _train_step(p, cfg, batches, weights, params, syncing)
+        try:
+            lr = _train_step(p, cfg, batches, weights, params, syncing)
+        except NoQuorum:  # fault tolerance: the quorum the step started with never came; the strategy put what
+            p.between_steps = True  # the step moved on back as at its start (saved, whole, before the group stops)
+            raise
         if lr is None:  # dropped: a replica group failed during it; trained again from the same batches
             pos.epoch, pos.batch = began
             batches = _read_from(batches, p, pos)

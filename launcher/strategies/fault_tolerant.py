@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from launcher.errors import NoQuorum
 from launcher.ft import settings
 from launcher.recipe.fault_tolerance import FaultToleranceConfig
 from launcher.strategies.base import Live, Strategy
@@ -107,8 +108,13 @@ class FaultTolerant:
         return done
 
     def commit(self, params: List[torch.Tensor]) -> bool:
-        if self.replicas.commit():
-            return True
+        try:
+            if self.replicas.commit():
+                return True
+        except NoQuorum:  # the step's quorum never came: the group stops, saved as at the step's start
+            if self.stream is not None:
+                self.stream.restart_at(self.place)
+            raise
         if self.stream is not None:
             self.stream.restart_at(self.place)
         return False
