@@ -1,0 +1,194 @@
+"""Context parallelism (parallel.cp, Ulysses: launcher/parallel/ulysses.py, launcher/model/sequence.py) over real
+torchrun processes (gloo on the CPU): a tiny HF Qwen3 and a Llama-like model (one key/value head, replicated to
+split; eager attention; accumulation; validation) trained on packed rows with padding and answer-only labels under
+fsdp with cp 2 end with one process's weights (float64, within rounding: tests/rounding.py); a cp 2 checkpoint
+resumes in one process, and one process's under cp 2. Rows are short (at most 64 tokens, of lengths cp does not
+always divide: padded to a multiple of cp). The two-process runs share one torchrun launch (tests/several_runs.py);
+one process's train in this one. The one-line refusals are the recipe's and the split's own, in this process."""
+
+import pytest
+import torch
+from torch import nn
+
+from launcher.errors import UserError
+from tests.conftest import REPO
+from tests.rounding import assert_within_rounding
+
+transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+
+RECIPE = str(REPO / "tests" / "packed.yaml")  # a float64 model on packed rows of byte passages, 2 labels unscored
+STEPS = 6
+QWEN = [RECIPE, "devices=cpu", "model.of=tests.hf_zoo.qwen3", f"trainer.max_steps={STEPS}", "checkpoint.every=3"]
+# rows of 56 to 63 tokens (a batch padded to its longest: mostly odd), one key/value head for 4 query heads (cp 2
+# replicates it), eager attention (an additive mask), two micro-batches, validation at steps 3 and 6
+LLAMA = [RECIPE, "devices=cpu", "model.of=tests.hf_zoo.llama", "model.num_key_value_heads=1",
+         "model.attn_implementation=eager", f"trainer.max_steps={STEPS}", "checkpoint.every=null",
+         "data.train={_target_: tests.packed_tokens.PackedTokens, row_len: 63, max_len: 40}",
+         "data.val={_target_: tests.packed_tokens.PackedTokens, n: 32, row_len: 63, max_len: 40, seed: 1}",
+         "trainer.eval_every=3", "trainer.grad_accum_steps=2"]
+CP = ["strategy=fsdp", "parallel.cp=2"]
+
+
+def in_process(folder, args):
+    from launcher.recipe import load
+    from launcher.run.train import train
+
+    return train(load(args[0], [*args[1:], f"run_dir={folder}"]))
+
+
+def weights(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """One process's runs: Qwen3 (checkpoint at step 3) and the Llama-like model; their last logged values."""
+    root = tmp_path_factory.mktemp("one")
+    return root, {"qwen3": in_process(root / "qwen3", QWEN), "llama": in_process(root / "llama", LLAMA)}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, one):
+    """cp 2 (dp_shard 1), one launch: Qwen3, Qwen3 resuming one process's step 3, and the Llama-like model."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("cp")
+    cases = {"qwen3": [*QWEN, *CP],
+             "qwen3-from-one": [*QWEN, *CP, f"checkpoint.resume={one[0] / 'qwen3' / 'checkpoints' / 'step_3'}"],
+             "llama": [*LLAMA, *CP]}
+    return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root,
+                         timeout=600)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen3", "llama"])
+def test_cp_x2_on_packed_padded_rows_ends_with_one_process_weights(one, two, model):
+    root, results = two
+    assert results[model]["error"] is None, results[model]
+    said = results[model]["said"]
+    assert "fsdp: dp_shard 1 x cp 2 = 2 ranks; sharded over dp_shard x cp" in said
+    assert "parallel.cp: each sequence split along its length over 2 ranks (Ulysses" in said
+    if model == "llama":
+        assert "key/value heads replicated 2 times each to split" in said and "eager inside" in said
+    assert_within_rounding(weights(one[0] / model / "model.pt"), weights(root / model / "model.pt"), STEPS)
+
+
+@pytest.mark.slow
+def test_cp_x2_validation_loss_is_one_process_s(one, two):
+    root, results = two
+    last = [line for line in results["llama"]["said"].splitlines() if line.startswith("eval at step 6")]
+    assert last == [f"eval at step 6 | val/loss {one[1]['llama']['val/loss']:.4f}"], last
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_cp_x2_and_one_process(one, two, tmp_path):
+    root, results = two
+    assert results["qwen3-from-one"]["error"] is None, results["qwen3-from-one"]
+    reference = weights(one[0] / "qwen3" / "model.pt")
+    assert_within_rounding(reference, weights(root / "qwen3-from-one" / "model.pt"), STEPS)
+    in_process(tmp_path, [*QWEN, f"checkpoint.resume={root / 'qwen3' / 'checkpoints' / 'step_3'}"])
+    assert_within_rounding(reference, weights(tmp_path / "model.pt"), STEPS)
+
+
+def test_a_split_shifts_the_labels_keeps_whole_positions_and_pads_to_a_multiple_of_cp():
+    from launcher.model.sequence import split
+
+    ids = torch.arange(10, 17).reshape(1, 7)  # 7 tokens over cp 2: padded to 8
+    batch = {"input_ids": ids, "labels": torch.tensor([[-100, -100, 12, 13, -100, 15, 16]]),
+             "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]]), "document_ids": torch.tensor([[0, 0, 0, 0, 1, 1, 1]])}
+    first, whole = split(batch, 2, 0)
+    second, _ = split(batch, 2, 1)
+    assert first["input_ids"].tolist() == [[10, 11, 12, 13]] and second["input_ids"].tolist() == [[14, 15, 16, 0]]
+    assert first["shift_labels"].tolist() == [[-100, 12, 13, -100]] and first["labels"] is first["shift_labels"]
+    assert second["shift_labels"].tolist() == [[15, 16, -100, -100]]  # the last token scores nothing; padding neither
+    assert first["position_ids"].tolist() == [[0, 1, 2, 3]] and second["position_ids"].tolist() == [[0, 1, 2, 3]]
+    assert whole["documents"].tolist() == [[0, 0, 0, 0, 1, 1, 1, -1]] and whole["valid"] is None
+    assert "document_ids" not in first  # the mask is the whole sequence's, built by the attention
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+    _, whole = split({"input_ids": ids, "labels": ids, "attention_mask": mask}, 3, 0)
+    assert whole["valid"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0, 0]]
+
+
+def test_kv_heads_are_replicated_the_fewest_times_that_split():
+    from launcher.parallel.ulysses import replicas
+
+    assert [replicas(4, 2, 2), replicas(4, 1, 2), replicas(8, 2, 4), replicas(8, 1, 8), replicas(8, 4, 8)] == [1, 2, 2, 8, 2]
+
+
+def test_outside_a_split_batch_the_model_computes_its_own_attention():
+    """The first batch's check and any forward on the whole sequence: the model's own function and mask."""
+    from launcher.parallel import ulysses
+    from tests.hf_zoo import qwen3
+
+    for implementation in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        model = qwen3()
+        model.config._attn_implementation = implementation
+        ids = torch.randint(0, 256, (2, 12))
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, 9:] = 0
+        before = model(input_ids=ids, attention_mask=mask).logits
+        ulysses.install(model, 2)
+        assert model.config._attn_implementation == f"launcher_ulysses|{implementation}"
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["parallel.cp=2"], "parallel.cp: lays ranks out on a device mesh under strategy fsdp, and the strategy is "
+                        "'auto'; set strategy=fsdp, or parallel.cp=1"),
+    (["strategy=fsdp", "parallel.cp=2", "parallel.pp=2"], "parallel.cp: splits sequences over dp_shard's ranks, and "
+                                                          "is not built with parallel.pp=2; set parallel.cp=1, or "
+                                                          "parallel.pp=1"),
+    (["strategy=fsdp", "parallel.cp=2", "parallel.tp=2"], "is not built with parallel.tp=2"),
+    (["strategy=fsdp", "parallel.cp=2", "parallel.ep=2"], "is not built with parallel.ep=2"),
+    (["strategy=fsdp", "parallel.cp=2", "parallel.dp_replicate=2"], "is not built with parallel.dp_replicate=2"),
+    (["strategy=fsdp", "parallel.cp=2", "parallel.cp_impl=ring"], "parallel.cp_impl: ring attention is not built "
+                                                                  "yet; use ulysses (or auto, which is ulysses)"),
+    (["strategy=fsdp", "parallel.cp_impl=sideways"], "parallel.cp_impl: got 'sideways'; valid: auto, ulysses, ring"),
+    (["strategy=fsdp", "parallel.cp=0"], "parallel.cp: must be 1 or more, got 0"),
+], ids=["ddp", "pp", "tp", "ep", "hsdp", "ring", "impl", "zero"])
+def test_a_cp_the_recipe_cannot_run_is_one_line(args, line):
+    from launcher.recipe import load
+
+    with pytest.raises(UserError) as caught:
+        load(REPO / "recipes" / "quickstart.yaml", args)
+    assert any(line in problem for problem in caught.value.problems), caught.value.problems
+
+
+def test_a_cp_that_does_not_divide_the_world_is_one_line():
+    from launcher.parallel.mesh import layout
+
+    with pytest.raises(UserError) as caught:
+        layout(1, 1, 3, cp=2)
+    assert caught.value.problems == ["parallel.cp: cp=2 does not divide the world of 3 processes; use sizes whose "
+                                     "product divides 3 (dp_shard takes the rest)"]
+    assert layout(1, 1, 4, cp=2).describe() == "dp_shard 2 x cp 2"
+
+
+def test_a_model_whose_attention_cannot_be_split_is_one_line():
+    from launcher.parallel.ulysses import install
+    from tests.hf_zoo import bert, qwen3
+
+    cases = [(nn.Linear(2, 2), "parallel.cp: splits the attention of transformers' models through their attention "
+                               "interface, and the model (Linear) is not one; set parallel.cp=1"),
+             (bert(), "parallel.cp: splits a causal language model's sequences (a transformers ...ForCausalLM), and "
+                      "BertForMaskedLM is not one"),
+             (qwen3(), "parallel.cp: model.layers.0.self_attn (Qwen3Attention) has 4 attention heads, which do not "
+                       "split over cp=3 ranks (Ulysses gives each rank whole heads); use a cp that divides 4")]
+    flash = qwen3()
+    flash.config._attn_implementation = "flex_attention"
+    cases.append((flash, "parallel.cp: the model (Qwen3ForCausalLM) uses attn_implementation 'flex_attention', which "
+                         "the split does not run inside here (sdpa and eager do); set model.attn_implementation: sdpa"))
+    for model, line in cases:
+        with pytest.raises(UserError) as caught:
+            install(model, 3)
+        assert caught.value.problems == [line] or caught.value.problems[0].startswith(line), caught.value.problems
+
+
+def test_a_batch_that_is_not_token_rows_is_one_line():
+    from launcher.model.sequence import split
+
+    with pytest.raises(UserError) as caught:
+        split((torch.zeros(2, 4), torch.zeros(2)), 2, 0)
+    assert caught.value.problems[0].startswith("parallel.cp: splits batches of token rows (a mapping with input_ids "
+                                               "and labels, [batch, length]) along the sequence, and a batch is a tuple")
