@@ -34,7 +34,7 @@ from torch import nn
 from launcher.errors import UserError
 from launcher.model import packed
 
-NAME = "launcher_ulysses"
+NAME = packed.SPLIT  # registered as NAME|<the model's own implementation>
 INNER = ("sdpa", "eager")  # the attention functions the split runs inside (their masks: packed.FORMS)
 
 
