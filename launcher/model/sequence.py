@@ -53,7 +53,9 @@ def split(batch: Any, cp: int, rank: int, labels: str = "labels") -> Tuple[Dict[
     inputs = {"documents": whole.pop(packed.KEY, None),
               "valid": whole.pop("attention_mask") if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None}
     mine = {key: value[:, rank * part:(rank + 1) * part].contiguous() for key, value in whole.items()}
-    mine[labels] = mine["shift_labels"]  # (a model computes its loss only when given labels; shift_labels wins)
+    # the labels as they were, for the metrics (a model computes its loss only when given labels; shift_labels wins)
+    target = _padded("shift_labels", target, pad) if pad else target
+    mine[labels] = target[:, rank * part:(rank + 1) * part].contiguous()
     for key, value in batch.items():  # the rest as it is
         if key not in mine and key not in whole and key not in (packed.KEY, "attention_mask", labels):
             mine[key] = value
