@@ -1,9 +1,10 @@
 """Context parallelism (parallel.cp, Ulysses: launcher/parallel/ulysses.py, launcher/model/sequence.py) over real
 torchrun processes (gloo on the CPU): a tiny HF Qwen3 and a Llama-like model (one key/value head, replicated to
 split; eager attention; accumulation; validation) trained on packed rows with padding and answer-only labels under
-fsdp with cp 2 end with one process's weights (float64, within rounding: tests/rounding.py); a cp 2 checkpoint
-resumes in one process, and one process's under cp 2. Rows are short (at most 64 tokens, of lengths cp does not
-always divide: padded to a multiple of cp). The two-process runs share one torchrun launch (tests/several_runs.py);
+fsdp with cp 2 end with one process's weights (float64, within rounding: tests/rounding.py), and Qwen3 under cp 2
+inside dp_shard 2 (four processes); a cp 2 checkpoint resumes in one process and under cp 2 x dp_shard 2, and one
+process's under cp 2. Rows are short (at most 64 tokens, of lengths cp does not
+always divide: padded to a multiple of cp). The runs of each world size share one torchrun launch (tests/several_runs.py);
 one process's train in this one. The one-line refusals are the recipe's and the split's own, in this process."""
 
 import pytest
@@ -57,6 +58,18 @@ def two(tmp_path_factory, one):
              "qwen3-from-one": [*QWEN, *CP, f"checkpoint.resume={one[0] / 'qwen3' / 'checkpoints' / 'step_3'}"],
              "llama": [*LLAMA, *CP]}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root,
+                         timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory, two):
+    """cp 2 x dp_shard 2, one launch of four processes: Qwen3 from scratch, and resuming cp x 2's step 3."""
+    from tests.several_runs import several
+
+    root = tmp_path_factory.mktemp("cp4")
+    cases = {"qwen3": [*QWEN, *CP],
+             "qwen3-from-cp": [*QWEN, *CP, f"checkpoint.resume={two[0] / 'qwen3' / 'checkpoints' / 'step_3'}"]}
+    return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, nproc=4,
                          timeout=600)[0]
 
 
@@ -193,3 +206,13 @@ def test_a_batch_that_is_not_token_rows_is_one_line():
         split((torch.zeros(2, 4), torch.zeros(2)), 2, 0)
     assert caught.value.problems[0].startswith("parallel.cp: splits batches of token rows (a mapping with input_ids "
                                                "and labels, [batch, length]) along the sequence, and a batch is a tuple")
+
+
+@pytest.mark.slow
+def test_cp_x2_inside_dp_shard_x2_ends_with_one_process_weights_and_resumes_cp_x2_s_checkpoint(one, four):
+    root, results = four
+    reference = weights(one[0] / "qwen3" / "model.pt")
+    for name in ("qwen3", "qwen3-from-cp"):
+        assert results[name]["error"] is None, results[name]
+        assert_within_rounding(reference, weights(root / name / "model.pt"), STEPS)
+    assert "fsdp: dp_shard 2 x cp 2 = 4 ranks; sharded over dp_shard x cp" in results["qwen3"]["said"]
