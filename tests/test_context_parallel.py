@@ -2,7 +2,7 @@
 torchrun processes (gloo on the CPU): a tiny HF Qwen3 and a Llama-like model (one key/value head, replicated to
 split; eager attention; accumulation; validation) trained on packed rows with padding and answer-only labels under
 fsdp with cp 2 end with one process's weights (float64, within rounding: tests/rounding.py), and Qwen3 under cp 2
-inside dp_shard 2 (four processes); a cp 2 checkpoint resumes in one process and under cp 2 x dp_shard 2, and one
+inside dp_shard 2 and under HSDP (dp_replicate 2 x cp 2, four processes); a cp 2 checkpoint resumes in one process and under cp 2 x dp_shard 2, and one
 process's under cp 2. Rows are short (at most 64 tokens, of lengths cp does not
 always divide: padded to a multiple of cp). The runs of each world size share one torchrun launch (tests/several_runs.py);
 one process's train in this one. The one-line refusals are the recipe's and the split's own, in this process."""
@@ -63,11 +63,12 @@ def two(tmp_path_factory, one):
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, two):
-    """cp 2 x dp_shard 2, one launch of four processes: Qwen3 from scratch, and resuming cp x 2's step 3."""
+    """Four processes, one launch: Qwen3 under cp 2 x dp_shard 2 from scratch and resuming cp x 2's step 3, and under
+    HSDP (dp_replicate 2 x cp 2)."""
     from tests.several_runs import several
 
     root = tmp_path_factory.mktemp("cp4")
-    cases = {"qwen3": [*QWEN, *CP],
+    cases = {"qwen3": [*QWEN, *CP], "qwen3-hsdp": [*QWEN, *CP, "parallel.dp_replicate=2"],
              "qwen3-from-cp": [*QWEN, *CP, f"checkpoint.resume={two[0] / 'qwen3' / 'checkpoints' / 'step_3'}"]}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root, nproc=4,
                          timeout=600)[0]
@@ -155,12 +156,11 @@ def test_outside_a_split_batch_the_model_computes_its_own_attention():
                                                           "parallel.pp=1"),
     (["strategy=fsdp", "parallel.cp=2", "parallel.tp=2"], "is not built with parallel.tp=2"),
     (["strategy=fsdp", "parallel.cp=2", "parallel.ep=2"], "is not built with parallel.ep=2"),
-    (["strategy=fsdp", "parallel.cp=2", "parallel.dp_replicate=2"], "is not built with parallel.dp_replicate=2"),
     (["strategy=fsdp", "parallel.cp=2", "parallel.cp_impl=ring"], "parallel.cp_impl: ring attention is not built "
                                                                   "yet; use ulysses (or auto, which is ulysses)"),
     (["strategy=fsdp", "parallel.cp_impl=sideways"], "parallel.cp_impl: got 'sideways'; valid: auto, ulysses, ring"),
     (["strategy=fsdp", "parallel.cp=0"], "parallel.cp: must be 1 or more, got 0"),
-], ids=["ddp", "pp", "tp", "ep", "hsdp", "ring", "impl", "zero"])
+], ids=["ddp", "pp", "tp", "ep", "ring", "impl", "zero"])
 def test_a_cp_the_recipe_cannot_run_is_one_line(args, line):
     from launcher.recipe import load
 
@@ -209,10 +209,12 @@ def test_a_batch_that_is_not_token_rows_is_one_line():
 
 
 @pytest.mark.slow
-def test_cp_x2_inside_dp_shard_x2_ends_with_one_process_weights_and_resumes_cp_x2_s_checkpoint(one, four):
+def test_cp_x2_inside_dp_shard_x2_and_hsdp_ends_with_one_process_weights_and_resumes_cp_x2_s_checkpoint(one, four):
     root, results = four
     reference = weights(one[0] / "qwen3" / "model.pt")
-    for name in ("qwen3", "qwen3-from-cp"):
+    for name in ("qwen3", "qwen3-from-cp", "qwen3-hsdp"):
         assert results[name]["error"] is None, results[name]
         assert_within_rounding(reference, weights(root / name / "model.pt"), STEPS)
     assert "fsdp: dp_shard 2 x cp 2 = 4 ranks; sharded over dp_shard x cp" in results["qwen3"]["said"]
+    assert ("fsdp: dp_replicate 2 x dp_shard 1 x cp 2 = 4 ranks; sharded over dp_replicate x dp_shard x cp"
+            in results["qwen3-hsdp"]["said"])

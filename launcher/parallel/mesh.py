@@ -127,11 +127,12 @@ def device_mesh(shape: Layout, device_type: str):
 
 
 def data_mesh(mesh, shape: Layout):
-    """What FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP."""
+    """What FSDP2 shards over: dp_shard (with cp: dp_shard x cp flattened), and dp_replicate before it for HSDP."""
     if shape.plain:
         return mesh
-    if shape.cp > 1:  # (dp_replicate with cp is refused: parallel.cp's problems)
-        return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if shape.cp > 1:  # a cp group's ranks hold different tokens: their gradients are averaged as dp_shard's are
+        flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh["dp_replicate", "dp_shard_cp"] if shape.dp_replicate > 1 else flat
     return mesh["dp_replicate", "dp_shard"] if shape.dp_replicate > 1 else mesh["dp_shard"]
 
 

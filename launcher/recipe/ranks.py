@@ -94,7 +94,7 @@ class ParallelConfig:
             out.append(("parallel.cp_impl", "ring attention is not built yet; use ulysses (or auto, which is ulysses)"))
         if not isinstance(self.cp, int) or self.cp <= 1:
             return out
-        others = [f"parallel.{key}={getattr(self, key)}" for key in ("pp", "tp", "ep", "dp_replicate")
+        others = [f"parallel.{key}={getattr(self, key)}" for key in ("pp", "tp", "ep")
                   if isinstance(getattr(self, key), int) and getattr(self, key) > 1]
         if others:
             out.append(("parallel.cp", f"splits sequences over dp_shard's ranks, and is not built with "
