@@ -218,3 +218,16 @@ def test_cp_x2_inside_dp_shard_x2_and_hsdp_ends_with_one_process_weights_and_res
     assert "fsdp: dp_shard 2 x cp 2 = 4 ranks; sharded over dp_shard x cp" in results["qwen3"]["said"]
     assert ("fsdp: dp_replicate 2 x dp_shard 1 x cp 2 = 4 ranks; sharded over dp_replicate x dp_shard x cp"
             in results["qwen3-hsdp"]["said"])
+
+
+def test_the_planner_says_it_does_not_plan_cp_yet(capsys):
+    from launcher.plan.__main__ import main
+    from launcher.plan.planner import own_layout
+    from launcher.recipe import load
+
+    args = [str(REPO / "recipes" / "quickstart.yaml"), "strategy=fsdp", "parallel.cp=2", "--devices", "2"]
+    assert main([*args, "--as-run", "fsdp"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "parallel.cp=2: the planner does not plan context parallelism yet; plan without --as-run for the layouts it "
+        "does plan")
+    assert own_layout(load(REPO / "recipes" / "quickstart.yaml", ["strategy=fsdp", "parallel.cp=2"]).recipe, 2) is None
