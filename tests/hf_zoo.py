@@ -57,6 +57,15 @@ def qwen3(vocab_size: int = 256) -> torch.nn.Module:
     return transformers.Qwen3ForCausalLM(config)
 
 
+def mistral(vocab_size: int = 256, sliding_window: int = 8) -> torch.nn.Module:
+    """Mistral: attention within a sliding window of the last `sliding_window` positions."""
+    config = transformers.MistralConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=128, sliding_window=sliding_window,
+                                        tie_word_embeddings=False)
+    return transformers.MistralForCausalLM(config)
+
+
 def vit(classes: int = 4) -> torch.nn.Module:
     config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                     image_size=16, patch_size=4, num_channels=3, num_labels=classes, **NO_DROPOUT)

@@ -1,11 +1,16 @@
 """Context parallelism (parallel.cp, Ulysses: launcher/parallel/ulysses.py, launcher/model/sequence.py) over real
-torchrun processes (gloo on the CPU): a tiny HF Qwen3 and a Llama-like model (one key/value head, replicated to
-split; eager attention; accumulation; validation) trained on packed rows with padding and answer-only labels under
-fsdp with cp 2 end with one process's weights (float64, within rounding: tests/rounding.py), and Qwen3 under cp 2
-inside dp_shard 2 and under HSDP (dp_replicate 2 x cp 2, four processes); a cp 2 checkpoint resumes in one process and under cp 2 x dp_shard 2, and one
-process's under cp 2. Rows are short (at most 64 tokens, of lengths cp does not
-always divide: padded to a multiple of cp). The runs of each world size share one torchrun launch (tests/several_runs.py);
-one process's train in this one. The one-line refusals are the recipe's and the split's own, in this process."""
+torchrun processes (gloo on the CPU), each run ending with one process's weights (float64, within rounding:
+tests/rounding.py):
+
+- under cp 2: a tiny HF Qwen3, and a Llama-like model (one key/value head, replicated to split; eager attention;
+  accumulation; validation), on packed rows with padding and answer-only labels; a Mistral (a sliding window of 8)
+  on padded rows with a 2-D attention mask;
+- Qwen3 under cp 2 inside dp_shard 2 and under HSDP (dp_replicate 2 x cp 2: four processes);
+- checkpoints: cp 2's resumed in one process and under cp 2 x dp_shard 2, one process's under cp 2.
+
+Rows are short (at most 64 tokens, of lengths cp does not always divide: padded to a multiple of cp). The runs of
+each world size share one torchrun launch (tests/several_runs.py); one process's train in this one. The one-line
+refusals are the recipe's and the split's own, in this process."""
 
 import pytest
 import torch
@@ -27,6 +32,10 @@ LLAMA = [RECIPE, "devices=cpu", "model.of=tests.hf_zoo.llama", "model.num_key_va
          "data.train={_target_: tests.packed_tokens.PackedTokens, row_len: 63, max_len: 40}",
          "data.val={_target_: tests.packed_tokens.PackedTokens, n: 32, row_len: 63, max_len: 40, seed: 1}",
          "trainer.eval_every=3", "trainer.grad_accum_steps=2"]
+# Mistral attending within a window of 8 positions, on byte passages of 16 to 64 tokens padded to the batch's longest
+# (a 2-D attention_mask), AdamW
+MISTRAL = [str(REPO / "tests" / "hf_zoo.yaml"), "devices=cpu", "model._target_=tests.float64.built",
+           "model.of=tests.hf_zoo.mistral"]
 CP = ["strategy=fsdp", "parallel.cp=2"]
 
 
@@ -45,7 +54,8 @@ def weights(path):
 def one(tmp_path_factory):
     """One process's runs: Qwen3 (checkpoint at step 3) and the Llama-like model; their last logged values."""
     root = tmp_path_factory.mktemp("one")
-    return root, {"qwen3": in_process(root / "qwen3", QWEN), "llama": in_process(root / "llama", LLAMA)}
+    return root, {"qwen3": in_process(root / "qwen3", QWEN), "llama": in_process(root / "llama", LLAMA),
+                  "mistral": in_process(root / "mistral", MISTRAL)}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +66,7 @@ def two(tmp_path_factory, one):
     root = tmp_path_factory.mktemp("cp")
     cases = {"qwen3": [*QWEN, *CP],
              "qwen3-from-one": [*QWEN, *CP, f"checkpoint.resume={one[0] / 'qwen3' / 'checkpoints' / 'step_3'}"],
-             "llama": [*LLAMA, *CP]}
+             "llama": [*LLAMA, *CP], "mistral": [*MISTRAL, *CP]}
     return root, several({name: [*args, f"run_dir={root / name}"] for name, args in cases.items()}, root,
                          timeout=600)[0]
 
@@ -75,8 +85,8 @@ def four(tmp_path_factory, two):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["qwen3", "llama"])
-def test_cp_x2_on_packed_padded_rows_ends_with_one_process_weights(one, two, model):
+@pytest.mark.parametrize("model", ["qwen3", "llama", "mistral"])
+def test_cp_x2_ends_with_one_process_weights(one, two, model):
     root, results = two
     assert results[model]["error"] is None, results[model]
     said = results[model]["said"]
