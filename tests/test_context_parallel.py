@@ -241,3 +241,19 @@ def test_the_planner_says_it_does_not_plan_cp_yet(capsys):
         "parallel.cp=2: the planner does not plan context parallelism yet; plan without --as-run for the layouts it "
         "does plan")
     assert own_layout(load(REPO / "recipes" / "quickstart.yaml", ["strategy=fsdp", "parallel.cp=2"]).recipe, 2) is None
+
+
+def test_a_step_other_than_the_model_s_own_loss_is_one_line():
+    """A DPO step (or any recipe's step:) sums over whole sequences, which a split would cut: refused at its first
+    batch, before any collective, on every rank alike."""
+    from launcher.parallel.mesh import Layout
+    from launcher.preference.step import DPO
+    from launcher.strategies.fsdp import FSDP
+
+    strategy = FSDP.__new__(FSDP)
+    strategy.shape = Layout(1, 1, 1, cp=2)
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}
+    with pytest.raises(UserError) as caught:
+        strategy.train_batch(None, DPO.__new__(DPO), batch, None, None, True, lambda: None)
+    assert caught.value.problems == ["parallel.cp: splits sequences for the model's own loss (no step: or loss: in the "
+                                     "recipe), and the step is DPO, which is not built under cp yet; set parallel.cp=1"]

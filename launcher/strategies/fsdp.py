@@ -27,12 +27,13 @@ from launcher.model import modules, sequence
 from launcher.errors import UserError
 from launcher.parallel import experts, mesh, plans, ulysses
 from launcher.model.plain import tied_names
+from launcher.model.step import ModelLoss
 from launcher.strategies.ddp import DDP
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_UNCOUNTED = ("parallel.cp: the step gives no num_items (its scored tokens), which a split sequence needs: each rank "
-              "scores its part, and the parts' counts make the mean; use the model's own loss (no loss: or step: in "
-              "the recipe) with labels in the batch, or set parallel.cp=1")
+_UNCOUNTED = ("parallel.cp: the model's loss gives no count of its scored tokens, which a split sequence needs (each "
+              "rank scores its part, and the parts' counts make the mean): give batches with labels to a model that "
+              "takes num_items_in_batch (transformers' causal LMs do), or set parallel.cp=1")
 
 
 class FSDP(DDP):
@@ -171,6 +172,10 @@ class FSDP(DDP):
         return [(out, mine)]
 
     def _split(self, step: Callable, batch: Any) -> Tuple[Dict[str, Any], ulysses.Whole]:
+        if not isinstance(step, ModelLoss):  # (a DPO step sums each sequence's log-probabilities: over the split too)
+            raise UserError(f"parallel.cp: splits sequences for the model's own loss (no step: or loss: in the "
+                            f"recipe), and the step is {type(step).__name__}, which is not built under cp yet; set "
+                            f"parallel.cp=1")
         rank = self.shape.cp_rank(self.placement.rank)
         mine, inputs = sequence.split(batch, self.shape.cp, rank, getattr(step, "labels", "labels"))
         return mine, ulysses.Whole(self.device_mesh["cp"].get_group(), self.shape.cp, **inputs)
