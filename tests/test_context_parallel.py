@@ -8,7 +8,8 @@ tests/rounding.py):
 - Qwen3 under cp 2 inside dp_shard 2 and under HSDP (dp_replicate 2 x cp 2: four processes);
 - checkpoints: cp 2's resumed in one process and under cp 2 x dp_shard 2, one process's under cp 2.
 
-Rows are short (at most 64 tokens, of lengths cp does not always divide: padded to a multiple of cp). The runs of
+Rows are short (at most 64 tokens, of lengths cp does not always divide: padded to a multiple of cp), but for one
+test of the issue's mark: packed rows of 4,096 tokens. The runs of
 each world size share one torchrun launch (tests/several_runs.py); one process's train in this one. The one-line
 refusals are the recipe's and the split's own, in this process."""
 
@@ -112,6 +113,21 @@ def test_checkpoints_move_between_cp_x2_and_one_process(one, two, tmp_path):
     assert_within_rounding(reference, weights(root / "qwen3-from-one" / "model.pt"), STEPS)
     in_process(tmp_path, [*QWEN, f"checkpoint.resume={root / 'qwen3' / 'checkpoints' / 'step_3'}"])
     assert_within_rounding(reference, weights(tmp_path / "model.pt"), STEPS)
+
+
+@pytest.mark.slow
+def test_qwen3_on_packed_4096_token_rows_under_cp_x2_ends_with_one_process_weights(tmp_path):
+    """The issue's mark: rows of 4,096 tokens (about 14 samples each), two a batch, three steps; about 27 CPU seconds
+    a side, 1.5 GB a process."""
+    from tests.several_runs import several
+
+    rows = ["data.train={_target_: tests.packed_tokens.PackedTokens, n: 120, min_len: 64, max_len: 512, row_len: 4096, "
+            "batch_size: 2}", "data.batch_size=2", "trainer.max_steps=3", "trainer.log_every=3", "checkpoint.every=null"]
+    long = [*QWEN, *rows]
+    in_process(tmp_path / "one", long)
+    results = several({"cp": [*long, *CP, f"run_dir={tmp_path / 'cp'}"]}, tmp_path, timeout=900)[0]
+    assert results["cp"]["error"] is None, results["cp"]
+    assert_within_rounding(weights(tmp_path / "one" / "model.pt"), weights(tmp_path / "cp" / "model.pt"), 3)
 
 
 def test_a_split_shifts_the_labels_keeps_whole_positions_and_pads_to_a_multiple_of_cp():
