@@ -186,7 +186,8 @@ def test_outside_a_split_batch_the_model_computes_its_own_attention():
                                                                   "yet; use ulysses (or auto, which is ulysses)"),
     (["strategy=fsdp", "parallel.cp_impl=sideways"], "parallel.cp_impl: got 'sideways'; valid: auto, ulysses, ring"),
     (["strategy=fsdp", "parallel.cp=0"], "parallel.cp: must be 1 or more, got 0"),
-], ids=["ddp", "pp", "tp", "ep", "ring", "impl", "zero"])
+    (["strategy=fsdp", "parallel.cp=2", "trainer.compile=true"], "trainer.compile: is not built with parallel.cp yet"),
+], ids=["ddp", "pp", "tp", "ep", "ring", "impl", "zero", "compile"])
 def test_a_cp_the_recipe_cannot_run_is_one_line(args, line):
     from launcher.recipe import load
 

@@ -96,7 +96,7 @@ def install(model: nn.Module, cp: int) -> List[str]:
     config._attn_implementation = f"{NAME}|{own}"
     copies = replicas(heads, kv, cp)
     kept = (f"key/value heads replicated {copies} times each to split" if copies > 1 else
-            f"{kv // cp} key/value heads")
+            f"{kv // cp} key/value head{'s' if kv // cp > 1 else ''}")
     return [f"parallel.cp: each sequence split along its length over {cp} ranks (Ulysses: {len(layers)} attention "
             f"layers, {own} inside, all-to-all from the sequence to the heads and back; {heads // cp} query heads a "
             f"rank, {kept}); a length cp does not divide is padded at the end to a multiple of {cp}"]
