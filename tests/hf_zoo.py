@@ -33,10 +33,12 @@ def gpt2(vocab_size: int = 256) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-def llama(vocab_size: int = 256, tie_word_embeddings: bool = True) -> torch.nn.Module:
+def llama(vocab_size: int = 256, tie_word_embeddings: bool = True, num_key_value_heads: int = 2,
+          attn_implementation: str = "sdpa") -> torch.nn.Module:
     config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      tie_word_embeddings=tie_word_embeddings)
+                                      num_attention_heads=4, num_key_value_heads=num_key_value_heads,
+                                      max_position_embeddings=128, tie_word_embeddings=tie_word_embeddings,
+                                      attn_implementation=attn_implementation)
     return transformers.LlamaForCausalLM(config)
 
 
@@ -53,6 +55,15 @@ def qwen3(vocab_size: int = 256) -> torch.nn.Module:
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                       max_position_embeddings=128, tie_word_embeddings=False)
     return transformers.Qwen3ForCausalLM(config)
+
+
+def mistral(vocab_size: int = 256, sliding_window: int = 8) -> torch.nn.Module:
+    """Mistral: attention within a sliding window of the last `sliding_window` positions."""
+    config = transformers.MistralConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=128, sliding_window=sliding_window,
+                                        tie_word_embeddings=False)
+    return transformers.MistralForCausalLM(config)
 
 
 def vit(classes: int = 4) -> torch.nn.Module:

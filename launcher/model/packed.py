@@ -29,6 +29,7 @@ from launcher.errors import UserError
 
 KEY = "document_ids"  # the batch key that marks a packed batch and holds its boundaries
 FORMS = {"sdpa": "bool", "eager": "additive"}  # transformers' attn_implementation -> the 4-D mask it reads
+SPLIT = "launcher_ulysses"  # parallel.cp's attention around the model's own, registered as SPLIT|<own> (parallel/ulysses.py)
 
 
 def form(model: nn.Module, names: Optional[Collection[str]]) -> str:
@@ -47,6 +48,8 @@ def form(model: nn.Module, names: Optional[Collection[str]]) -> str:
                         f"loss (model.config.output_router_logits: true) reads a 2-D one, a flag a token; set "
                         f"data.train.packing: false, or model.config.output_router_logits: false")
     implementation = getattr(config, "_attn_implementation", None) if config is not None else None
+    if isinstance(implementation, str) and implementation.startswith(SPLIT + "|"):  # outside a split: the model's own
+        implementation = implementation.split("|", 1)[1]
     if implementation is None:
         return "bool"
     if implementation not in FORMS:

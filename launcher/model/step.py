@@ -114,6 +114,8 @@ class ModelLoss:
             # a peft model passes its **kwargs (position_ids among them) on to the model it adapts, whose
             # forward HF Trainer reads for the keys to keep
             names |= set(_parameters(plain.get_base_model().forward))
+        if names is not None and takes_any:  # labels shifted by the batch (a sequence split: model/sequence.py),
+            names |= {"shift_labels"}       # which transformers' causal LM loss takes in its **kwargs
         self.left_out = [k for k in batch if names is not None and k not in names and k != packed.KEY]
         # HF Trainer's rule: a model declares it, or a forward with **kwargs takes the loss keywords.
         counts = getattr(plain, "accepts_loss_kwargs", takes_any or "num_items_in_batch" in named)

@@ -82,6 +82,12 @@ def _plan(args) -> int:
                                 f"without --as-run for the layouts it does plan")
             print(f"parallel.pp={recipe.parallel.pp}: pipeline stages are not planned; the layouts below have none",
                   file=sys.stderr)
+        if recipe.parallel.cp > 1:  # (a run under parallel.cp starts no planner beside it)
+            if args.as_run:
+                raise UserError(f"parallel.cp={recipe.parallel.cp}: the planner does not plan context parallelism yet; "
+                                f"plan without --as-run for the layouts it does plan")
+            print(f"parallel.cp={recipe.parallel.cp}: context parallelism is not planned yet; the layouts below have "
+                  f"none", file=sys.stderr)
         if args.as_run:
             p = recipe.parallel
             found = [Layout(args.as_run, args.devices, p.tp, p.dp_replicate, ep=p.ep) if args.as_run == "fsdp"

@@ -186,8 +186,10 @@ def size(text: str, key: str) -> int:
 
 def own_layout(recipe, devices: int) -> Optional[Layout]:
     """The layout a run of this recipe has on `devices` devices, or None for one the planner does not plan
-    (dp, accelerate)."""
+    (dp, accelerate, parallel.cp)."""
     strategy = recipe.strategy if recipe.strategy != "auto" else "single" if devices == 1 else "ddp"
+    if recipe.parallel.cp > 1:  # not planned yet
+        return None
     if strategy == "fsdp":
         return Layout("fsdp", devices, recipe.parallel.tp, recipe.parallel.dp_replicate, ep=recipe.parallel.ep)
     if strategy in ("single", "ddp"):

@@ -16,6 +16,7 @@ TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_roww
              "sequence_parallel", "gather_sequence", "rowwise_seq", "heads_norm")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")  # torch.distributed.pipelining's
 PP_MULTI = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")  # schedules of several stages per rank
+CP_IMPLS = ("auto", "ulysses", "ring")
 
 
 @dataclass
@@ -57,8 +58,8 @@ class FSDPConfig:
 
 @dataclass
 class ParallelConfig:
-    """The device mesh of strategy fsdp: pp x dp_replicate x dp_shard x tp ranks, dp_shard = world / (pp x tp x
-    dp_replicate); ep of dp_shard's ranks split each MoE layer's experts."""
+    """The device mesh of strategy fsdp: pp x dp_replicate x dp_shard x cp x tp ranks, dp_shard = world / (pp x
+    dp_replicate x cp x tp); ep of dp_shard's ranks split each MoE layer's experts."""
 
     tp: int = 1  # tensor parallel: each layer's matmuls split over this many ranks (of one node), which read one batch
     dp_replicate: int = 1  # replicas of the sharded model (HSDP: sharded within a group, replicated across groups)
@@ -69,11 +70,13 @@ class ParallelConfig:
     microbatches: Optional[int] = None  # each rank's batch split into this many for the pipeline; null: pp x stages
     stages_per_rank: Optional[int] = None  # stages each rank holds (interleaved schedules); null: 1, or 2 for those
     pp_split: Optional[List[str]] = None  # the blocks that begin stages 2, 3, ...; null: the blocks split evenly
+    cp: int = 1  # context parallel: each sequence of a batch split along its length over this many ranks (which read one batch), attention exact across the split
+    cp_impl: str = "auto"  # how attention crosses the split: ulysses (all-to-all from sequence to heads and back); auto: ulysses; ring: not built yet
 
     def laid_out(self) -> Optional[Tuple[str, int]]:
         """The keys of this section that lay ranks out (`parallel.ep=2`), and the ranks they take together, which
         the world must be a multiple of; None where none is above 1."""
-        sizes = {key: getattr(self, key) for key in ("pp", "dp_replicate", "tp", "ep")}
+        sizes = {key: getattr(self, key) for key in ("pp", "dp_replicate", "cp", "tp", "ep")}
         above = {key: size for key, size in sizes.items() if isinstance(size, int) and size > 1}
         if not above:
             return None
@@ -83,9 +86,25 @@ class ParallelConfig:
         """Stages per rank, the schedule's own default where the recipe gives none."""
         return self.stages_per_rank or (2 if self.pp_schedule in PP_MULTI else 1)
 
+    def _cp_problems(self) -> List[tuple[str, str]]:
+        out = at_least("parallel.cp", self.cp, 1)
+        if self.cp_impl not in CP_IMPLS:
+            return out + [("parallel.cp_impl", f"got {short(self.cp_impl)}; valid: {', '.join(CP_IMPLS)}")]
+        if self.cp_impl == "ring":
+            out.append(("parallel.cp_impl", "ring attention is not built yet; use ulysses (or auto, which is ulysses)"))
+        if not isinstance(self.cp, int) or self.cp <= 1:
+            return out
+        others = [f"parallel.{key}={getattr(self, key)}" for key in ("pp", "tp", "ep")
+                  if isinstance(getattr(self, key), int) and getattr(self, key) > 1]
+        if others:
+            out.append(("parallel.cp", f"splits sequences over dp_shard's ranks, and is not built with "
+                                       f"{' or '.join(others)}; set parallel.cp=1, or {' and '.join(o.split('=')[0] + '=1' for o in others)}"))
+        return out
+
     def problems(self) -> List[tuple[str, str]]:
         out = at_least("parallel.tp", self.tp, 1) + at_least("parallel.dp_replicate", self.dp_replicate, 1)
         out += at_least("parallel.pp", self.pp, 1) + at_least("parallel.ep", self.ep, 1)
+        out += self._cp_problems()
         if self.ep > 1 and self.pp > 1:
             out.append(("parallel.ep", f"splits experts over data-parallel ranks, and is not built with pipeline "
                                        f"stages (parallel.pp={self.pp}); set parallel.pp=1, or parallel.ep=1"))

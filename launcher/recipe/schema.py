@@ -235,7 +235,11 @@ class Recipe:
         if self.parallel.pp > 1 and self.trainer.compile:
             out.append(("trainer.compile", "compiles the model that one call runs, and parallel.pp runs it stage by "
                                            "stage through a schedule; set trainer.compile=false with parallel.pp"))
-        for key in ("tp", "dp_replicate", "pp", "ep"):
+        if self.parallel.cp > 1 and self.trainer.compile:
+            out.append(("trainer.compile", "is not built with parallel.cp yet (the split's attention changes with each "
+                                           "batch, which a compiled model would recompile for); set "
+                                           "trainer.compile=false with parallel.cp"))
+        for key in ("tp", "dp_replicate", "pp", "ep", "cp"):
             if getattr(self.parallel, key) > 1 and self.strategy != "fsdp":
                 out.append((f"parallel.{key}", f"lays ranks out on a device mesh under strategy fsdp, and the strategy is "
                                                f"{short(self.strategy)}; set strategy=fsdp, or parallel.{key}=1"))

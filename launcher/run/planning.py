@@ -23,6 +23,10 @@ def measure(recipe: Recipe, parts: Parts, model) -> None:
     # torch's tracker on the CPU sees the operations of eager code: a compiled step's kernels pass it by, so a
     # compiled run on the CPU is not checked (on CUDA the allocator counts every kernel's memory)
     compiled_on_cpu = recipe.trainer.compile and device.type != "cuda"
+    if recipe.parallel.cp > 1 and recipe.logging.memory_plan:
+        parts.console.info("logging.memory_plan: python -m launcher.plan does not plan parallel.cp's layouts yet; this "
+                           "run is not planned")
+        return
     if strategy.name in PLANNED and recipe.logging.memory_plan and not compiled_on_cpu:
         buckets = memory.ddp_buckets(model, recipe.ddp.gradient_as_bucket_view) if strategy.name == "ddp" else 0
         parts.measured = memory.Measured(parts.model, parts.optimizer, device, strategy.sharded, buckets)

@@ -9,22 +9,31 @@ Under expert parallelism (parallel.ep) each experts module is a unit of its own,
 hold the same experts (dp_shard / ep, and dp_replicate), its slices split over the ep ranks before
 (launcher/parallel/experts.py, which says why FSDP's average over those ranks gives one process's gradient).
 With tp the dense layers are split by the plan first and the experts are not: each rank of a tp group holds
-its ep slice whole and routes the group's tokens, the same on each (launcher/parallel/mesh.py)."""
+its ep slice whole and routes the group's tokens, the same on each (launcher/parallel/mesh.py).
+
+Under context parallelism (parallel.cp) the ranks of a cp group read one batch and each trains on a contiguous
+1/cp of every sequence (launcher/model/sequence.py), its attention computed across the split
+(launcher/parallel/ulysses.py); FSDP shards over dp_shard x cp, whose gradients it averages, and the item counts are
+summed over both, so a step's gradient is one process's."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
 
-from launcher.model import modules
+from launcher.model import modules, sequence
 from launcher.errors import UserError
-from launcher.parallel import experts, mesh, plans
+from launcher.parallel import experts, mesh, plans, ulysses
 from launcher.model.plain import tied_names
+from launcher.model.step import ModelLoss
 from launcher.strategies.ddp import DDP
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_UNCOUNTED = ("parallel.cp: the model's loss gives no count of its scored tokens, which a split sequence needs (each "
+              "rank scores its part, and the parts' counts make the mean): give batches with labels to a model that "
+              "takes num_items_in_batch (transformers' causal LMs do), or set parallel.cp=1")
 
 
 class FSDP(DDP):
@@ -39,11 +48,12 @@ class FSDP(DDP):
     shape: mesh.Layout
     device_mesh = None
     experts_mesh = None  # under ep: the mesh with dp_shard split into dp_shard_mod_ep x ep
+    context: List[str] = []  # under cp: the console's line on how the sequences are split
 
     def setup(self) -> None:
         # before the process group: a world the mesh does not fit stops every rank at once, with one line
         p = self.parallel
-        self.shape = mesh.layout(p.tp, p.dp_replicate, self.placement.world_size, p.pp, p.ep)
+        self.shape = mesh.layout(p.tp, p.dp_replicate, self.placement.world_size, p.pp, p.ep, p.cp)
         super().setup()
         self.device_mesh = mesh.device_mesh(self.shape, self.device.type)
         self.experts_mesh = mesh.experts_mesh(self.device_mesh, self.shape) if self.shape.ep > 1 else None
@@ -54,12 +64,18 @@ class FSDP(DDP):
     def data_share(self) -> Tuple[int, int]:
         return self.shape.data_replicas, self.shape.data_rank(self.placement.rank)
 
+    def gradient_share(self) -> int:
+        return self.shape.gradient_ranks  # a cp group's ranks hold different tokens: FSDP averages over them too
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_sum(tensor) / self.shape.gradient_ranks  # the ranks data_group sums over
+
     def layout(self) -> str:
         return f"shards of {self.shape.describe()}"
 
     def data_states(self, state):
         # the ranks of a tp group, and the stages of a pipeline, read the same: the first stage's, a tp rank each
-        return self.all_gather_object(state)[:self.shape.stage_ranks:self.shape.tp]
+        return self.all_gather_object(state)[:self.shape.stage_ranks:self.shape.tp * self.shape.cp]
 
     def settle(self, precision: str, grad_accum: int) -> Tuple[str, int, List[str]]:
         if precision == "fp16":  # the grad scaler's unscale has no kernel for sharded (DTensor) gradients
@@ -79,9 +95,10 @@ class FSDP(DDP):
                 if self.left else "")
         if self.shape.plain:
             return [f"fsdp: sharded over {self.placement.world_size} ranks; units {units}{left}"]
-        over = "dp_replicate x dp_shard" if self.shape.dp_replicate > 1 else "dp_shard"
+        over = "dp_shard x cp" if self.shape.cp > 1 else "dp_shard"
+        over = f"dp_replicate x {over}" if self.shape.dp_replicate > 1 else over
         lines = [f"fsdp: {self.shape.describe()} = {self.placement.world_size} ranks; sharded over {over}, units "
-                 f"{units}{left}"]
+                 f"{units}{left}"] + self.context
         if self.split:
             lines.append(split_line(self.split, self.shape.tp, "layers", self.added))
         if self.expert_split:
@@ -93,6 +110,8 @@ class FSDP(DDP):
             self.split, self.added = plans.apply(model, self.device_mesh["tp"], self.parallel.tp_plan)
         if self.shape.ep > 1:  # the experts' slices before FSDP2 shards them over the ranks that hold the same
             self.expert_split = experts.split(model, self.experts_mesh["ep"])
+        if self.shape.cp > 1:
+            self.context = ulysses.install(model, self.shape.cp)
         self.shard(model, model)
         return model
 
@@ -130,6 +149,36 @@ class FSDP(DDP):
         if asked == torch.float32 and any(p.dtype == torch.float64 for p in model.parameters()):
             return None  # the parameters' own
         return asked
+
+    def train_batch(self, model: nn.Module, step: Callable, batch: Any, precision: Any, weights: Any, last: bool,
+                    before_backward: Callable[[], None]) -> List[Tuple[torch.Tensor, Any, Any, Any]]:
+        if self.shape.cp == 1:
+            return super().train_batch(model, step, batch, precision, weights, last, before_backward)
+        mine, whole = self._split(step, batch)
+        with ulysses.splitting(whole):  # forward and backward: recomputed blocks run their attention again
+            (loss, count, out, _), = super().train_batch(model, step, mine, precision, weights, last, before_backward)
+        if count is None:
+            raise UserError(_UNCOUNTED)
+        return [(loss, count, out, batch)]  # the whole batch: its tokens counted once a cp rank for tokens/s
+
+    def eval_batch(self, model: nn.Module, step: Callable, batch: Any, autocast: Callable) -> List[Tuple[Any, Any]]:
+        if self.shape.cp == 1:
+            return super().eval_batch(model, step, batch, autocast)
+        mine, whole = self._split(step, batch)
+        with ulysses.splitting(whole):
+            (out, _), = super().eval_batch(model, step, mine, autocast)
+        if out.num_items is None:
+            raise UserError(_UNCOUNTED)
+        return [(out, mine)]
+
+    def _split(self, step: Callable, batch: Any) -> Tuple[Dict[str, Any], ulysses.Whole]:
+        if not isinstance(step, ModelLoss):  # (a DPO step sums each sequence's log-probabilities: over the split too)
+            raise UserError(f"parallel.cp: splits sequences for the model's own loss (no step: or loss: in the "
+                            f"recipe), and the step is {type(step).__name__}, which is not built under cp yet; set "
+                            f"parallel.cp=1")
+        rank = self.shape.cp_rank(self.placement.rank)
+        mine, inputs = sequence.split(batch, self.shape.cp, rank, getattr(step, "labels", "labels"))
+        return mine, ulysses.Whole(self.device_mesh["cp"].get_group(), self.shape.cp, **inputs)
 
     def builds_empty(self, pretrained: bool) -> bool:
         return pretrained and self.fsdp.empty_init
