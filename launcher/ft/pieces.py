@@ -24,7 +24,8 @@ def quiet(log: Optional[str] = None) -> None:
     group meets when a peer dies with its traceback: none of it reaches the console (the strategy says what
     happened, one line each). Its Python side's warnings and errors go to `log`, a file, where given; its Rust
     side's warnings stay on stderr, unless RUST_LOG says otherwise. Called before torchft is imported."""
-    os.environ.setdefault("RUST_LOG", "warn")
+    if not os.environ.get("RUST_LOG"):  # unset or empty (an empty one is torchft's INFO on the console)
+        os.environ["RUST_LOG"] = "warn"
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.WARNING)

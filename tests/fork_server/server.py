@@ -25,7 +25,7 @@ import socket
 import struct
 import sys
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.elastic.agent.server.api", "torch.distributed.checkpoint",
            "numpy", "omegaconf", "yaml")
 
 
@@ -63,7 +63,11 @@ def serve(path: str) -> None:
                     pass
         if listener in ready:
             conn, _ = listener.accept()
-            request, fds = _request(conn)
+            try:
+                request, fds = _request(conn)
+            except (OSError, ValueError):  # the stand-in died while it asked: nothing to run
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 listener.close()
@@ -75,8 +79,11 @@ def serve(path: str) -> None:
                 _run(request, fds, base, here)  # never returns
             for fd in fds:
                 os.close(fd)
-            conn.sendall(struct.pack("!i", pid))
             serving[conn] = pid
+            try:
+                conn.sendall(struct.pack("!i", pid))
+            except OSError:  # the stand-in died while its process was made: so does the process (as above)
+                os.kill(pid, signal.SIGKILL)
 
 
 def _reap(serving: dict) -> None:
