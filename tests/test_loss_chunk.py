@@ -1,0 +1,87 @@
+"""trainer.loss_chunk (launcher/model/chunked.py): a transformers causal LM's output layer and loss a chunk of tokens at
+a time. The same training as the whole loss (float64, within rounding: tests/rounding.py) for a tiny Qwen3 and a
+Llama with tied embeddings on packed rows with padding and answer-only labels, trained in this process by the
+launcher's own loop; a lower measured peak (torch's memory tracker, as launcher/observe/memory.py measures a CPU
+step) by at least two whole logits tensors on a model whose logits dominate; the models it cannot do, one line."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.conftest import QUICKSTART, REPO, in_this_process
+from tests.rounding import assert_within_rounding
+
+transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
+
+RECIPE = str(REPO / "tests" / "packed.yaml")  # a float64 model on packed rows of byte passages, 2 labels unscored
+STEPS = 4
+# rows of 56 to 63 tokens (a batch padded to its longest), two micro-batches: chunks of 50 end inside rows and
+# across them, the last one short
+RUN = [RECIPE, "devices=cpu", f"trainer.max_steps={STEPS}", f"trainer.log_every={STEPS}", "checkpoint.every=null",
+       "data.train={_target_: tests.packed_tokens.PackedTokens, row_len: 63, max_len: 40}", "data.batch_size=4",
+       "trainer.grad_accum_steps=2"]
+
+
+def in_process(folder, args):
+    from launcher.recipe import load
+    from launcher.run.train import train
+
+    return train(load(args[0], [*args[1:], f"run_dir={folder}"]))
+
+
+def weights(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("model", [
+    ["model.of=tests.hf_zoo.qwen3"],
+    ["model.of=tests.hf_zoo.llama", "model.tie_word_embeddings=true"],  # the output layer is the embedding
+])
+def test_chunked_loss_trains_to_the_whole_loss_weights(tmp_path, model):
+    whole = in_process(tmp_path / "whole", [*RUN, *model])
+    chunked = in_process(tmp_path / "chunked", [*RUN, *model, "trainer.loss_chunk=50"])
+    assert chunked["train/loss"] == pytest.approx(whole["train/loss"], rel=1e-12)
+    assert_within_rounding(weights(tmp_path / "whole" / "model.pt"), weights(tmp_path / "chunked" / "model.pt"), STEPS)
+
+
+def test_chunks_lower_the_measured_peak_of_a_step_by_two_whole_logits_tensors():
+    """A Llama of 32 features and a vocabulary of 8,192 on 2 rows of 512 tokens: its logits (float32, 32 MiB) are
+    most of a step's memory. The whole loss holds the logits and their log-softmax at once (and in backward their
+    gradients); chunks of 64 tokens hold a chunk's (2 MiB each). So the chunks' peak is lower by at least two whole
+    logits tensors."""
+    from launcher.model import chunked
+    from launcher.model.step import ModelLoss
+    from launcher.observe.memory import tracker
+    from tests import hf_zoo
+
+    torch.manual_seed(0)
+    vocab, rows, length, chunk = 8192, 2, 512, 64
+    ids = torch.randint(0, vocab, (rows, length))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    model = hf_zoo.llama(vocab_size=vocab)
+    model.config.max_position_embeddings = length
+    peaks = {}
+    for name in ("whole", "chunked"):
+        one = copy.deepcopy(model)
+        if name == "chunked":
+            chunked.install(one, chunk)
+        optimizer = torch.optim.SGD(one.parameters(), lr=0.1)
+        step = ModelLoss()
+        with tracker(one, optimizer, False) as found:
+            step(one, batch)["loss"].backward()
+            optimizer.step()
+        peaks[name] = next(iter(found.get_tracker_snapshot("peak").values()))["Total"]
+    logits = rows * length * vocab * 4
+    assert peaks["whole"] - peaks["chunked"] >= 2 * logits, (peaks, logits)  # measured: 2.8 of them
+
+
+@pytest.mark.parametrize("args, model", [
+    ([str(QUICKSTART)], "MLP"),  # not a transformers model
+    ([str(REPO / "tests" / "hf_zoo.yaml"), "model._target_=tests.hf_zoo.t5"], "T5ForConditionalGeneration"),
+])
+def test_a_model_the_chunks_cannot_do_is_one_line(tmp_path, args, model):
+    code, out, err = in_this_process(*args, "devices=cpu", "trainer.max_steps=1", f"run_dir={tmp_path}",
+                                     "trainer.loss_chunk=64")
+    lines = [line for line in err.splitlines() if "trainer.loss_chunk" in line]
+    assert code == 2 and len(lines) == 1 and f"trainer.loss_chunk: {model} " in lines[0], err[-2000:]
