@@ -45,6 +45,32 @@ def test_chunked_loss_trains_to_the_whole_loss_weights(tmp_path, model):
     assert_within_rounding(weights(tmp_path / "whole" / "model.pt"), weights(tmp_path / "chunked" / "model.pt"), STEPS)
 
 
+def test_the_step_counts_the_same_tokens_and_gets_the_same_loss_and_gradients():
+    """Labels that score a row's first token (which the causal shift leaves out of the count), a row padded at its end,
+    chunks of 7 tokens across the rows: the step's count, the loss and every gradient are the whole loss's."""
+    from launcher.model import chunked
+    from launcher.model.step import ModelLoss
+    from tests import hf_zoo
+    from tests.float64 import in_float64
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 20))
+    labels, mask = ids.clone(), torch.ones_like(ids)
+    labels[1, 15:], mask[1, 15:] = -100, 0
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    whole = in_float64(hf_zoo.llama())
+    chunks = copy.deepcopy(whole)
+    chunked.install(chunks, 7)
+    a, b = ModelLoss()(whole, batch), ModelLoss()(chunks, batch)
+    a["loss"].backward()
+    b["loss"].backward()
+    assert b["num_items"].item() == a["num_items"].item() == 19 + 14
+    assert b["output"].logits is None
+    assert (a["loss"] - b["loss"]).abs().item() <= 1e-14
+    for (name, p), q in zip(whole.named_parameters(), chunks.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-14, name
+
+
 def test_chunks_lower_the_measured_peak_of_a_step_by_two_whole_logits_tensors():
     """A Llama of 32 features and a vocabulary of 8,192 on 2 rows of 512 tokens: its logits (float32, 32 MiB) are
     most of a step's memory. The whole loss holds the logits and their log-softmax at once (and in backward their

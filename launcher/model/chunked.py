@@ -49,7 +49,7 @@ def install(model: nn.Module, tokens: int) -> str:
         raise UserError(f"{KEY}: {name} {why}; the loss in chunks is for transformers' causal LMs (Llama, Qwen2/3, "
                         f"Mistral, Gemma, Qwen3-MoE); set {KEY}=null")
     head.__class__ = _returning_hidden(type(head))
-    plain.loss_function = functools.partial(causal_lm_loss, tokens=tokens)
+    plain.loss_function = _in_chunks(tokens)
     return (f"{KEY}: {name}'s output layer and loss computed {tokens} tokens at a time, each chunk's logits "
             f"({tokens} x {head.out_features}) made again in backward: no whole logits tensor")
 
@@ -93,6 +93,15 @@ def hidden_only(output: Any) -> bool:
     """Whether a model's output holds the hidden states where its logits would be (the loss was chunked)."""
     logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
     return isinstance(logits, torch.Tensor) and getattr(logits, TAG, None) is not None
+
+
+def _in_chunks(tokens: int):
+    def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return causal_lm_loss(*args, tokens=tokens, **kwargs)
+
+    # named as transformers' own: the step (which counts shifted labels) and parallel.cp read the name
+    loss.__name__ = loss.__qualname__ = "ForCausalLMLoss"
+    return loss
 
 
 @functools.lru_cache(maxsize=None)
