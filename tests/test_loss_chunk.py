@@ -111,3 +111,19 @@ def test_a_model_the_chunks_cannot_do_is_one_line(tmp_path, args, model):
                                      "trainer.loss_chunk=64")
     lines = [line for line in err.splitlines() if "trainer.loss_chunk" in line]
     assert code == 2 and len(lines) == 1 and f"trainer.loss_chunk: {model} " in lines[0], err[-2000:]
+
+
+@pytest.mark.slow
+def test_chunks_under_cp_x2_end_with_one_process_weights(tmp_path):
+    """parallel.cp=2 (two gloo processes): each rank chunks its own part of every row (chunks of 24 of its 32 tokens,
+    the last one short), and the run ends with one process's weights, trained with the whole loss."""
+    from tests.several_runs import several
+
+    run = [RECIPE, "devices=cpu", "model.of=tests.hf_zoo.qwen3", "trainer.max_steps=4", "trainer.log_every=4",
+           "checkpoint.every=null"]
+    in_process(tmp_path / "one", run)
+    cp = [*run, "strategy=fsdp", "parallel.cp=2", "trainer.loss_chunk=24", f"run_dir={tmp_path / 'cp'}"]
+    results = several({"cp": cp}, tmp_path)[0]
+    assert results["cp"]["error"] is None, results["cp"]
+    assert "trainer.loss_chunk: Qwen3ForCausalLM's output layer and loss computed 24 tokens" in results["cp"]["said"]
+    assert_within_rounding(weights(tmp_path / "one" / "model.pt"), weights(tmp_path / "cp" / "model.pt"), 4)
