@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from tests.conftest import QUICKSTART, REPO, in_this_process
+from tests import hf_zoo
+from tests.conftest import QUICKSTART, REPO, in_this_process, trained_here
 from tests.rounding import assert_within_rounding
 
 transformers = pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
@@ -45,12 +46,26 @@ def test_chunked_loss_trains_to_the_whole_loss_weights(tmp_path, model):
     assert_within_rounding(weights(tmp_path / "whole" / "model.pt"), weights(tmp_path / "chunked" / "model.pt"), STEPS)
 
 
-def test_the_step_counts_the_same_tokens_and_gets_the_same_loss_and_gradients():
+def tiny(family: str, **extra) -> torch.nn.Module:
+    """A tiny transformers causal LM of `family` (Gemma, Gemma3ForCausalLM, Qwen3Moe) in the sizes of tests/hf_zoo.py."""
+    config = getattr(transformers, f"{family.replace('ForCausalLM', '')}{'TextConfig' if 'Gemma3' in family else 'Config'}")
+    model = getattr(transformers, family if family.endswith("ForCausalLM") else f"{family}ForCausalLM")
+    return model(config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **extra))
+
+
+@pytest.mark.parametrize("build", [
+    lambda: hf_zoo.llama(),  # tied embeddings
+    lambda: tiny("Gemma"),  # its embedding scaled, tied
+    lambda: tiny("Gemma3ForCausalLM"),  # no logit cap, as published
+    lambda: tiny("Qwen3Moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True),
+], ids=["llama", "gemma", "gemma3", "qwen3-moe"])
+def test_the_step_counts_the_same_tokens_and_gets_the_same_loss_and_gradients(build):
     """Labels that score a row's first token (which the causal shift leaves out of the count), a row padded at its end,
-    chunks of 7 tokens across the rows: the step's count, the loss and every gradient are the whole loss's."""
+    chunks of 7 tokens across the rows: the step's count, the loss (an MoE's with its load-balancing term) and every
+    gradient are the whole loss's."""
     from launcher.model import chunked
     from launcher.model.step import ModelLoss
-    from tests import hf_zoo
     from tests.float64 import in_float64
 
     torch.manual_seed(0)
@@ -58,7 +73,7 @@ def test_the_step_counts_the_same_tokens_and_gets_the_same_loss_and_gradients():
     labels, mask = ids.clone(), torch.ones_like(ids)
     labels[1, 15:], mask[1, 15:] = -100, 0
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    whole = in_float64(hf_zoo.llama())
+    whole = in_float64(build())
     chunks = copy.deepcopy(whole)
     chunked.install(chunks, 7)
     a, b = ModelLoss()(whole, batch), ModelLoss()(chunks, batch)
@@ -68,7 +83,17 @@ def test_the_step_counts_the_same_tokens_and_gets_the_same_loss_and_gradients():
     assert b["output"].logits is None
     assert (a["loss"] - b["loss"]).abs().item() <= 1e-14
     for (name, p), q in zip(whole.named_parameters(), chunks.parameters()):
-        assert (p.grad - q.grad).abs().max().item() <= 1e-14, name
+        if p.grad is not None or q.grad is not None:  # (an expert no token was routed to has none)
+            assert (p.grad - q.grad).abs().max().item() <= 1e-14, name
+
+
+def test_a_model_that_caps_its_logits_is_one_line():
+    from launcher.errors import UserError
+    from launcher.model import chunked
+
+    with pytest.raises(UserError) as info:
+        chunked.install(tiny("Gemma2"), 64)
+    assert str(info.value).startswith("trainer.loss_chunk: Gemma2ForCausalLM caps its logits")
 
 
 def test_chunks_lower_the_measured_peak_of_a_step_by_two_whole_logits_tensors():
@@ -79,7 +104,6 @@ def test_chunks_lower_the_measured_peak_of_a_step_by_two_whole_logits_tensors():
     from launcher.model import chunked
     from launcher.model.step import ModelLoss
     from launcher.observe.memory import tracker
-    from tests import hf_zoo
 
     torch.manual_seed(0)
     vocab, rows, length, chunk = 8192, 2, 512, 64
@@ -100,6 +124,16 @@ def test_chunks_lower_the_measured_peak_of_a_step_by_two_whole_logits_tensors():
         peaks[name] = next(iter(found.get_tracker_snapshot("peak").values()))["Total"]
     logits = rows * length * vocab * 4
     assert peaks["whole"] - peaks["chunked"] >= 2 * logits, (peaks, logits)  # measured: 2.8 of them
+
+
+def test_validation_is_the_whole_loss_s_and_the_planner_says_it_does_not_plan_the_key(tmp_path):
+    val = ["data.val={_target_: tests.packed_tokens.PackedTokens, n: 32, row_len: 63, max_len: 40, seed: 1}",
+           "trainer.max_steps=2", "trainer.log_every=2", "logging.memory_plan=true"]
+    said = {name: trained_here(*RUN, "model.of=tests.hf_zoo.qwen3", *val, f"run_dir={tmp_path / name}", *extra)
+            for name, extra in {"whole": [], "chunked": ["trainer.loss_chunk=50"]}.items()}
+    evals = {name: [line for line in out.splitlines() if line.startswith("eval at step 2")] for name, out in said.items()}
+    assert len(evals["whole"]) == 1 and evals["chunked"] == evals["whole"], evals
+    assert "logging.memory_plan: python -m launcher.plan does not plan trainer.loss_chunk yet" in said["chunked"]
 
 
 @pytest.mark.parametrize("args, model", [
