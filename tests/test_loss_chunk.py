@@ -47,17 +47,17 @@ def test_chunked_loss_trains_to_the_whole_loss_weights(tmp_path, model):
 
 
 def tiny(family: str, **extra) -> torch.nn.Module:
-    """A tiny transformers causal LM of `family` (Gemma, Gemma3ForCausalLM, Qwen3Moe) in the sizes of tests/hf_zoo.py."""
-    config = getattr(transformers, f"{family.replace('ForCausalLM', '')}{'TextConfig' if 'Gemma3' in family else 'Config'}")
-    model = getattr(transformers, family if family.endswith("ForCausalLM") else f"{family}ForCausalLM")
-    return model(config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **extra))
+    """A tiny transformers causal LM of `family` (Gemma, Gemma3, Qwen3Moe) in the sizes of tests/hf_zoo.py."""
+    config = getattr(transformers, f"{family}{'TextConfig' if family == 'Gemma3' else 'Config'}")
+    model = getattr(transformers, f"{family}ForCausalLM")
+    return model(config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **extra))
 
 
 @pytest.mark.parametrize("build", [
     lambda: hf_zoo.llama(),  # tied embeddings
     lambda: tiny("Gemma"),  # its embedding scaled, tied
-    lambda: tiny("Gemma3ForCausalLM"),  # no logit cap, as published
+    lambda: tiny("Gemma3"),  # no logit cap, as published
     lambda: tiny("Qwen3Moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True),
 ], ids=["llama", "gemma", "gemma3", "qwen3-moe"])
 def test_the_step_counts_the_same_tokens_and_gets_the_same_loss_and_gradients(build):
@@ -131,7 +131,8 @@ def test_validation_is_the_whole_loss_s_and_the_planner_says_it_does_not_plan_th
            "trainer.max_steps=2", "trainer.log_every=2", "logging.memory_plan=true"]
     said = {name: trained_here(*RUN, "model.of=tests.hf_zoo.qwen3", *val, f"run_dir={tmp_path / name}", *extra)
             for name, extra in {"whole": [], "chunked": ["trainer.loss_chunk=50"]}.items()}
-    evals = {name: [line for line in out.splitlines() if line.startswith("eval at step 2")] for name, out in said.items()}
+    evals = {name: [line for line in out.splitlines() if line.startswith("eval at step 2")]
+             for name, out in said.items()}
     assert len(evals["whole"]) == 1 and evals["chunked"] == evals["whole"], evals
     assert "logging.memory_plan: python -m launcher.plan does not plan trainer.loss_chunk yet" in said["chunked"]
 
