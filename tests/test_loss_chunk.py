@@ -54,12 +54,20 @@ def tiny(family: str, **extra) -> torch.nn.Module:
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **extra))
 
 
+def lora(model: torch.nn.Module) -> torch.nn.Module:
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))
+
+
 @pytest.mark.parametrize("build", [
     lambda: hf_zoo.llama(),  # tied embeddings
     lambda: tiny("Gemma"),  # its embedding scaled, tied
     lambda: tiny("Gemma3"),  # no logit cap, as published
     lambda: tiny("Qwen3Moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True),
-], ids=["llama", "gemma", "gemma3", "qwen3-moe"])
+    lambda: lora(hf_zoo.qwen3()),  # the chunks go in the model peft adapts
+], ids=["llama", "gemma", "gemma3", "qwen3-moe", "qwen3-lora"])
 def test_the_step_counts_the_same_tokens_and_gets_the_same_loss_and_gradients(build):
     """Labels that score a row's first token (which the causal shift leaves out of the count), a row padded at its end,
     chunks of 7 tokens across the rows: the step's count, the loss (an MoE's with its load-balancing term) and every

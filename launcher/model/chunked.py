@@ -35,12 +35,15 @@ def install(model: nn.Module, tokens: int) -> str:
     """Make `model` compute its loss `tokens` at a time; returns the console's line. A model this cannot do
     is a UserError naming the key and its class."""
     plain = unwrap(model)
+    if hasattr(plain, "get_base_model"):  # a peft model: the model it adapts computes the logits and the loss
+        plain = plain.get_base_model()
     name = type(plain).__name__
     head = plain.get_output_embeddings() if hasattr(plain, "get_output_embeddings") else None
     loss_fn = getattr(plain, "loss_function", None) if hasattr(plain, "config") else None
     why = None
     if not isinstance(head, nn.Linear) or getattr(loss_fn, "__name__", "") != "ForCausalLMLoss":
-        why = "is not a transformers causal LM (an output layer nn.Linear and transformers' ForCausalLMLoss)"
+        why = ("is not a transformers causal LM (an output layer nn.Linear, not adapted by LoRA, and transformers' "
+               "ForCausalLMLoss)")
     elif getattr(plain.config, "is_encoder_decoder", False):
         why = "is an encoder-decoder model"
     elif getattr(plain.config, "final_logit_softcapping", None) is not None:
