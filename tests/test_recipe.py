@@ -280,6 +280,7 @@ INT64 = 2**63
     (f"slurm.nodes={2**70}", "slurm.nodes: must fit in 64 bits"),
     (f"seed={10**100}", "seed: must fit in 64 bits"),  # and quoted in short (the line stays short)
     ("data.num_workers=257", "data.num_workers: at most 256 loader processes per rank, got 257"),
+    ("trainer.loss_chunk=-1", "trainer.loss_chunk: must be 0 or more, got -1"),
     ("trainer.clip_grad_norm=inf", "trainer.clip_grad_norm: must be a positive number or null, got inf"),
     ("trainer.clip_grad_norm=-.inf", "trainer.clip_grad_norm: must be a positive number or null, got -inf"),
     ("logging.peak_tflops=.inf", "logging.peak_tflops: must be a positive number of TFLOP/s or null, got inf"),
@@ -477,3 +478,8 @@ def test_a_key_inside_a_section_set_to_an_interpolation_is_one_line(first):
     assert f"override '{inner}': {inner.split('=')[0]}: {section} is '{held}', an interpolation, not a section whose " \
            f"keys can be set one by one; set {section} as a mapping, or leave the interpolation out" in e.value.problems
     assert all("\n" not in p for p in e.value.problems)
+
+
+def test_the_loss_in_chunks_with_tp_is_one_line(tmp_path):
+    lines = problems(write(tmp_path, GOOD), "strategy=fsdp", "parallel.tp=2", "trainer.loss_chunk=64")
+    assert len(lines) == 1 and "trainer.loss_chunk: is not built with parallel.tp or parallel.pp yet" in lines[0], lines

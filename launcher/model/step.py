@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional
 import torch
 from torch import nn
 
-from launcher.model import packed
+from launcher.model import chunked, packed
 from launcher.model.plain import unwrap
 
 IGNORE_INDEX = -100  # the label that is not a target (torch's CrossEntropyLoss and HF's convention)
@@ -92,6 +92,8 @@ class ModelLoss:
                 count = (counted != self.ignore_index).sum()
                 kwargs["num_items_in_batch"] = _per_replica(model, count.clamp(min=1))
             output = model(**kwargs)
+            if chunked.hidden_only(output):  # trainer.loss_chunk: no logits were made, only the hidden states
+                output["logits"] = None
         elif isinstance(batch, (tuple, list)):
             output, target, count = model(*batch), batch[-1] if len(batch) > 1 else None, None
         else:

@@ -76,6 +76,7 @@ class TrainerConfig:
     eval_every: Optional[int] = None  # steps between evaluations (one at the end too); null: at the end only
     compile: bool = False  # torch.compile the (wrapped) model; checkpoints keep the plain model's keys
     activation_checkpointing: Any = None  # [class names] recomputed in backward; auto: the model's blocks; null: none
+    loss_chunk: Optional[int] = None  # tokens a chunk of a causal LM's output layer and loss; null or 0: all at once
 
     def problems(self) -> List[tuple[str, str]]:
         out = []
@@ -86,6 +87,7 @@ class TrainerConfig:
         out += at_least("trainer.grad_accum_steps", self.grad_accum_steps, 1)
         out += at_least("trainer.log_every", self.log_every, 1)
         out += at_least("trainer.eval_every", self.eval_every, 1)
+        out += at_least("trainer.loss_chunk", self.loss_chunk, 0)
         if self.clip_grad_norm is not None and not positive(self.clip_grad_norm):
             out.append(("trainer.clip_grad_norm", f"must be a positive number or null, got {self.clip_grad_norm}"))
         names = self.activation_checkpointing
@@ -235,6 +237,9 @@ class Recipe:
         if self.parallel.pp > 1 and self.trainer.compile:
             out.append(("trainer.compile", "compiles the model that one call runs, and parallel.pp runs it stage by "
                                            "stage through a schedule; set trainer.compile=false with parallel.pp"))
+        if self.trainer.loss_chunk and (self.parallel.tp > 1 or self.parallel.pp > 1):
+            out.append(("trainer.loss_chunk", "is not built with parallel.tp or parallel.pp yet (the output layer split "
+                                              "over ranks, or on the last stage); set trainer.loss_chunk=null"))
         if self.parallel.cp > 1 and self.trainer.compile:
             out.append(("trainer.compile", "is not built with parallel.cp yet (the split's attention changes with each "
                                            "batch, which a compiled model would recompile for); set "

@@ -18,6 +18,7 @@ import torch
 from launcher import checkpoint, seeding, strategies
 from launcher.checkpoint import hf_generation
 from launcher.run import build
+from launcher.model import chunked
 from launcher.model import empty
 from launcher.model import moe
 from launcher.model import precision
@@ -76,6 +77,8 @@ def built(recipe, strategy: strategies.Strategy, run_dir: Path, console, init_fr
         count = recompute.apply(model, names)
         console.info(f"activation checkpointing: {count} modules ({', '.join(names)}) recompute their activations in "
                      f"backward")
+    if recipe.trainer.loss_chunk:
+        console.info(chunked.install(model, recipe.trainer.loss_chunk))
     if recipe.precision == "fp8":
         count = precision.to_float8(model, strategy.sharded)
         console.info(f"precision: fp8: {count} Linear layers multiply in fp8 (torchao Float8Linear, dynamic scaling), "

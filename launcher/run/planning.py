@@ -27,6 +27,10 @@ def measure(recipe: Recipe, parts: Parts, model) -> None:
         parts.console.info("logging.memory_plan: python -m launcher.plan does not plan parallel.cp's layouts yet; this "
                            "run is not planned")
         return
+    if recipe.trainer.loss_chunk and recipe.logging.memory_plan:
+        parts.console.info("logging.memory_plan: python -m launcher.plan does not plan trainer.loss_chunk yet; this "
+                           "run is not planned")
+        return
     if strategy.name in PLANNED and recipe.logging.memory_plan and not compiled_on_cpu:
         buckets = memory.ddp_buckets(model, recipe.ddp.gradient_as_bucket_view) if strategy.name == "ddp" else 0
         parts.measured = memory.Measured(parts.model, parts.optimizer, device, strategy.sharded, buckets)
