@@ -112,6 +112,12 @@ class Run:
         return [line[len(f"[group {group}] "):] for line in self.lines if line.startswith(f"[group {group}] ")]
 
 
+def redone(step: int, text: str) -> bool:
+    """Whether the live group said it trains `step` again: dropped in its all-reduce, or started again because the
+    step's (optimistic) quorum came without the dead group; which of the two is a race with the death."""
+    return bool(re.search(rf"fault tolerance: step {step} (dropped|started again)", text))
+
+
 def steps(lines: list) -> list:
     return [int(m.group(1)) for line in lines if (m := re.match(r"step (\d+)/\d+ \|", line))]
 
