@@ -220,9 +220,9 @@ class Replicas:
         if self.dropping:
             self.dropping, self.again = False, True
             now = rounds.members(self.manager)
-            if self.seen is not None and now < self.seen[1]:  # a group gone (a join drops its step unsaid)
+            if self.seen is not None and now < self.seen.members:  # a group gone (a join drops its step unsaid)
                 self.live.say(f"fault tolerance: step {self.live.position.step + 1} started again ({now} of "
-                              f"{self.seen[1]} groups in its quorum); the live groups train it again")
+                              f"{self.seen.members} groups in its quorum); the live groups train it again")
             seeding.restore(self.drawn, recovery.device_of(self.live))
             return False
         self.failed = not self.manager.should_commit()

@@ -20,7 +20,7 @@ synchronous one (`heal`). Nothing here imports torchft: it works on the Manager 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -62,14 +62,18 @@ def members(manager: Any) -> int:
     return int(quorum.replica_world_size) if quorum is not None else 0
 
 
-State = Tuple[int, int, int, Optional[int]]
+class State(NamedTuple):
+    quorum: int  # torchft's quorum id
+    members: int  # groups in the quorum, behind or not
+    participants: int  # those at the highest step
+    place: Optional[int]  # this group's among them
 
 
 def state(manager: Any) -> State:
     """What makes two quorums the same for this group: torchft's quorum id (new where the members change, or after a
     failed commit), its members, those at the highest step, this group's place among them."""
-    return (manager._quorum_id, members(manager), manager._participating_replica_world_size,
-            manager._participating_replica_rank)
+    return State(manager._quorum_id, members(manager), manager._participating_replica_world_size,
+                 manager._participating_replica_rank)
 
 
 def same(manager: Any, before: Optional[State]) -> bool:
