@@ -31,7 +31,8 @@ changes nothing a step trains: the run is the same function of the seed, the ste
     FT_TEST_ROUNDS=<path>
 
 writes a line to <path>.<group> for each quorum the group starts: torchft's step count and its kind (synchronous:
-the step waits for it; optimistic: it comes during the step, launcher/ft/rounds.py).
+the step waits for it; optimistic: it comes during the step, launcher/ft/rounds.py), and for each commit vote a
+process of the group asks its manager server for: the step and `vote` (a group of one process asks none).
 """
 
 from __future__ import annotations
@@ -150,6 +151,28 @@ def _rounds() -> None:
         return quorum(self, *args, **kwargs)
 
     Manager.start_quorum = start_quorum
+    made = Manager.__init__
+
+    def __init__(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self._client = _Votes(self._client, f"{asked}.{os.environ.get('REPLICA_GROUP_ID')}")
+
+    Manager.__init__ = __init__
+
+
+class _Votes:
+    """torchft's client of the group's manager server, each commit vote it is asked for written down."""
+
+    def __init__(self, client, path: str):
+        self.client, self.path = client, path
+
+    def should_commit(self, rank, step, vote, *args, **kwargs):
+        with open(self.path, "a") as out:
+            out.write(f"{step} vote\n")
+        return self.client.should_commit(rank, step, vote, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
 
 
 _install()

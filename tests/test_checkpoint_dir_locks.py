@@ -41,6 +41,7 @@ def locked_by(store, prefix, **holder):
     store.client.put_object(Bucket=BUCKET, Key=f"{prefix}/.lock", Body=json.dumps(about).encode())
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_a_second_run_on_a_prefix_in_use_is_refused_and_the_first_runs_rerun_takes_it_over(s3, tmp_path, capsys,
                                                                                            own_processes):
     """Two processes, two seeds, one s3:// prefix: the second stops before it trains (exit 2, one line naming the
@@ -74,6 +75,7 @@ def test_a_second_run_on_a_prefix_in_use_is_refused_and_the_first_runs_rerun_tak
     assert s3.objects("shared") == [f"step_10/{name}" for name in ("manifest.json", "model.pt", "state.pt")]
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_a_lock_from_another_machine_is_refused_while_heard_from_and_taken_over_once_stale(s3, tmp_path, capsys,
                                                                                           monkeypatch):
     url = f"s3://{BUCKET}/elsewhere"

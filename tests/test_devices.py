@@ -69,6 +69,7 @@ def test_auto_without_a_gpu_says_so_in_one_line():
     assert placement.device == "cpu" and len(notes) == 1 and "training on the CPU" in notes[0]
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_cuda_without_a_gpu_exits_2(tmp_path):
     done = launch("recipes/quickstart.yaml", "devices=cuda", f"run_dir={tmp_path}",
                   env={"CUDA_VISIBLE_DEVICES": ""})

@@ -16,6 +16,7 @@ def _left(run_dir) -> list:
     return [pid for pid in found if pid.isdigit()]
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_a_finished_run_runs_its_exit_handlers_and_leaves_no_loader_worker_behind(tmp_path):
     marker, run_dir = tmp_path / "marker", tmp_path / "run"
     model = f"model={{_target_: tests.components.WritesAtExit, marker: '{marker}', in_dim: 32, hidden: 128, classes: 10}}"

@@ -52,6 +52,7 @@ def runs(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_a_sharded_checkpoint_exports_to_the_gathered_weights(runs, tmp_path, suffix):
     step = runs / "sharded" / "checkpoints" / "step_40"

@@ -47,13 +47,15 @@ def test_two_groups_end_with_the_weights_of_ddp_on_two_processes_and_their_check
 def test_a_step_waits_for_no_quorum_unless_the_groups_changed_and_ends_bitwise_as_ddp(tmp_path):
     # Each quorum a group starts, as torchft is asked for it (tests/components_ft.py's FT_TEST_ROUNDS): a synchronous
     # one (the step waits for it before it reads its batch) in the first step alone, where the groups meet; each
-    # later step's comes during the step (optimistic), once, and the step stands on it.
+    # later step's comes during the step (optimistic), once, and the step stands on it. A group of one process asks
+    # its manager server for no commit vote (the vote is its own: launcher/ft/rounds.py, Seen).
     plain = [*RECIPE, "trainer.max_steps=20", "step._target_=tests.components_ft.paced_step", "step._partial_=true",
              "step.seconds=0"]
     run = Run(*plain, *GROUPS, f"run_dir={tmp_path / 'ft'}", env={"FT_TEST_ROUNDS": str(tmp_path / "rounds")})
     assert run.finish() == 0, run.text()[-3000:]
     for group in (0, 1):
         started = rounds(tmp_path / f"rounds.{group}")
+        assert not [step for step, kind in started if kind == "vote"], started
         assert [step for step, kind in started if kind == "synchronous"] == [0], started
         assert [(step, kind) for step, kind in started if step > 0] == [(step, "optimistic") for step in range(1, 20)]
         assert steps(run.of(group)) == list(range(1, 21))
@@ -63,16 +65,21 @@ def test_a_step_waits_for_no_quorum_unless_the_groups_changed_and_ends_bitwise_a
 
 
 def rounds(path) -> list:
-    """(torchft's step count, the quorum's kind) of each quorum a group started."""
+    """(torchft's step count, the quorum's kind) of each quorum a group started, and (step, 'vote') of each commit
+    vote its processes asked their manager server for."""
     return [(int(step), kind) for step, kind in (line.split() for line in path.read_text().splitlines())]
 
 
 def test_groups_of_two_ddp_processes_end_with_the_weights_of_ddp_on_four(tmp_path):
-    run = Run(*RECIPE, *GROUPS, "trainer.max_steps=20", "logging.jsonl=true", "strategy=ddp", "nproc_per_node=2",
-              f"run_dir={tmp_path / 'ft'}")
+    probed = ["step._target_=tests.components_ft.paced_step", "step._partial_=true", "step.seconds=0"]  # its probes
+    run = Run(*RECIPE, *probed, *GROUPS, "trainer.max_steps=20", "logging.jsonl=true", "strategy=ddp",
+              "nproc_per_node=2", f"run_dir={tmp_path / 'ft'}", env={"FT_TEST_ROUNDS": str(tmp_path / "rounds")})
     assert run.finish() == 0, run.text()[-3000:]
     assert "(ddp)" in "".join(run.of(0)) and steps(run.of(1)) == list(range(1, 21))
-    ddp(*RECIPE, "trainer.max_steps=20", "logging.jsonl=true", f"run_dir={tmp_path / 'ddp'}", processes=4)
+    for group in (0, 1):  # a group of two processes commits only where both vote to, through its manager server
+        votes = [step for step, kind in rounds(tmp_path / f"rounds.{group}") if kind == "vote"]
+        assert sorted(votes) == sorted([*range(20), *range(20)]), votes
+    ddp(*RECIPE, *probed, "trainer.max_steps=20", "logging.jsonl=true", f"run_dir={tmp_path / 'ddp'}", processes=4)
     assert_logged_as(tmp_path / "ddp", tmp_path / "ft", rel=1e-5)  # (a mean over the group's two processes)
     assert_same_weights(tmp_path / "ft" / "group_0" / "model.pt", tmp_path / "ft" / "group_1" / "model.pt")
     four, ft = state_dict(tmp_path / "ddp" / "model.pt"), state_dict(tmp_path / "ft" / "group_0" / "model.pt")

@@ -279,6 +279,7 @@ def test_a_joining_group_with_another_recipe_refuses_before_taking_anything():
     assert taker.position.step == 0
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_a_run_without_the_section_never_imports_torchft(tmp_path):
     code = ("import sys\nfrom launcher.recipe import load\nfrom launcher.run.train import train\n"
             f"train(load({str(QUICKSTART)!r}, {[*SMALL, 'trainer.max_steps=2', f'run_dir={tmp_path}']!r}))\n"

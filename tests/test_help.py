@@ -46,6 +46,7 @@ def test_slurm_without_a_command_is_one_line():
     assert done.stderr.count("\n") == 1 and "a command is required: submit or render" in done.stderr
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_a_script_with_a_bare_python_says_so_in_a_comment_and_beside_it():
     done = run("launcher.slurm", "render", "recipes/quickstart.yaml")
     assert done.returncode == 0

@@ -115,6 +115,7 @@ def test_resume_is_exact(reference, tmp_path):
     assert_same_weights(reference, tmp_path / "model.pt")
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_the_loss_falls_and_metrics_read_the_model_output(tmp_path):
     results = train_here(tmp_path, "trainer.max_steps=30", "trainer.log_every=10", "data.val.n=64", val=True)
     assert results["val/loss"] < 4.0 < 5.5  # log(256) = 5.55 at the start: a uniform guess over bytes
@@ -130,6 +131,7 @@ def test_a_string_field_stays_out_of_the_model(tmp_path, capsys):
     assert "step: model(**batch) leaves out id (not arguments of GPT2LMHeadModel.forward)" in out
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_a_metric_that_cannot_read_a_model_output_is_one_line(tmp_path):
     done = launch(str(RECIPE), *SHORT, f"run_dir={tmp_path}", "metrics.top1._target_=tests.components_step.top1",
                   "metrics.top1._partial_=true", timeout=300)

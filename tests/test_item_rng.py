@@ -27,6 +27,7 @@ def resumed(folder, *extra):
     return folder / "model.pt"
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 @pytest.mark.parametrize("data", [AUGMENTED, STREAM], ids=["map-style", "stream"])
 def test_random_items_resume_bitwise_and_ignore_the_number_of_workers(tmp_path, data):
     """With 2 workers a resumed run ended 1e-2 away: the workers' seeds came from where the iterator

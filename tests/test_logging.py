@@ -46,6 +46,7 @@ def test_tensorboard_scalars_recipe_and_hparams(tmp_path):
     assert not [p for p in (tmp_path / "tensorboard").iterdir() if p.is_dir()]  # no stray sub-runs
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_console_lines_without_a_terminal(tmp_path):
     done = launch("recipes/quickstart.yaml", f"run_dir={tmp_path}", "trainer.max_steps=100",
                   "trainer.log_every=25", "logging.tensorboard=false")
@@ -60,6 +61,7 @@ def test_console_lines_without_a_terminal(tmp_path):
     assert float(final.split("val/accuracy ")[1].split()[0]) > 0.5  # ten classes: chance is 0.1
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_progress_bar_on_a_terminal(tmp_path):
     """With stderr on a terminal, rank 0 draws a tqdm bar instead of printing step lines."""
     leader, follower = pty.openpty()

@@ -91,6 +91,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     assert all(torch.isfinite(t).all() for t in good.values())
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_nan_exit_code_and_message(tmp_path):
     done = launch("recipes/quickstart.yaml", "model={_target_: tests.components.DivergesAt, at: 3}",
                   f"run_dir={tmp_path}", "logging.tensorboard=false", "trainer.max_steps=20")

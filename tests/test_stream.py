@@ -26,6 +26,7 @@ def test_loader_workers_share_a_stream_in_its_order(tmp_path):
     assert_same_weights(tmp_path / "one" / "model.pt", tmp_path / "workers" / "model.pt")
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("kind", [RESUMABLE, STREAM], ids=["state_dict", "fast-forward"])
 def test_a_stream_resumed_mid_epoch_is_bitwise_exact(tmp_path, capsys, kind, workers):

@@ -46,6 +46,7 @@ def good(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_hostile_templates_are_one_line_each_at_start_in_bounded_memory(good, tmp_path):
     """Every case through python -m launcher's main, all in one child process (its memory limited to 8 GB, its
     peak under MEMORY): the template check at start meets each."""
@@ -171,6 +172,7 @@ def test_a_template_too_large_to_compile_in_bounded_time_is_one_line(tmp_path, c
                             f"{says} a chat template may have")
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_the_largest_templates_within_bounds_compile():
     sandbox.compiled(branches(1_900) + QWEN25)  # ~9,700 nodes: about 2 s of CPU
 

@@ -137,6 +137,7 @@ def test_every_logger_at_once(tmp_path):
     assert [values["train/loss"] for _, values in rows] == [line["train/loss"] for line in lines]
 
 
+@pytest.mark.slow  # over 3 s on a quiet machine: left out of the fast tier (-m 'not slow')
 def test_a_run_started_again_within_the_second_sorts_its_event_file_last(tmp_path):
     """TensorBoard reads event files in the order of their names (second, host, pid, an unpadded count):
     a resume within the second of the last file could sort first (.10 < .9), and its purge of the steps

@@ -84,7 +84,7 @@ class Replicas:
         except RuntimeError as e:
             raise Hung(f"fault_tolerance: group {self.group} cannot reach the lighthouse at {self.lighthouse} "
                        f"({first_line(e)}); the group stops") from None
-        rounds.watch(self.manager)
+        rounds.watch(self.manager, alone=self.world == 1)
 
     def begin(self, live: Any) -> bool:
         """A quorum for the step after `live.position`; True when this process took a live group's state. The common

@@ -27,22 +27,27 @@ import torch
 
 class Seen:
     """torchft's client of its group's manager server, keeping the last quorum it answered (its member count: the
-    Manager keeps, of an optimistic quorum, only the members at the highest step)."""
+    Manager keeps, of an optimistic quorum, only the members at the highest step). In a group of one process the
+    commit vote is this process's own: the server answers a vote with its group's votes all true (torchft's
+    manager.rs), so `alone` leaves out its round trip each step."""
 
-    def __init__(self, client: Any):
-        self.client, self.quorum = client, None
+    def __init__(self, client: Any, alone: bool):
+        self.client, self.quorum, self.alone = client, None, alone
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         self.quorum = self.client._quorum(*args, **kwargs)
         return self.quorum
 
+    def should_commit(self, rank: int, step: int, vote: bool, timeout: Any) -> bool:
+        return bool(vote) if self.alone else self.client.should_commit(rank, step, vote, timeout=timeout)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
 
 
-def watch(manager: Any) -> None:
-    """Keep the quorums `manager` gets (`members`)."""
-    manager._client = Seen(manager._client)
+def watch(manager: Any, alone: bool) -> None:
+    """Keep the quorums `manager` gets (`members`); `alone`: its group is one process."""
+    manager._client = Seen(manager._client, alone)
 
 
 def start(manager: Any, synchronous: bool) -> None:
