@@ -124,20 +124,27 @@ def test_no_rank_holds_the_whole_model_to_load_it_nor_export_to_write_it(tmp_pat
     whole = re.search(r"^built whole on every rank +(\d+) MiB", out, re.M)
     assert meta and meta.group(3) == "met" and whole and int(whole.group(1)) > int(meta.group(2)), out
     model_bytes = sum(f.stat().st_size for f in (tmp_path / "big").glob("*.safetensors"))
-    exported = export_peak(tmp_path / "empty_run", tmp_path / "big_hf") - export_peak(tmp_path / "tiny_run", tmp_path / "tiny_hf")
+    tiny, big = export_peaks((tmp_path / "tiny_run", tmp_path / "tiny_hf"), (tmp_path / "empty_run", tmp_path / "big_hf"))
+    exported = big - tiny
     assert len(list((tmp_path / "big_hf").glob("model-*.safetensors"))) > 5
     assert exported < model_bytes / 2 / 2**20, exported
 
 
-def export_peak(run_dir, out) -> float:
-    """python -m launcher.export RUN OUT --format hf --max-shard-size 20MB in a process of its own: its peak
-    host memory (MiB)."""
-    code = ("import resource, sys; from launcher.export import main; code = main(sys.argv[1:]); "
-            "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)")
-    done = subprocess.run([sys.executable, "-c", code, str(run_dir), str(out), "--format", "hf", "--max-shard-size",
-                           "20MB"], cwd=REPO, capture_output=True, text=True, timeout=paced(300))
-    assert done.returncode == 0 and (run_dir / "checkpoints").is_dir(), done.stderr[-3000:]
-    return int(re.search(r"^PEAK (\d+)$", done.stdout, re.M).group(1)) / 1024
+def export_peaks(*runs) -> list:
+    """python -m launcher.export RUN OUT --format hf --max-shard-size 20MB of each (RUN, OUT), one after another in
+    one process of its own: its peak host memory (MiB) after each. A peak never falls, so the big export after the
+    tiny one adds to it what the big one holds beyond the tiny one's (the process's imports paid once)."""
+    code = ("import resource, sys; from launcher.export import main\n"
+            "for run, out in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+            "    code = main([run, out, '--format', 'hf', '--max-shard-size', '20MB'])\n"
+            "    print('PEAK', code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)")
+    done = subprocess.run([sys.executable, "-c", code, *(str(p) for run in runs for p in run)], cwd=REPO,
+                          capture_output=True, text=True, timeout=paced(300))
+    peaks = re.findall(r"^PEAK (-?\d+) (\d+)$", done.stdout, re.M)
+    assert done.returncode == 0 and len(peaks) == len(runs) and all(code == "0" for code, _ in peaks), \
+        done.stdout[-2000:] + done.stderr[-3000:]
+    assert all((run_dir / "checkpoints").is_dir() for run_dir, _ in runs)
+    return [int(peak) / 1024 for _, peak in peaks]
 
 
 def export(*args) -> subprocess.CompletedProcess:
