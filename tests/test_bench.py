@@ -61,7 +61,9 @@ def test_a_busy_machine_s_ratio_is_plausible_and_a_broken_measurement_is_not():
 # pretrained row runs in tests/test_hf_folders.py, at a size where its bound means something).
 @pytest.mark.slow
 def test_the_reference_workload_rows():
-    out = bench("--no-loggers", "--no-startup", "--no-hf", "--no-fsdp", "--no-scaling", "--no-defaults", "--no-pretrained")
+    # 20 steps: 10 timed after the warm-up (half), every side's loop the same as at 2000; a process's start is most of it
+    out = bench("--no-loggers", "--no-startup", "--no-hf", "--no-fsdp", "--no-scaling", "--no-defaults", "--no-pretrained",
+                "--steps", "20")
     for name in ("1 process", "DDP x2 (gloo)"):
         row = [l for l in out.splitlines() if l.startswith(name)]
         assert len(row) == 1 and "us" in row[0] and "MiB" in row[0], out
@@ -74,10 +76,12 @@ def test_the_reference_workload_rows():
 @pytest.mark.slow
 def test_the_loggers_defaults_and_start_up_rows():
     # the three rows in one invocation: the start-up row's sides find the files in the page cache, read by the loggers
-    # row's runs. 130 steps: the quickstart recipe's workers cross an epoch (128 steps), where persistent workers
-    # differ; a hiccup of the other pytest worker's processes weighs more than over 600 steps (one made a ratio
-    # 0.158, its figure about 0.8), but a measurement is only held to be plausible here, and 0.158 is.
-    out = bench("--loggers", "--startup", "--defaults", "--startup-reps", "1", "--hf-steps", "20", "--steps", "130")
+    # row's runs. 40 steps, the quickstart recipe's epochs cut to 16 (--epoch-steps): its workers cross two epochs
+    # in the timed half of the run, where persistent workers differ, and the loggers write at the last step (a log
+    # step: their files, MLflow's store); a hiccup of the other pytest worker's processes weighs more than over 600
+    # steps (one made a ratio 0.158, its figure about 0.8), but a measurement is only held to be plausible here.
+    out = bench("--loggers", "--startup", "--defaults", "--startup-reps", "1", "--hf-steps", "10", "--steps", "40",
+                "--epoch-steps", "16")
     for name in ("TensorBoard", "TB+MLflow+jsonl+profile"):  # the loggers rows: mean step, its ratio to raw
         logged = re.search(rf"^{re.escape(name)} +\d+us (\d\.\d{{3}}) \(\d\.\d{{3}}-\d\.\d{{3}}\) +\d+us +\d\.\d{{3}}$",
                            out, re.M)
@@ -93,8 +97,9 @@ def test_the_loggers_defaults_and_start_up_rows():
 
 @pytest.mark.slow
 def test_the_hf_fsdp_and_scaling_rows():
-    out = bench("--no-workload", "--no-loggers", "--no-startup", "--no-defaults", "--no-pretrained", "--scaling-steps", "6", "--hf-steps", "30",
-                "--fsdp-steps", "8", "--layouts", "two")  # the four-process layouts' memory: tests/test_parallel.py
+    out = bench("--no-workload", "--no-loggers", "--no-startup", "--no-defaults", "--no-pretrained", "--scaling-steps", "3", "--hf-steps", "30",
+                "--fsdp-steps", "3", "--layouts", "two")  # the four-process layouts' memory: tests/test_parallel.py
+    # (3 steps: each side's clock times steps after the first; what a rank holds is the same after one step)
     assert "reference workload" not in out, out
     if importlib.util.find_spec("transformers"):
         row = [l for l in out.splitlines() if l.startswith("HF GPT-2 1 proc")]
@@ -152,7 +157,8 @@ def test_gpu_benchmark_compares_fsdp_with_ddp_tiny_on_the_cpu():
 @pytest.mark.slow
 def test_gpu_benchmark_s_fine_tuning_row_runs_tiny_on_the_cpu():
     pytest.importorskip("transformers", reason="the dev extra (transformers) is not installed")
-    out = gpu("--device", "cpu", "--size", "tiny", "--steps", "51", "--reps", "1", "--finetune", "--recompute", "on")
+    # 11 steps: 5 timed after the warm-up (half); the tiny size may run under 50 (a smoke test)
+    out = gpu("--device", "cpu", "--size", "tiny", "--steps", "11", "--reps", "1", "--finetune", "--recompute", "on")
     for setting in ("recompute",):  # (off is the same command without the recomputing layers)
         assert re.search(rf"^{setting} +Trainer +\d+\.\d+ms ", out, re.M), out
         ratio = float(re.search(rf"^{setting} +ours .*  (\d+\.\d+) \(\S+\)$", out, re.M).group(1))

@@ -1,6 +1,6 @@
 """python -m launcher.bench [--steps 2000] [--reps 5] [--hf-steps 200] [--fsdp-steps 100] [--no-workload]
                           [--no-ddp] [--no-peers] [--no-hf] [--no-fsdp] [--no-loggers] [--no-scaling] [--loggers]
-                          [--no-startup] [--startup [--startup-reps 9]] [--no-defaults] [--defaults]
+                          [--no-startup] [--startup [--startup-reps 9]] [--no-defaults] [--defaults [--epoch-steps 128]]
                           [--no-pretrained] [--pretrained [--pretrained-layers 11 --pretrained-width 2048]]
                           [--layouts all|two] [--sft [--sft-steps 60 --sft-size small|tiny]]
                           [--saves [--saves-width 2048 --saves-every 40 --saves-count 3]]
@@ -128,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-defaults", dest="defaults", action="store_false", help="skip the defaults row")
     parser.add_argument("--defaults", dest="defaults_only", action="store_true",
                         help="the defaults row alone: each default the launcher picks, on against off")
+    parser.add_argument("--epoch-steps", type=_positive, help="the defaults row's epoch on the quickstart recipe, in steps "
+                        "(default: the recipe's, 128; fewer, e.g. 16, makes a short run cross epochs, where persistent "
+                        "workers differ)")
     parser.add_argument("--no-pretrained", dest="pretrained", action="store_false", help="skip the pretrained row")
     parser.add_argument("--pretrained", dest="pretrained_only", action="store_true",
                         help="the pretrained row alone: host memory to load an HF folder under fsdp x2")
@@ -154,6 +157,12 @@ def _parser() -> argparse.ArgumentParser:
     moe_options(parser)
     dpo_options(parser)
     return parser
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of steps, a positive integer")
+    return int(text)
 
 
 def sft_row(args) -> list[str]:

@@ -31,7 +31,7 @@ shows it helps).
 
 `--finetune` runs instead the fine-tuning row (launcher/bench/finetune/row.py): a Llama-3.2-1B-shaped HF
 folder fine-tuned under fsdp on one GPU, bf16, compiled, activation checkpointing off and on, against HF
-Trainer on the same folder and data.
+Trainer on the same folder and data (with `--size tiny`, its smoke test on the CPU, any `--steps` from 3).
 
 `--fp8` runs instead the fp8 row (launcher/bench/finetune/fp8.py): the same 1B Llama, compiled, precision fp8 (torchao)
 against bf16: tokens/s and the loss after --steps steps.
@@ -146,7 +146,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; use --device cpu --size tiny for a smoke test")
-    if args.steps <= READ_EVERY and args.settings not in (("sft",), ("moe",)):  # (those rows' sides log every 10 steps)
+    # (the sft and moe rows' sides log every 10 steps; the tiny fine-tuning row is a smoke test, timed after half)
+    smoke = args.settings == ("finetune",) and args.size == "tiny"
+    if smoke and args.steps < 3:
+        raise SystemExit(f"--steps {args.steps}: give 3 or more (a step timed after the first half)")
+    if args.steps <= READ_EVERY and args.settings not in (("sft",), ("moe",)) and not smoke:
         raise SystemExit(f"--steps {args.steps}: give more than {READ_EVERY} (each side reads the device every "
                          f"{READ_EVERY} steps, and the first 50 are warm-up)")
 

@@ -5,7 +5,8 @@ helping. The mean step is timed, so that what happens once an epoch (loader work
 
 - the optimizer's fused implementation, on the HF recipe and on the reference workload;
 - loader workers kept between epochs and evaluations (`data.persistent_workers`), with 2 workers, on the
-  quickstart recipe, whose epochs are 128 steps;
+  quickstart recipe, whose epochs are 128 steps (`--epoch-steps N`: N, its samples cut to N batches, so that a short
+  run crosses epochs too);
 - what each worker makes ahead: torch's 2 against 4 (`data.prefetch_factor`), the same run.
 
 pin_memory and TF32 act on a GPU alone: `python -m launcher.bench.gpu --tf32` measures TF32."""
@@ -23,7 +24,7 @@ def defaults(args, alternate, py: str) -> list[str]:
     workers = ["recipes/quickstart.yaml", f"trainer.max_steps={args.steps}", "trainer.log_every=100",
                "trainer.eval_every=null", "data.val=null", "metrics={}", "checkpoint.every=null",
                "checkpoint.resume=never", "logging.tensorboard=false", "logging.progress_bar=false", "devices=cpu",
-               "data.num_workers=2"]
+               "data.num_workers=2", *([f"data.train.n={64 * args.epoch_steps}"] if args.epoch_steps else [])]
     cases = [  # (what, recipe, the default's overrides, the other side's, what the other side is)
         ("optimizer fused, HF recipe", hf, [], ["optimizer.fused=false"], "torch's default"),
         ("optimizer fused, reference", reference, ["optimizer.fused=true"], ["optimizer.fused=false"], "torch's default"),
@@ -32,7 +33,7 @@ def defaults(args, alternate, py: str) -> list[str]:
     ]
     out = [f"defaults, each alone: the launcher's default against the same run without it, {args.reps} alternating "
            f"repetitions (python -m launcher.bench --defaults --steps {args.steps} --hf-steps {args.hf_steps} "
-           f"--reps {args.reps})",
+           f"--reps {args.reps}{f' --epoch-steps {args.epoch_steps}' if args.epoch_steps else ''})",
            f"{'':30} {'default':>10} {'other':>10}  {'default / other (range)':<24} other"]
     for what, recipe, on, off, other in cases:
         sides = {side: ([py, "-m", "launcher.bench.child", *recipe, *extra, f"run_dir={args.run_dir}/defaults-{side}"],

@@ -33,7 +33,8 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     loss_fn = nn.CrossEntropyLoss()
-    clock, step, total = StepClock(), 0, torch.zeros((), device=accelerator.device)
+    # (a run of under 100 steps reads no loss, as the hand-written loop's: nan)
+    clock, step, total, mean = StepClock(), 0, torch.zeros((), device=accelerator.device), float("nan")
     while step < STEPS:
         for x, y in loader:  # the prepared loader sets the sampler's epoch itself
             loss = loss_fn(model(x), y)
