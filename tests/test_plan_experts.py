@@ -26,6 +26,12 @@ SHORT = ["devices=cpu", "trainer.max_steps=3", "trainer.log_every=3", "checkpoin
 LAYOUTS = {"single": (1, []), "fsdp x2": (2, ["strategy=fsdp"]),
            "fsdp x2 ep x2": (2, ["strategy=fsdp", "parallel.ep=2"]),
            "fsdp x4 ep x2": (4, ["strategy=fsdp", "parallel.ep=2"])}
+# Each family under each layout, but for Mixtral on 4 processes: the experts sharded over dp_shard / ep (2) that
+# fsdp x4 ep x2 adds to fsdp x2 ep x2 are the same code for every family (launcher/parallel/experts.py knows an
+# experts module by its interface, not its class), planned and measured on Qwen3-MoE; Mixtral's own router and
+# experts under ep are its fsdp x2 ep x2 run. (A run of 4 processes on this file's 2 cores is its dearest.)
+CASES = [f"{family} {layout}" for family in BIG_EXPERTS for layout in LAYOUTS if
+         (family, layout) != ("mixtral", "fsdp x4 ep x2")]
 APART = {"qwen3_moe fsdp x2 ep x2"}  # planned beside its run, as every run plans itself: its line read
 
 
@@ -56,9 +62,8 @@ def runs(tmp_path_factory):
     from tests.plan_runs import planned_runs
 
     root = tmp_path_factory.mktemp("plan_experts")
-    cases = {n: {f"{family} {layout}": [*recipe(family), *overrides]
-                 for family in BIG_EXPERTS for layout, (nproc, overrides) in LAYOUTS.items() if nproc == n}
-             for n in (1, 2, 4)}
+    cases = {n: {name: [*recipe(name.split(" ")[0]), *LAYOUTS[name.split(" ", 1)[1]][1]] for name in CASES
+                 if LAYOUTS[name.split(" ", 1)[1]][0] == n} for n in (1, 2, 4)}
     cases[2][VARYING] = ["tests/hf_zoo.yaml", model("qwen3_moe"), "data.batch_size=8", "strategy=fsdp", "parallel.ep=2",
                          "data.train={_target_: recipes.components.passages.Passages, min_len: 8, max_len: 64, n: 256}"]
     cases[4][WITH_TP] = [*recipe("qwen3_moe"), "strategy=fsdp", "parallel.ep=2", "parallel.tp=2"]
@@ -77,7 +82,7 @@ def test_expert_parallel_runs_are_planned_within_ten_percent_of_their_measured_p
     from tests.plan_runs import logged
 
     root, ran, asked = runs
-    results = {name: ran[name] for name in (f"{family} {layout}" for family in BIG_EXPERTS for layout in LAYOUTS)}
+    results = {name: ran[name] for name in CASES}
     table, off = [], {}
     for name, result in results.items():
         assert result["error"] is None, (name, result)
@@ -100,7 +105,7 @@ def test_expert_parallel_runs_are_planned_within_ten_percent_of_their_measured_p
         table.append(f"{name:24} measured {measured / 2**20:6.2f} MiB  planned {row['peak_bytes'] / 2**20:6.2f} MiB "
                      f"{off[name]:+6.1f}%")
     print("\n".join(table))
-    assert len(off) == 8 and all(abs(x) <= 10 for x in off.values()), "\n".join(table)
+    assert len(off) == 7 and all(abs(x) <= 10 for x in off.values()), "\n".join(table)
     # routed as the measured step was (not evenly: Qwen3-MoE's fsdp x2 ep x2 was 4.9 % under), the step itself
     assert all(abs(x) <= 1 for name, x in off.items() if "ep" in name), "\n".join(table)
 
