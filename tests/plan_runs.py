@@ -32,9 +32,12 @@ def planned_runs(cases: Dict[str, List[str]], apart: Set[str], folder: Path, npr
                                                          if arg.startswith("run_dir="))))
     asked = folder / "deferred.jsonl"
     asked.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           "tests/plan_runs.py", str(folder / "cases.json"), str(folder / "apart.json")], cwd=REPO,
-                          capture_output=True, text=True, timeout=paced(timeout))
+    # one process: python itself, as `python -m launcher` runs alone (torchrun's agent would be a second import
+    # of torch for nothing)
+    launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    done = subprocess.run([sys.executable, *launch, "tests/plan_runs.py", str(folder / "cases.json"),
+                           str(folder / "apart.json")], cwd=REPO, capture_output=True, text=True,
+                          timeout=paced(timeout))
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads((folder / f"cases.rank{rank}.json").read_text()) for rank in range(nproc)]
     by_run_dir = {arg: name for name, args in cases.items() for arg in args if arg.startswith("run_dir=")}

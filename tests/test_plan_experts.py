@@ -26,6 +26,12 @@ SHORT = ["devices=cpu", "trainer.max_steps=3", "trainer.log_every=3", "checkpoin
 LAYOUTS = {"single": (1, []), "fsdp x2": (2, ["strategy=fsdp"]),
            "fsdp x2 ep x2": (2, ["strategy=fsdp", "parallel.ep=2"]),
            "fsdp x4 ep x2": (4, ["strategy=fsdp", "parallel.ep=2"])}
+# Each family under each layout, but for Mixtral on 4 processes: the experts sharded over dp_shard / ep (2) that
+# fsdp x4 ep x2 adds to fsdp x2 ep x2 are the same code for every family (launcher/parallel/experts.py knows an
+# experts module by its interface, not its class), planned and measured on Qwen3-MoE; Mixtral's own router and
+# experts under ep are its fsdp x2 ep x2 run. (A run of 4 processes on this file's 2 cores is its dearest.)
+CASES = [f"{family} {layout}" for family in BIG_EXPERTS for layout in LAYOUTS if
+         (family, layout) != ("mixtral", "fsdp x4 ep x2")]
 APART = {"qwen3_moe fsdp x2 ep x2"}  # planned beside its run, as every run plans itself: its line read
 
 
@@ -44,23 +50,44 @@ def planned_row(argv, out) -> dict:
     return json.loads(out.read_text().splitlines()[0])
 
 
-@pytest.mark.slow
-def test_expert_parallel_runs_are_planned_within_ten_percent_of_their_measured_peak(tmp_path):
-    from tests.plan_runs import logged, planned_runs
+VARYING = "qwen3_moe fsdp x2 ep x2 on rows of 8 to 64"
+WITH_TP = "qwen3_moe fsdp x2 tp x2 ep x2"
 
-    cases = {n: {f"{family} {layout}": [*recipe(family), *overrides, *SHORT, f"run_dir={tmp_path / family / layout}"]
-                 for family in BIG_EXPERTS for layout, (nproc, overrides) in LAYOUTS.items() if nproc == n}
-             for n in (1, 2, 4)}
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this file's tests, in one launch per number of processes (a launch pays for starting its ranks
+    and importing torch and transformers in each, more than a run of these models costs): (the folder whose
+    subfolder NAME is case NAME's run_dir, {case: rank 0's result}, {case: the planner's arguments})."""
+    from tests.plan_runs import planned_runs
+
+    root = tmp_path_factory.mktemp("plan_experts")
+    cases = {n: {name: [*recipe(name.split(" ")[0]), *LAYOUTS[name.split(" ", 1)[1]][1]] for name in CASES
+                 if LAYOUTS[name.split(" ", 1)[1]][0] == n} for n in (1, 2, 4)}
+    cases[2][VARYING] = ["tests/hf_zoo.yaml", model("qwen3_moe"), "data.batch_size=8", "strategy=fsdp", "parallel.ep=2",
+                         "data.train={_target_: recipes.components.passages.Passages, min_len: 8, max_len: 64, n: 256}"]
+    cases[4][WITH_TP] = [*recipe("qwen3_moe"), "strategy=fsdp", "parallel.ep=2", "parallel.tp=2"]
     results, asked = {}, {}
     for nproc, these in cases.items():
-        ranks, planners = planned_runs(these, APART, tmp_path, nproc=nproc, timeout=900)
+        (root / f"x{nproc}").mkdir()
+        these = {name: [*args, *SHORT, f"run_dir={root / name}"] for name, args in these.items()}
+        ranks, planners = planned_runs(these, APART, root / f"x{nproc}", nproc=nproc, timeout=900)
         results.update(ranks[0])
         asked.update(planners)
+    return root, results, asked
+
+
+@pytest.mark.slow
+def test_expert_parallel_runs_are_planned_within_ten_percent_of_their_measured_peak(runs, tmp_path):
+    from tests.plan_runs import logged
+
+    root, ran, asked = runs
+    results = {name: ran[name] for name in CASES}
     table, off = [], {}
     for name, result in results.items():
         assert result["error"] is None, (name, result)
         family, layout = name.split(" ", 1)
-        values = logged(tmp_path / family / layout)
+        values = logged(root / name)
         measured = values["memory/peak_bytes"]
         row = planned_row(asked[name]["argv"], tmp_path / f"{name}.json")
         assert row["layout"] == layout, (name, row)
@@ -78,26 +105,23 @@ def test_expert_parallel_runs_are_planned_within_ten_percent_of_their_measured_p
         table.append(f"{name:24} measured {measured / 2**20:6.2f} MiB  planned {row['peak_bytes'] / 2**20:6.2f} MiB "
                      f"{off[name]:+6.1f}%")
     print("\n".join(table))
-    assert len(off) == 8 and all(abs(x) <= 10 for x in off.values()), "\n".join(table)
+    assert len(off) == 7 and all(abs(x) <= 10 for x in off.values()), "\n".join(table)
     # routed as the measured step was (not evenly: Qwen3-MoE's fsdp x2 ep x2 was 4.9 % under), the step itself
     assert all(abs(x) <= 1 for name, x in off.items() if "ep" in name), "\n".join(table)
 
 
 @pytest.mark.slow
-def test_a_run_on_rows_of_varying_length_is_planned_at_its_measured_batch_s_length(tmp_path):
+def test_a_run_on_rows_of_varying_length_is_planned_at_its_measured_batch_s_length(runs, tmp_path):
     """Rows of 8 to 64 tokens: the run measures step 2's micro-batch (padded to its longest row) and gives the planner
     its length, and the pairs rank 0's experts received over an even share; the plan, of a batch that long (not of
     the longest of the data's first items, the stand-alone planner's worst case) so routed, is within 10 % of the
     measured peak (it was 16 % over)."""
-    from tests.plan_runs import logged, planned_runs
+    from tests.plan_runs import logged
 
-    name = "qwen3_moe fsdp x2 ep x2"
-    varying = ["tests/hf_zoo.yaml", model("qwen3_moe"), "data.batch_size=8", "strategy=fsdp", "parallel.ep=2",
-               "data.train={_target_: recipes.components.passages.Passages, min_len: 8, max_len: 64, n: 256}"]
-    ranks, asked = planned_runs({name: [*varying, *SHORT, f"run_dir={tmp_path / 'run'}"]}, set(), tmp_path, nproc=2,
-                                timeout=900)
-    assert ranks[0][name]["error"] is None, ranks[0][name]
-    measured = logged(tmp_path / "run")["memory/peak_bytes"]
+    root, ran, asked = runs
+    name = VARYING
+    assert ran[name]["error"] is None, ran[name]
+    measured = logged(root / name)["memory/peak_bytes"]
     argv = asked[name]["argv"]
     assert "--length" in argv, argv  # the measured batch's, shorter than the longest row
     assert int(argv[argv.index("--length") + 1]) < 64, argv
@@ -105,7 +129,7 @@ def test_a_run_on_rows_of_varying_length_is_planned_at_its_measured_batch_s_leng
     row = planned_row(argv, tmp_path / "planned.json")
     assert f"--ep-capacity {capacity:g}" in row["assumes"], row
     off = 100 * (row["peak_bytes"] - measured) / measured
-    print(f"{name}, rows of 8 to 64: measured {measured / 2**20:.2f} MiB, planned {row['peak_bytes'] / 2**20:.2f} "
+    print(f"{name}: measured {measured / 2**20:.2f} MiB, planned {row['peak_bytes'] / 2**20:.2f} "
           f"MiB, {off:+.1f}%")
     assert abs(off) <= 10, (measured, row)
 
@@ -117,7 +141,10 @@ def test_the_table_plans_the_recipe_s_ep_and_says_the_routing_it_assumes():
     rank's experts) plans more activations, the rest alike."""
     ep = [*recipe("qwen3_moe"), "strategy=fsdp", "parallel.ep=2", "--devices", "2", "--device", "cpu"]
     shown = plan(*ep, "--memory", "6MiB").stdout
-    names = [line.split("  ")[0].strip() for line in shown.splitlines()[1:7]]
+    lines = shown.splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("ep: "))  # (the rows, then what they assume)
+    names = [line.split("  ")[0].strip() for line in lines[1:end]]
+    # every row: tp x2 leaves dp_shard 1, which ep 2 does not divide (no tp x2 ep x2 on 2 devices)
     assert names == ["ddp x2", "fsdp x2", "fsdp x2 +ac", "fsdp x2 ep x2", "fsdp x2 ep x2 +ac", "tp x2"], shown
     assert "ep: the routed tokens spread evenly over the ep ranks (--ep-capacity 1; 2: all on one rank)" in shown
     assert "use: fsdp x2 ep x2 (the least communication that fits)" in shown, shown  # ddp x2 does not fit
@@ -143,22 +170,21 @@ def test_the_table_plans_the_recipe_s_ep_and_says_the_routing_it_assumes():
 
 
 @pytest.mark.slow
-def test_the_table_lists_ep_with_tp_where_the_world_allows_and_plans_it_within_ten_percent(tmp_path):
+def test_the_table_lists_ep_with_tp_where_the_world_allows_and_plans_it_within_ten_percent(runs, tmp_path):
     """On 4 devices a recipe's ep 2 adds, beside tp x2, tp x2 with ep 2 over the dp_shard 2 tp leaves (tp x4
-    leaves dp_shard 1, which ep 2 does not divide); its row is what a run of that layout plans, within 10 % of
-    the run's measured peak."""
-    from tests.plan_runs import logged, planned_runs
+    leaves dp_shard 1, which ep 2 does not divide; on 2 devices tp x2 leaves dp_shard 1 too: the table of
+    test_the_table_plans_the_recipe_s_ep has tp x2 alone); its row is what a run of that layout plans, within
+    10 % of the run's measured peak."""
+    from tests.plan_runs import logged
 
     ep = [*recipe("qwen3_moe"), "strategy=fsdp", "parallel.ep=2"]
     listed = {row["layout"]: row for row in map(json.loads, plan(*ep, "--devices", "4", "--device", "cpu",
                                                                  "--json").stdout.splitlines())}
     assert [n for n in listed if "tp" in n] == ["fsdp x2 tp x2", "fsdp x2 tp x2 ep x2", "tp x4"], list(listed)
-    assert plan(*ep, "--devices", "2", "--device", "cpu").stdout.count("tp x2") == 1  # dp_shard 1: no ep under tp
-    name = "qwen3_moe fsdp x2 tp x2 ep x2"
-    ranks, asked = planned_runs({name: [*ep, "parallel.tp=2", *SHORT, f"run_dir={tmp_path / 'run'}"]}, set(),
-                                tmp_path, nproc=4, timeout=900)
-    assert ranks[0][name]["error"] is None, ranks[0][name]
-    values = logged(tmp_path / "run")
+    root, ran, asked = runs
+    name = WITH_TP
+    assert ran[name]["error"] is None, ran[name]
+    values = logged(root / name)
     measured = values["memory/peak_bytes"]
     row = planned_row(asked[name]["argv"], tmp_path / "planned.json")
     # the table's row, but for the activations of the routing the run had (the table's is even)
