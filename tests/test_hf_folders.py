@@ -134,10 +134,12 @@ def export_peaks(*runs) -> list:
     """python -m launcher.export RUN OUT --format hf --max-shard-size 20MB of each (RUN, OUT), one after another in
     one process of its own: its peak host memory (MiB) after each. A peak never falls, so the big export after the
     tiny one adds to it what the big one holds beyond the tiny one's (the process's imports paid once)."""
-    code = ("import resource, sys; from launcher.export import main\n"
+    # VmHWM (kB), this process image's own peak: ru_maxrss would keep the forking pytest worker's across the exec
+    code = ("import re, sys; from launcher.export import main\n"
             "for run, out in zip(sys.argv[1::2], sys.argv[2::2]):\n"
             "    code = main([run, out, '--format', 'hf', '--max-shard-size', '20MB'])\n"
-            "    print('PEAK', code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)")
+            "    peak = re.search(r'^VmHWM:\\s+(\\d+) kB$', open('/proc/self/status').read(), re.M).group(1)\n"
+            "    print('PEAK', code, peak, flush=True)")
     done = subprocess.run([sys.executable, "-c", code, *(str(p) for run in runs for p in run)], cwd=REPO,
                           capture_output=True, text=True, timeout=paced(300))
     peaks = re.findall(r"^PEAK (-?\d+) (\d+)$", done.stdout, re.M)
